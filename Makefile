@@ -1,0 +1,30 @@
+# `make test` and `make demo` work from a clean clone: they create (or reuse) a
+# virtualenv in .venv, install what they need, and run.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: test demo bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@# A CPU-only machine gets the CPU build explicitly so no CUDA wheels are pulled.
+	$(PY) -c "import torch" 2>/dev/null || { \
+	  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; \
+	  then $(PY) -m pip install "torch>=2.4"; \
+	  else $(PY) -m pip install torch==2.13.0; fi; }
+	$(PY) -m pip install -e ".[test]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+bench: $(STAMP)
+	$(PY) benchmarks/mlp.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .hypothesis

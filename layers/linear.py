@@ -1,0 +1,191 @@
+"""Column- and row-parallel linear layers.
+
+A linear layer ``Y = X Wᵀ + b`` with ``W`` of shape ``(out, in)`` splits two ways:
+
+* **Column-parallel** splits ``W`` by rows (output features):
+  ``W = [W_1; ...; W_tp]`` so ``Y = [X W_1ᵀ, ..., X W_tpᵀ]``. Each rank computes
+  its own slice of the output from the whole input. The input is replicated,
+  so its gradient is a sum of every rank's part: ``f`` (:func:`copy_to_tp`)
+  all-reduces it in backward.
+* **Row-parallel** splits ``W`` by columns (input features):
+  ``W = [W_1, ..., W_tp]`` and ``X = [X_1, ..., X_tp]`` so ``Y = Σ_r X_r W_rᵀ``.
+  Each rank computes a partial sum and ``g`` (:func:`reduce_from_tp`) all-reduces
+  it in forward; the bias is added once, after the sum.
+
+Column then row (an MLP) needs no communication in between: the column layer's
+sharded output is exactly the row layer's sharded input. Shards are balanced
+and need not divide evenly; weights are initialised identically at every tp.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+import tensorpar
+from tensorpar.sharding import Shard, partition_sizes
+
+
+class _ParallelLinear(nn.Module):
+    """What column- and row-parallel layers share: the split of ``weight`` along ``split_dim``."""
+
+    split_dim: ClassVar[int]  # 0: output features are split; 1: input features are split
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group: ProcessGroup | None,
+                 device: torch.device | str | None, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        for name, value in (("in_features", in_features), ("out_features", out_features)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{type(self).__name__}: {name} must be a positive integer, got {value!r}")
+        self.in_features, self.out_features = in_features, out_features
+        self.tp_group = tensorpar.tp_group(group)
+        self.tp_rank, self.tp = tensorpar.group_rank_size(self.tp_group)
+        full = (out_features, in_features)
+        sizes = partition_sizes(full[self.split_dim], self.tp, name=("out_features", "in_features")[self.split_dim])
+        self.local_offset, self.local_features = sum(sizes[:self.tp_rank]), sizes[self.tp_rank]
+        local = list(full)
+        local[self.split_dim] = self.local_features
+        self.weight = nn.Parameter(torch.empty(local, device=device, dtype=dtype))
+        bias_size = self.local_features if self.split_dim == 0 else out_features
+        self.bias = nn.Parameter(torch.empty(bias_size, device=device, dtype=dtype)) if bias else None
+        self.reset_parameters()
+
+    def sharding(self) -> dict[str, Shard]:
+        """Placements of the split parameters (see :mod:`tensorpar.state`)."""
+        split = {"weight": Shard(self.split_dim, (self.out_features, self.in_features)[self.split_dim])}
+        if self.bias is not None and self.split_dim == 0:
+            split["bias"] = Shard(0, self.out_features)
+        return split
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s default: weight and bias ``U(-1/√in, 1/√in)``, drawn tp-invariantly."""
+        bound = 1 / math.sqrt(self.in_features)
+        offset = [0, 0]
+        offset[self.split_dim] = self.local_offset
+        tensorpar.tiled_init.uniform_(self.weight, -bound, bound, full_shape=(self.out_features, self.in_features),
+                                offset=offset)
+        if self.bias is not None:
+            tensorpar.tiled_init.uniform_(self.bias, -bound, bound, full_shape=(self.out_features,),
+                                    offset=(self.local_offset if self.split_dim == 0 else 0,))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **options: Any) -> "_ParallelLinear":
+        """Shard an ``nn.Linear`` (the same on every rank), keeping its weights.
+
+        Example::
+
+            fc1 = ColumnParallelLinear.from_linear(dense.fc1)
+            fc2 = RowParallelLinear.from_linear(dense.fc2)
+        """
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"{cls.__name__}.from_linear expects an nn.Linear, got {type(linear).__name__}")
+        module = cls(linear.in_features, linear.out_features, linear.bias is not None,
+                     device="meta", dtype=linear.weight.dtype, **options)
+        module.to_empty(device=linear.weight.device)
+        tensorpar.load_full_state_dict(module, linear.state_dict())
+        return module
+
+    def to_linear(self) -> nn.Linear:
+        """The full ``nn.Linear``, gathered on every rank (a collective)."""
+        linear = nn.Linear(self.in_features, self.out_features, self.bias is not None,
+                           device="meta", dtype=self.weight.dtype)
+        linear.to_empty(device=self.weight.device)
+        linear.load_state_dict(tensorpar.full_state_dict(self))
+        return linear
+
+    def _check_input(self, x: torch.Tensor, width: int, what: str) -> None:
+        name = type(self).__name__
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} expects a tensor, got {type(x).__name__}")
+        if x.dim() == 0 or x.shape[-1] != width:
+            raise ValueError(f"{name} expects {what} with {width} features in its last dim, "
+                             f"got shape {tuple(x.shape)}")
+        if x.device != self.weight.device:
+            raise TypeError(f"{name}: input is on {x.device} but the weight is on {self.weight.device}")
+        if x.dtype != self.weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(f"{name}: input dtype {x.dtype} does not match the weight dtype {self.weight.dtype}")
+
+    def extra_repr(self) -> str:
+        split = ("out_features", "in_features")[self.split_dim]
+        lo, hi = self.local_offset, self.local_offset + self.local_features
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, local {split}={self.local_features} [{lo}:{hi}] "
+                f"on tp rank {self.tp_rank} of {self.tp}")
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """``nn.Linear`` with its output features split across the tp group.
+
+    Input ``(*, in_features)``, replicated on every rank. Output
+    ``(*, out_features / tp)`` (this rank's balanced slice), or the full
+    ``(*, out_features)`` on every rank with ``gather_output=True``.
+
+    Example::
+
+        tensorpar.init(tp=2)
+        fc = ColumnParallelLinear(768, 3072)   # weight (1536, 768) on each rank
+        y = fc(x)                              # (B, T, 1536)
+    """
+
+    split_dim = 0
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, gather_output: bool = False,
+                 group: ProcessGroup | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__(in_features, out_features, bias, group, device, dtype)
+        self.gather_output = gather_output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x, self.in_features, "an input")
+        y = F.linear(tensorpar.copy_to_tp(x, self.tp_group), self.weight, self.bias)  # (*, out / tp)
+        if self.gather_output:
+            y = tensorpar.gather_from_tp(y, -1, self.out_features, self.tp_group)  # (*, out)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, gather_output={self.gather_output}"
+
+
+class RowParallelLinear(_ParallelLinear):
+    """``nn.Linear`` with its input features split across the tp group.
+
+    Input ``(*, in_features / tp)``, this rank's balanced slice (the output of a
+    ``ColumnParallelLinear``), or the full ``(*, in_features)`` with
+    ``input_is_parallel=False`` (each rank then keeps its slice). Output
+    ``(*, out_features)``, summed over the group and identical on every rank.
+
+    Example::
+
+        tensorpar.init(tp=2)
+        proj = RowParallelLinear(3072, 768)   # weight (768, 1536) on each rank
+        y = proj(h)                           # h: (B, T, 1536) -> y: (B, T, 768)
+    """
+
+    split_dim = 1
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, input_is_parallel: bool = True,
+                 group: ProcessGroup | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__(in_features, out_features, bias, group, device, dtype)
+        self.input_is_parallel = input_is_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp == 1:
+            self._check_input(x, self.in_features, "an input")
+            return F.linear(x, self.weight, self.bias)
+        if self.input_is_parallel:
+            self._check_input(x, self.local_features, f"this rank's input slice ({self.in_features} in_features "
+                                                      f"over tp {self.tp}; input_is_parallel=True)")
+        else:
+            self._check_input(x, self.in_features, "an input")
+            x = tensorpar.scatter_to_tp(x, -1, self.tp_group)  # (*, in / tp)
+        y = tensorpar.reduce_from_tp(F.linear(x, self.weight), self.tp_group)  # (*, out), summed over ranks
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, input_is_parallel={self.input_is_parallel}"

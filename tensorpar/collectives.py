@@ -1,0 +1,122 @@
+"""Out-of-place collectives along any dim, with uneven shard sizes.
+
+These are the plain (non-autograd) building blocks under ``comm``. They never
+write into their input, record themselves with the active collective counters,
+and turn a backend failure (a peer died, a timeout) into an error that names
+this rank. gloo cannot all-gather tensors of unequal sizes, so uneven shards
+are padded to the largest and trimmed afterwards; counts exclude the padding.
+
+A tensor is viewed as ``(pre, n, post)`` around the split dim, so that shard
+``r`` of every rank is one contiguous block of a ``(world, pre, n_max, post)``
+buffer, which is the layout ``all_gather`` / ``reduce_scatter`` work on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from .counter import CollectiveCounter, active_counters, record
+from .sharding import Shard
+
+# torch >= 2.12 renamed the tensor-in/tensor-out collectives.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed on this rank (a peer exited, or the group timed out)."""
+
+
+@contextlib.contextmanager
+def _tagged(op: str, x: torch.Tensor, group: ProcessGroup) -> Iterator[None]:
+    try:
+        yield
+    except RuntimeError as e:
+        raise CollectiveError(
+            f"rank {dist.get_rank()}: {op} of a {tuple(x.shape)} {x.dtype} tensor over a group of "
+            f"{dist.get_world_size(group)} failed: {e}"
+        ) from e
+
+
+def _split_view(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
+    """``x`` as ``(pre, n, post)`` around ``dim``, and ``dim`` made non-negative."""
+    dim = dim % x.dim()
+    pre, post = math.prod(x.shape[:dim]), math.prod(x.shape[dim + 1:])
+    return x.reshape(pre, x.shape[dim], post), dim
+
+
+def all_reduce_sum(x: torch.Tensor, group: ProcessGroup,
+                   counters: tuple[CollectiveCounter, ...] | None = None) -> torch.Tensor:
+    """Sum of ``x`` over the group, in a new tensor."""
+    n = dist.get_world_size(group)
+    out = x.clone(memory_format=torch.contiguous_format)
+    if n == 1:
+        return out
+    record(active_counters() if counters is None else counters, "all_reduce", x.dtype, x.numel(), n)
+    with _tagged("all_reduce", x, group):
+        dist.all_reduce(out, group=group)
+    return out
+
+
+def all_gather_along(x: torch.Tensor, dim: int, sizes: Sequence[int], group: ProcessGroup,
+                     counters: tuple[CollectiveCounter, ...] | None = None) -> torch.Tensor:
+    """Concatenation along ``dim`` of every rank's ``x``; rank ``r`` holds ``sizes[r]`` there."""
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    if len(sizes) != n or x.shape[dim] != sizes[rank]:
+        raise ValueError(f"all-gather along dim {dim}: rank {rank} of {n} holds {x.shape[dim]} "
+                         f"elements there but the split is {list(sizes)}")
+    if n == 1:
+        return x.clone(memory_format=torch.contiguous_format)
+    x3, dim = _split_view(x, dim)
+    pre, local, post = x3.shape
+    big = max(sizes)
+    send = x3.new_zeros(pre, big, post) if local < big else x3.contiguous()
+    if local < big:
+        send[:, :local] = x3
+    buf = x3.new_empty(n, pre, big, post)
+    record(active_counters() if counters is None else counters, "all_gather", x.dtype,
+           pre * sum(sizes) * post, n)
+    with _tagged("all_gather", x, group):  # flat buffers: the backends concatenate along dim 0
+        _all_gather_single(buf.view(-1), send.view(-1), group=group)
+    if all(s == big for s in sizes):
+        out = buf.transpose(0, 1).reshape(pre, n * big, post)
+    else:
+        out = torch.cat([buf[r, :, :s] for r, s in enumerate(sizes)], dim=1)
+    return out.reshape(*x.shape[:dim], sum(sizes), *x.shape[dim + 1:])
+
+
+def reduce_scatter_along(x: torch.Tensor, dim: int, sizes: Sequence[int], group: ProcessGroup,
+                         counters: tuple[CollectiveCounter, ...] | None = None) -> torch.Tensor:
+    """This rank's slice (``sizes[rank]`` elements along ``dim``) of the sum of ``x`` over the group."""
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    if len(sizes) != n or x.shape[dim] != sum(sizes):
+        raise ValueError(f"reduce-scatter along dim {dim}: size {x.shape[dim]} does not match "
+                         f"the split {list(sizes)} over {n} ranks")
+    if n == 1:
+        return x.clone(memory_format=torch.contiguous_format)
+    x3, dim = _split_view(x, dim)
+    pre, _, post = x3.shape
+    big = max(sizes)
+    if all(s == big for s in sizes):
+        send = x3.reshape(pre, n, big, post).transpose(0, 1).contiguous()
+    else:
+        send = x3.new_zeros(n, pre, big, post)
+        for r, chunk in enumerate(x3.split(list(sizes), dim=1)):
+            send[r, :, :sizes[r]] = chunk
+    out = x3.new_empty(pre, big, post)
+    record(active_counters() if counters is None else counters, "reduce_scatter", x.dtype, x.numel(), n)
+    with _tagged("reduce_scatter", x, group):
+        _reduce_scatter_single(out.view(-1), send.view(-1), group=group)
+    return out[:, :sizes[rank]].reshape(*x.shape[:dim], sizes[rank], *x.shape[dim + 1:])
+
+
+def unshard(x: torch.Tensor, placement: Shard, group: ProcessGroup) -> torch.Tensor:
+    """The full tensor from every rank's shard (no autograd; every rank gets it)."""
+    with torch.no_grad():
+        return all_gather_along(x.detach(), placement.dim, placement.sizes(dist.get_world_size(group)), group)

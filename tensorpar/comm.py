@@ -1,0 +1,165 @@
+"""Autograd collectives over the tensor-parallel group.
+
+Megatron-LM (Shoeybi et al., 2019) names two conjugate operators:
+
+* ``f`` = :func:`copy_to_tp`: identity forward, all-reduce backward. It enters a
+  tensor-parallel region whose input is replicated: each rank's branch
+  contributes part of the input gradient, and the parts must be summed.
+* ``g`` = :func:`reduce_from_tp`: all-reduce forward, identity backward. It
+  leaves the region: each rank holds a partial sum of the output.
+
+The split/gather pairs move a tensor between "replicated" and "sharded along
+``dim``"; the reduce-scatter/all-gather pair does the same for sequence
+parallelism, where the replicated side holds partial sums. Every function takes
+``group=None`` (the default mesh's tp group) and is the identity at tp = 1.
+Shards are balanced (see :mod:`tensorpar.sharding`), so sizes need not divide.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed import ProcessGroup
+
+from .collectives import all_gather_along, all_reduce_sum, reduce_scatter_along
+from .counter import active_counters
+from .mesh import group_rank_size, tp_group
+from .sharding import partition_sizes
+
+
+class _CopyToTP(torch.autograd.Function):
+    """``f``: identity forward, all-reduce of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group, ctx.counters = group, active_counters()
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return all_reduce_sum(grad, ctx.group, ctx.counters), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """``g``: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        return all_reduce_sum(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    """Keep this rank's slice forward; all-gather the gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+        rank, n = group_rank_size(group)
+        sizes = partition_sizes(x.shape[dim], n, name=f"size of dim {dim}")
+        ctx.dim, ctx.sizes, ctx.group, ctx.counters = dim, sizes, group, active_counters()
+        return x.narrow(dim, sum(sizes[:rank]), sizes[rank]).clone(memory_format=torch.contiguous_format)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return all_gather_along(grad, ctx.dim, ctx.sizes, ctx.group, ctx.counters), None, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """All-gather forward; keep this rank's slice of the (replicated) gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, sizes: list[int], group: ProcessGroup) -> torch.Tensor:
+        rank, _ = group_rank_size(group)
+        ctx.dim, ctx.offset, ctx.size = dim, sum(sizes[:rank]), sizes[rank]
+        return all_gather_along(x, dim, sizes, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return grad.narrow(ctx.dim, ctx.offset, ctx.size), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """Reduce-scatter forward; all-gather of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+        _, n = group_rank_size(group)
+        sizes = partition_sizes(x.shape[dim], n, name=f"size of dim {dim}")
+        ctx.dim, ctx.sizes, ctx.group, ctx.counters = dim, sizes, group, active_counters()
+        return reduce_scatter_along(x, dim, sizes, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return all_gather_along(grad, ctx.dim, ctx.sizes, ctx.group, ctx.counters), None, None
+
+
+class _AllGather(torch.autograd.Function):
+    """All-gather forward; reduce-scatter of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, sizes: list[int], group: ProcessGroup) -> torch.Tensor:
+        ctx.dim, ctx.sizes, ctx.group, ctx.counters = dim, sizes, group, active_counters()
+        return all_gather_along(x, dim, sizes, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return reduce_scatter_along(grad, ctx.dim, ctx.sizes, ctx.group, ctx.counters), None, None, None
+
+
+def _group_and_size(group: ProcessGroup | None) -> tuple[ProcessGroup, int]:
+    group = tp_group(group)
+    return group, group_rank_size(group)[1]
+
+
+def _gather_sizes(x: torch.Tensor, dim: int, size: int | None, n: int) -> list[int]:
+    """Balanced split of ``size`` (default: ``n`` shards the size of this one's)."""
+    return partition_sizes(x.shape[dim] * n if size is None else size, n, name="gathered size")
+
+
+def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
+    """Megatron's ``f``: ``x`` unchanged; backward all-reduces the gradient over the tp group."""
+    group, n = _group_and_size(group)
+    return x if n == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
+    """Megatron's ``g``: the sum of ``x`` over the tp group; backward passes the gradient through."""
+    group, n = _group_and_size(group)
+    return x if n == 1 else _ReduceFromTP.apply(x, group)
+
+
+def scatter_to_tp(x: torch.Tensor, dim: int = -1, group: ProcessGroup | None = None) -> torch.Tensor:
+    """This rank's balanced slice of a replicated ``x`` along ``dim``; backward all-gathers."""
+    group, n = _group_and_size(group)
+    return x if n == 1 else _ScatterToTP.apply(x, dim, group)
+
+
+def gather_from_tp(x: torch.Tensor, dim: int = -1, size: int | None = None,
+                   group: ProcessGroup | None = None) -> torch.Tensor:
+    """Concatenate every rank's shard along ``dim``; backward keeps this rank's slice.
+
+    ``size`` is the full (gathered) size, split in balanced shards; when omitted
+    every shard is taken to be the size of this rank's.
+    """
+    group, n = _group_and_size(group)
+    return x if n == 1 else _GatherFromTP.apply(x, dim, _gather_sizes(x, dim, size, n), group)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int = 0, group: ProcessGroup | None = None) -> torch.Tensor:
+    """This rank's balanced slice along ``dim`` of the sum of ``x``; backward all-gathers."""
+    group, n = _group_and_size(group)
+    return x if n == 1 else _ReduceScatter.apply(x, dim, group)
+
+
+def all_gather(x: torch.Tensor, dim: int = 0, size: int | None = None,
+               group: ProcessGroup | None = None) -> torch.Tensor:
+    """Concatenate every rank's shard along ``dim``; backward reduce-scatters the gradient.
+
+    ``size`` is the full size, as in :func:`gather_from_tp`.
+    """
+    group, n = _group_and_size(group)
+    return x if n == 1 else _AllGather.apply(x, dim, _gather_sizes(x, dim, size, n), group)

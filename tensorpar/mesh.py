@@ -1,0 +1,141 @@
+"""The (dp, tp) process mesh and the default-mesh context.
+
+Ranks are laid out row-major on a ``(dp, tp)`` grid: tensor-parallel groups are
+runs of ``tp`` consecutive ranks (so they share a node under torchrun), and
+data-parallel groups stride across them. With 4 ranks and ``tp=2``::
+
+    tp groups: [0, 1], [2, 3]        dp groups: [0, 2], [1, 3]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """A 2-D ``("dp", "tp")`` mesh over the world, with its groups, ranks and sizes."""
+
+    device_mesh: DeviceMesh
+    tp_group: ProcessGroup
+    dp_group: ProcessGroup
+    tp: int
+    dp: int
+    tp_rank: int
+    dp_rank: int
+    rank: int
+    world_size: int
+    device: torch.device
+
+    def __repr__(self) -> str:
+        return (f"Mesh(tp={self.tp}, dp={self.dp}, rank={self.rank}, tp_rank={self.tp_rank}, "
+                f"dp_rank={self.dp_rank}, device={self.device})")
+
+
+# The mesh that layers built without an explicit ``group`` use. A context
+# variable rather than a global: ``use_mesh`` scopes it, and it is per-thread.
+_current: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("tensorpar_mesh", default=None)
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _init_process_group(backend: str | None, timeout: timedelta) -> None:
+    """Join the world described by torchrun's environment, or a world of one."""
+    backend = backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if "WORLD_SIZE" not in os.environ:  # plain `python`, a notebook: a single-process world
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
+    missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise RuntimeError(f"WORLD_SIZE is set but {', '.join(missing)} is not: launch with torchrun "
+                           "or tensorpar.spawn, or initialise torch.distributed yourself")
+    dist.init_process_group(backend, timeout=timeout)
+
+
+def init(tp: int | None = None, dp: int | None = None, *, backend: str | None = None,
+         timeout: timedelta = DEFAULT_TIMEOUT) -> Mesh:
+    """Build the ``(dp, tp)`` mesh over the world and make it the default.
+
+    Initialises ``torch.distributed`` from torchrun's environment first when it
+    is not initialised yet (a single-process world when there is none). ``dp``
+    defaults to ``world // tp`` and ``tp`` to ``world // dp`` (all ranks when
+    neither is given). Every rank must call it, with the same arguments.
+
+    Example::
+
+        mesh = tensorpar.init(tp=2)          # under `torchrun --nproc-per-node 4`: dp = 2
+        layer = ColumnParallelLinear(768, 3072)   # uses mesh.tp_group
+    """
+    if not dist.is_initialized():
+        _init_process_group(backend, timeout)
+    world = dist.get_world_size()
+    for name, value in (("tp", tp), ("dp", dp)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if tp is None:
+        tp = world // dp if dp is not None else world
+    if world % tp:
+        raise ValueError(f"tp ({tp}) does not divide the world size ({world})")
+    dp = world // tp if dp is None else dp
+    if tp * dp != world:
+        raise ValueError(f"tp ({tp}) x dp ({dp}) = {tp * dp} does not match the world size ({world})")
+
+    on_gpu = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    grid = torch.arange(world).reshape(dp, tp)
+    device_mesh = DeviceMesh(device.type, grid, mesh_dim_names=("dp", "tp"))
+    rank = dist.get_rank()
+    mesh = Mesh(
+        device_mesh=device_mesh,
+        tp_group=device_mesh.get_group("tp"),
+        dp_group=device_mesh.get_group("dp"),
+        tp=tp, dp=dp, tp_rank=rank % tp, dp_rank=rank // tp,
+        rank=rank, world_size=world, device=device,
+    )
+    _current.set(mesh)
+    return mesh
+
+
+def current_mesh() -> Mesh:
+    """The default mesh, or a clear error when ``init`` has not been called."""
+    mesh = _current.get()
+    if mesh is None:
+        raise RuntimeError("no tensor-parallel mesh: call tensorpar.init(tp=...) first, "
+                           "or pass group= explicitly")
+    return mesh
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh | None) -> Iterator[Mesh | None]:
+    """Make ``mesh`` the default inside the ``with`` block (``None``: no default)."""
+    token = _current.set(mesh)
+    try:
+        yield mesh
+    finally:
+        _current.reset(token)
+
+
+def tp_group(group: ProcessGroup | None = None) -> ProcessGroup:
+    """``group`` itself, or the default mesh's tensor-parallel group when it is ``None``."""
+    return current_mesh().tp_group if group is None else group
+
+
+def group_rank_size(group: ProcessGroup) -> tuple[int, int]:
+    """This process's rank in ``group`` and the group's size."""
+    return dist.get_rank(group), dist.get_world_size(group)

@@ -1,0 +1,71 @@
+"""Convert a dense model to tensor parallelism by a plan, in place."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Mapping
+from importlib.metadata import entry_points
+from typing import Any, Union
+
+from torch import nn
+from torch.distributed import ProcessGroup
+
+#: A plan value: a style name ("column", "row", ...), a class with ``from_linear``, or a converter.
+Style = Union[str, type, Callable[[nn.Module], nn.Module]]
+
+STYLE_GROUP = "tensorpar.styles"
+
+
+def _style_class(name: str) -> Any:
+    """The sharded module class registered under ``name`` by an installed package."""
+    found = {ep.name: ep for ep in entry_points(group=STYLE_GROUP)}
+    if name not in found:
+        known = ", ".join(sorted(found)) or "none: is tensorpar installed (pip install -e .)?"
+        raise ValueError(f"unknown parallel style {name!r}; known styles: {known}")
+    return found[name].load()
+
+
+def _converter(style: Style, group: ProcessGroup | None) -> Callable[[nn.Module], nn.Module]:
+    if isinstance(style, str):
+        style = _style_class(style)
+    if hasattr(style, "from_linear"):
+        cls = style
+        return lambda module: cls.from_linear(module, group=group)
+    if callable(style):
+        return style
+    raise TypeError(f"a plan value must be a style name, a class with from_linear, or a callable; got {style!r}")
+
+
+def parallelize(model: nn.Module, plan: Mapping[str, Style], *, group: ProcessGroup | None = None) -> nn.Module:
+    """Swap the submodules named by ``plan`` for their tensor-parallel twins, keeping weights.
+
+    Keys are submodule names, glob patterns allowed (``"blocks.*.fc1"``); values
+    are styles: ``"column"`` (``ColumnParallelLinear``), ``"row"``
+    (``RowParallelLinear``), or a class with ``from_linear``, or any callable
+    taking the dense module and returning its replacement. Every rank must hold
+    the same dense weights. Returns ``model``, changed in place.
+
+    Example::
+
+        tensorpar.init(tp=2)
+        tensorpar.parallelize(model, {"blocks.*.mlp.fc1": "column", "blocks.*.mlp.fc2": "row"})
+    """
+    names = [name for name, _ in model.named_modules() if name]
+    chosen: dict[str, str] = {}
+    for pattern in plan:
+        matches = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not matches:
+            raise ValueError(f"plan entry {pattern!r} matches no submodule of {type(model).__name__}")
+        for name in matches:
+            if name in chosen:
+                raise ValueError(f"submodule {name!r} is matched by both {chosen[name]!r} and {pattern!r}")
+            chosen[name] = pattern
+    converters = {pattern: _converter(style, group) for pattern, style in plan.items()}
+    for name, pattern in chosen.items():
+        parent_name, _, leaf = name.rpartition(".")
+        try:
+            replacement = converters[pattern](model.get_submodule(name))
+        except TypeError as e:
+            raise TypeError(f"cannot parallelize {name!r}: {e}") from None
+        setattr(model.get_submodule(parent_name), leaf, replacement)
+    return model

@@ -1,0 +1,78 @@
+"""Initialisation that does not depend on the tp size.
+
+The full ``(d0, d1, ...)`` tensor is cut into a fixed grid of ``TILE``-sized
+tiles. Each tile is drawn from its own ``torch.Generator``, seeded from the
+tile's grid coordinates and one base seed taken from torch's global RNG. A rank
+draws only the tiles that overlap its shard and keeps the overlap, so:
+
+* the full tensor is bitwise the same at tp = 1, 2, 3, 4, ... (the tiles are);
+* no rank materialises more than one tile beyond its own shard at a time;
+* every rank consumes exactly one draw of the global RNG per tensor, whatever
+  its shard, so ranks seeded alike stay in step.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+
+import torch
+
+TILE = 256
+_MASK = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def _tile_seed(base: int, index: tuple[int, ...]) -> int:
+    seed = base
+    for i in index:
+        seed = _splitmix64(seed ^ i)
+    return seed >> 1  # a non-negative int64
+
+
+@torch.no_grad()
+def fill_tiled_(tensor: torch.Tensor, sample: Callable[[torch.Tensor, torch.Generator], None], *,
+                full_shape: Sequence[int] | None = None, offset: Sequence[int] | None = None) -> torch.Tensor:
+    """Fill ``tensor``, the block at ``offset`` of a ``full_shape`` tensor, tile by tile.
+
+    ``sample(tile, generator)`` fills one tile in place (e.g. ``tile.uniform_(a, b, generator=g)``).
+    """
+    full_shape = tuple(tensor.shape) if full_shape is None else tuple(full_shape)
+    offset = (0,) * tensor.dim() if offset is None else tuple(offset)
+    if len(full_shape) != tensor.dim() or len(offset) != tensor.dim() or any(
+        o < 0 or o + s > f for o, s, f in zip(offset, tensor.shape, full_shape)
+    ):
+        raise ValueError(f"a {tuple(tensor.shape)} block at offset {offset} does not fit in {full_shape}")
+    if tensor.is_meta:  # nothing to fill, and no draw: from_linear builds on meta first
+        return tensor
+    base = int(torch.randint(0, 2**62, ()).item())  # the one draw from the global RNG
+    ranges = [range(o // TILE, (o + s - 1) // TILE + 1) for o, s in zip(offset, tensor.shape)]
+    for index in itertools.product(*ranges):
+        lo = [i * TILE for i in index]
+        hi = [min(f, l + TILE) for f, l in zip(full_shape, lo)]
+        tile = torch.empty([h - l for h, l in zip(hi, lo)], dtype=tensor.dtype)
+        sample(tile, torch.Generator().manual_seed(_tile_seed(base, index)))
+        # overlap of this tile with the shard, in full coordinates
+        start = [max(l, o) for l, o in zip(lo, offset)]
+        stop = [min(h, o + s) for h, o, s in zip(hi, offset, tensor.shape)]
+        src = tile[tuple(slice(a - l, b - l) for a, b, l in zip(start, stop, lo))]
+        tensor[tuple(slice(a - o, b - o) for a, b, o in zip(start, stop, offset))] = src
+    return tensor
+
+
+def uniform_(tensor: torch.Tensor, a: float, b: float, *, full_shape: Sequence[int] | None = None,
+             offset: Sequence[int] | None = None) -> torch.Tensor:
+    """Tp-invariant ``U(a, b)`` fill of a shard (see :func:`fill_tiled_`)."""
+    return fill_tiled_(tensor, lambda t, g: t.uniform_(a, b, generator=g), full_shape=full_shape, offset=offset)
+
+
+def normal_(tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0, *,
+            full_shape: Sequence[int] | None = None, offset: Sequence[int] | None = None) -> torch.Tensor:
+    """Tp-invariant ``N(mean, std²)`` fill of a shard (see :func:`fill_tiled_`)."""
+    return fill_tiled_(tensor, lambda t, g: t.normal_(mean, std, generator=g), full_shape=full_shape, offset=offset)
