@@ -6,6 +6,9 @@ and turn a backend failure (a peer died, a timeout) into an error that names
 this rank. gloo cannot all-gather tensors of unequal sizes, so uneven shards
 are padded to the largest and trimmed afterwards; counts exclude the padding.
 
+``counters``, when given, marks the call as backward work for the collective
+counters captured by the matching forward (see :mod:`tensorpar.counter`).
+
 A tensor is viewed as ``(pre, n, post)`` around the split dim, so that shard
 ``r`` of every rank is one contiguous block of a ``(world, pre, n_max, post)``
 buffer, which is the layout ``all_gather`` / ``reduce_scatter`` work on.
@@ -21,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from .counter import CollectiveCounter, active_counters, record
+from .counter import CollectiveCounter, record
 from .sharding import Shard
 
 # torch >= 2.12 renamed the tensor-in/tensor-out collectives.
@@ -58,7 +61,7 @@ def all_reduce_sum(x: torch.Tensor, group: ProcessGroup,
     out = x.clone(memory_format=torch.contiguous_format)
     if n == 1:
         return out
-    record(active_counters() if counters is None else counters, "all_reduce", x.dtype, x.numel(), n)
+    record("all_reduce", x.dtype, x.numel(), n, counters)
     with _tagged("all_reduce", x, group):
         dist.all_reduce(out, group=group)
     return out
@@ -80,8 +83,7 @@ def all_gather_along(x: torch.Tensor, dim: int, sizes: Sequence[int], group: Pro
     if local < big:
         send[:, :local] = x3
     buf = x3.new_empty(n, pre, big, post)
-    record(active_counters() if counters is None else counters, "all_gather", x.dtype,
-           pre * sum(sizes) * post, n)
+    record("all_gather", x.dtype, pre * sum(sizes) * post, n, counters)
     with _tagged("all_gather", x, group):  # flat buffers: the backends concatenate along dim 0
         _all_gather_single(buf.view(-1), send.view(-1), group=group)
     if all(s == big for s in sizes):
@@ -110,7 +112,7 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, sizes: Sequence[int], group:
         for r, chunk in enumerate(x3.split(list(sizes), dim=1)):
             send[r, :, :sizes[r]] = chunk
     out = x3.new_empty(pre, big, post)
-    record(active_counters() if counters is None else counters, "reduce_scatter", x.dtype, x.numel(), n)
+    record("reduce_scatter", x.dtype, x.numel(), n, counters)
     with _tagged("reduce_scatter", x, group):
         _reduce_scatter_single(out.view(-1), send.view(-1), group=group)
     return out[:, :sizes[rank]].reshape(*x.shape[:dim], sizes[rank], *x.shape[dim + 1:])

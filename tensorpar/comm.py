@@ -115,9 +115,10 @@ def _group_and_size(group: ProcessGroup | None) -> tuple[ProcessGroup, int]:
     return group, group_rank_size(group)[1]
 
 
-def _gather_sizes(x: torch.Tensor, dim: int, size: int | None, n: int) -> list[int]:
-    """Balanced split of ``size`` (default: ``n`` shards the size of this one's)."""
-    return partition_sizes(x.shape[dim] * n if size is None else size, n, name="gathered size")
+def _gather_sizes(size: int, n: int) -> list[int]:
+    if not isinstance(size, int):
+        raise TypeError(f"size must be the full (gathered) size as an int, got {size!r}")
+    return partition_sizes(size, n, name="gathered size")
 
 
 def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
@@ -138,15 +139,15 @@ def scatter_to_tp(x: torch.Tensor, dim: int = -1, group: ProcessGroup | None = N
     return x if n == 1 else _ScatterToTP.apply(x, dim, group)
 
 
-def gather_from_tp(x: torch.Tensor, dim: int = -1, size: int | None = None,
-                   group: ProcessGroup | None = None) -> torch.Tensor:
+def gather_from_tp(x: torch.Tensor, dim: int, size: int, group: ProcessGroup | None = None) -> torch.Tensor:
     """Concatenate every rank's shard along ``dim``; backward keeps this rank's slice.
 
-    ``size`` is the full (gathered) size, split in balanced shards; when omitted
-    every shard is taken to be the size of this rank's.
+    ``size`` is the full (gathered) size along ``dim``, split in balanced
+    shards. It is required: shards need not be equal, and ranks that disagree
+    on the split would corrupt the collective.
     """
     group, n = _group_and_size(group)
-    return x if n == 1 else _GatherFromTP.apply(x, dim, _gather_sizes(x, dim, size, n), group)
+    return x if n == 1 else _GatherFromTP.apply(x, dim, _gather_sizes(size, n), group)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int = 0, group: ProcessGroup | None = None) -> torch.Tensor:
@@ -155,11 +156,10 @@ def reduce_scatter(x: torch.Tensor, dim: int = 0, group: ProcessGroup | None = N
     return x if n == 1 else _ReduceScatter.apply(x, dim, group)
 
 
-def all_gather(x: torch.Tensor, dim: int = 0, size: int | None = None,
-               group: ProcessGroup | None = None) -> torch.Tensor:
+def all_gather(x: torch.Tensor, dim: int, size: int, group: ProcessGroup | None = None) -> torch.Tensor:
     """Concatenate every rank's shard along ``dim``; backward reduce-scatters the gradient.
 
-    ``size`` is the full size, as in :func:`gather_from_tp`.
+    ``size`` is the full size along ``dim``, as in :func:`gather_from_tp`.
     """
     group, n = _group_and_size(group)
-    return x if n == 1 else _AllGather.apply(x, dim, _gather_sizes(x, dim, size, n), group)
+    return x if n == 1 else _AllGather.apply(x, dim, _gather_sizes(size, n), group)

@@ -14,12 +14,14 @@ import torch
 @dataclass(frozen=True)
 class CollectiveRecord:
     """One collective: ``numel`` is the logical payload (all-reduce: the tensor;
-    all-gather: the gathered result; reduce-scatter: the input), padding excluded."""
+    all-gather: the gathered result; reduce-scatter: the input), padding excluded;
+    ``phase`` is ``"backward"`` when autograd issued it, else ``"forward"``."""
 
     op: str
     dtype: torch.dtype
     numel: int
     group_size: int
+    phase: str = "forward"
 
     @property
     def bytes(self) -> int:
@@ -30,31 +32,36 @@ class CollectiveRecord:
 class CollectiveCounter:
     """Records every collective issued while it is active.
 
-    A collective issued in backward is attributed to the counters that were
-    active when the matching forward ran, so ``loss.backward()`` may run inside
-    or outside the ``with`` block.
+    A collective issued in backward is recorded by the counters active when
+    the matching forward ran and by those active when backward runs, so
+    ``loss.backward()`` may run inside or outside the ``with`` block (autograd
+    may run backward on another thread, where the block is not visible).
 
     Example::
 
         with tensorpar.count_collectives() as counts:
             mlp(x).sum().backward()
-        counts.count("all_reduce")   # 2 at tp > 1: g in forward, f in backward
+        counts.count("all_reduce", phase="forward")   # 1 at tp > 1: g
+        counts.count("all_reduce", phase="backward")  # 1 at tp > 1: f
     """
 
     records: list[CollectiveRecord] = field(default_factory=list)
 
-    def count(self, op: str | None = None) -> int:
-        return sum(1 for r in self.records if op is None or r.op == op)
+    def select(self, op: str | None = None, phase: str | None = None) -> list[CollectiveRecord]:
+        return [r for r in self.records if op in (None, r.op) and phase in (None, r.phase)]
 
-    def numel(self, op: str | None = None) -> int:
-        return sum(r.numel for r in self.records if op is None or r.op == op)
+    def count(self, op: str | None = None, phase: str | None = None) -> int:
+        return len(self.select(op, phase))
 
-    def bytes(self, op: str | None = None) -> int:
-        return sum(r.bytes for r in self.records if op is None or r.op == op)
+    def numel(self, op: str | None = None, phase: str | None = None) -> int:
+        return sum(r.numel for r in self.select(op, phase))
 
-    def summary(self) -> collections.Counter[tuple[str, torch.dtype, int]]:
-        """How many times each ``(op, dtype, numel)`` occurred."""
-        return collections.Counter((r.op, r.dtype, r.numel) for r in self.records)
+    def bytes(self, op: str | None = None, phase: str | None = None) -> int:
+        return sum(r.bytes for r in self.select(op, phase))
+
+    def summary(self) -> collections.Counter[tuple[str, str, torch.dtype, int]]:
+        """How many times each ``(phase, op, dtype, numel)`` occurred."""
+        return collections.Counter((r.phase, r.op, r.dtype, r.numel) for r in self.records)
 
 
 _active: contextvars.ContextVar[tuple[CollectiveCounter, ...]] = contextvars.ContextVar(
@@ -77,7 +84,14 @@ def active_counters() -> tuple[CollectiveCounter, ...]:
     return _active.get()
 
 
-def record(counters: tuple[CollectiveCounter, ...], op: str, dtype: torch.dtype, numel: int,
-           group_size: int) -> None:
+def record(op: str, dtype: torch.dtype, numel: int, group_size: int,
+           forward_counters: tuple[CollectiveCounter, ...] | None = None) -> None:
+    """Record a collective with the active counters; ``forward_counters`` marks it as
+    backward work and adds the counters that were active in the matching forward."""
+    counters = active_counters()
+    phase = "forward"
+    if forward_counters is not None:
+        phase = "backward"
+        counters = forward_counters + tuple(c for c in counters if not any(c is f for f in forward_counters))
     for counter in counters:
-        counter.records.append(CollectiveRecord(op, dtype, numel, group_size))
+        counter.records.append(CollectiveRecord(op, dtype, numel, group_size, phase))

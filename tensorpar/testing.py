@@ -54,8 +54,13 @@ def _serve(rank: int, size: int, port: int, timeout: timedelta, path: list[str],
            conn: multiprocessing.connection.Connection) -> None:
     """A pool worker: join the group, then run tasks until told to stop."""
     sys.path[:] = path
-    join_group(rank, size, port, "gloo", timeout)
-    torch.set_num_threads(1)
+    try:
+        join_group(rank, size, port, "gloo", timeout)
+        torch.set_num_threads(1)
+        conn.send_bytes(pickle.dumps((True, None)))
+    except BaseException as e:  # noqa: BLE001
+        conn.send_bytes(pickle.dumps((False, error_payload(e))))
+        return
     meshes: dict[tuple[int, int], Mesh] = {}
     while True:
         kind, payload = pickle.loads(conn.recv_bytes())
@@ -89,26 +94,35 @@ class World:
     and the call raises.
     """
 
-    def __init__(self, size: int, *, timeout: float = 60.0, grace: float = 3.0) -> None:
-        self.size, self.timeout, self.grace = size, timeout, grace
+    def __init__(self, size: int, *, timeout: float = 60.0, grace: float = 3.0, startup: float = 120.0) -> None:
+        self.size, self.timeout, self.grace, self.startup = size, timeout, grace, startup
         self.runs = 0
         self._procs: list[Any] = []
         self._conns: list[multiprocessing.connection.Connection] = []
         self._path: list[str] = []
+        self._store: dist.TCPStore | None = None
+        self._broken: str | None = None
 
     def _start(self) -> None:
+        if self._broken:  # do not pay the start-up timeout again for every example
+            raise RuntimeError(self._broken)
         ctx = multiprocessing.get_context("spawn")
-        store = host_store()
+        self._store = host_store()  # must outlive the workers' joining
         self._path = list(sys.path)
         collective_timeout = timedelta(seconds=self.timeout + 30)
         for rank in range(self.size):
             parent_end, child_end = ctx.Pipe()
-            p = ctx.Process(target=_serve, args=(rank, self.size, store.port, collective_timeout, self._path,
+            p = ctx.Process(target=_serve, args=(rank, self.size, self._store.port, collective_timeout, self._path,
                                                  child_end), daemon=True)
             p.start()
             child_end.close()
             self._procs.append(p)
             self._conns.append(parent_end)
+        try:
+            self._collect("start-up", self.startup)
+        except (RankError, TimeoutError) as e:
+            self._broken = f"the pool of {self.size} workers failed to start: {e}"
+            raise RuntimeError(self._broken) from e
 
     def close(self) -> None:
         """Stop the workers (killing any that do not stop at once)."""
@@ -122,13 +136,13 @@ class World:
             if p.is_alive():
                 p.kill()
                 p.join()
-        self._procs, self._conns = [], []
+        self._procs, self._conns, self._store = [], [], None
 
     def _kill(self) -> None:
         for p in self._procs:
             p.kill()
             p.join()
-        self._procs, self._conns = [], []
+        self._procs, self._conns, self._store = [], [], None
 
     def _send(self, message: tuple[str, Any]) -> None:
         blob = pickle.dumps(message)
@@ -163,8 +177,11 @@ class World:
                 break
             for item in ready:
                 if item in waiting:
+                    try:
+                        ok, value = pickle.loads(item.recv_bytes())
+                    except EOFError:
+                        continue  # the worker died: reported below, by its exit code
                     rank = waiting.pop(item)
-                    ok, value = pickle.loads(item.recv_bytes())
                     (results if ok else errors)[rank] = value
                     if not ok:
                         deadline = min(deadline, time.monotonic() + self.grace)

@@ -1,0 +1,109 @@
+"""Every autograd collective against its closed form, forward and backward, on real process groups.
+
+Each rank's input and output gradient are random tensors seeded by (example, rank,
+role), so every rank can rebuild every other rank's tensors and compute the
+expected result locally with plain torch (cat, sum, narrow).
+"""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tensorpar
+from tensorpar.testing import assert_close, tp_sizes
+
+OPS = ["copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp", "reduce_scatter", "all_gather"]
+# Which ops take a full tensor (the split happens inside) and which take a shard.
+TAKES_SHARD = {"gather_from_tp", "all_gather"}
+# (op, forward collectives, backward collectives) at tp > 1; numel is of the full tensor.
+COLLECTIVES = {
+    "copy_to_tp": ([], ["all_reduce"]),
+    "reduce_from_tp": (["all_reduce"], []),
+    "scatter_to_tp": ([], ["all_gather"]),
+    "gather_from_tp": (["all_gather"], []),
+    "reduce_scatter": (["reduce_scatter"], ["all_gather"]),
+    "all_gather": (["all_gather"], ["reduce_scatter"]),
+}
+
+
+def _rand(shape, seed, rank, role):
+    g = torch.Generator().manual_seed(seed * 1_000 + rank * 10 + role)
+    return torch.randn(shape, generator=g, dtype=torch.float64)
+
+
+def check_collective(op, full_shape, dim, seed):
+    mesh = tensorpar.current_mesh()
+    n, rank = mesh.tp, mesh.tp_rank
+    sizes = tensorpar.partition_sizes(full_shape[dim], n)
+    offsets = tensorpar.partition_offsets(full_shape[dim], n)
+
+    def local(t, r):  # rank r's slice along dim
+        return t.narrow(dim, offsets[r], sizes[r])
+
+    def shard_shape(r):
+        return tuple(sizes[r] if d == dim % len(full_shape) else s for d, s in enumerate(full_shape))
+
+    in_shape = shard_shape if op in TAKES_SHARD else (lambda r: full_shape)
+    out_shape = {"scatter_to_tp": shard_shape, "reduce_scatter": shard_shape}.get(op, lambda r: full_shape)
+    xs = [_rand(in_shape(r), seed, r, 0) for r in range(n)]
+    gs = [_rand(out_shape(r), seed, r, 1) for r in range(n)]
+
+    x = xs[rank].clone().requires_grad_()
+    with tensorpar.count_collectives() as counts:
+        fn = getattr(tensorpar, op)
+        if op in ("copy_to_tp", "reduce_from_tp"):
+            y = fn(x)
+        elif op in TAKES_SHARD:
+            y = fn(x, dim, full_shape[dim])
+        else:
+            y = fn(x, dim)
+        y.backward(gs[rank])
+
+    total = lambda ts: torch.stack(ts).sum(0)  # noqa: E731
+    expected_y, expected_dx = {
+        "copy_to_tp": lambda: (xs[rank], total(gs)),
+        "reduce_from_tp": lambda: (total(xs), gs[rank]),
+        "scatter_to_tp": lambda: (local(xs[rank], rank), torch.cat(gs, dim)),
+        "gather_from_tp": lambda: (torch.cat(xs, dim), local(gs[rank], rank)),
+        "reduce_scatter": lambda: (local(total(xs), rank), torch.cat(gs, dim)),
+        "all_gather": lambda: (torch.cat(xs, dim), local(total(gs), rank)),
+    }[op]()
+    # float64 sums in a different order: a few ulps.
+    assert_close(y, expected_y, rtol=1e-12, name=f"{op} forward")
+    assert_close(x.grad, expected_dx, rtol=1e-12, name=f"{op} backward")
+    assert x.data_ptr() != y.data_ptr() or n == 1 or op == "copy_to_tp"
+    assert torch.equal(x.detach(), xs[rank]), f"{op} modified its input in place"
+
+    numel = torch.Size(full_shape).numel()
+    want_fwd, want_bwd = COLLECTIVES[op] if n > 1 else ([], [])
+    got_fwd = [(r.op, r.numel) for r in counts.select(phase="forward")]
+    got_bwd = [(r.op, r.numel) for r in counts.select(phase="backward")]
+    assert got_fwd == [(o, numel) for o in want_fwd], got_fwd
+    assert got_bwd == [(o, numel) for o in want_bwd], got_bwd
+    return True
+
+
+@settings(max_examples=60)
+@given(op=st.sampled_from(OPS), tp=tp_sizes(), data=st.data())
+def test_collective_matches_closed_form(worlds, op, tp, data):
+    ndim = data.draw(st.integers(1, 3), label="ndim")
+    dim = data.draw(st.integers(-ndim, ndim - 1), label="dim")
+    shape = data.draw(st.lists(st.integers(1, 6), min_size=ndim, max_size=ndim), label="shape")
+    shape[dim] = data.draw(st.integers(tp, 13), label="split size")  # divisible by tp or not
+    seed = data.draw(st.integers(0, 2**20), label="seed")
+    assert all(worlds[tp].run(check_collective, op, tuple(shape), dim, seed))
+
+
+def check_gather_size_mismatch(size):
+    x = torch.zeros(3)  # 3 elements on every rank
+    try:
+        tensorpar.gather_from_tp(x, 0, size)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_gather_with_a_wrong_full_size_is_a_clear_error(worlds):
+    # 4 elements over 2 ranks are 2 + 2, but each rank holds 3: every rank refuses before communicating.
+    messages = worlds[2].run(check_gather_size_mismatch, 4)
+    assert all(m and "holds 3 elements" in m and "split is [2, 2]" in m for m in messages), messages

@@ -1,0 +1,54 @@
+"""Balanced partitions: pure functions, checked in the test process."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tensorpar import Shard, partition_offsets, partition_sizes, shard
+
+
+@given(parts=st.integers(1, 16), units=st.integers(0, 200), unit=st.integers(1, 8))
+def test_partition_is_balanced_and_covers_everything(parts, units, unit):
+    units += parts  # at least one unit per part
+    sizes = partition_sizes(units * unit, parts, unit=unit)
+    assert len(sizes) == parts
+    assert sum(sizes) == units * unit
+    assert all(s % unit == 0 and s > 0 for s in sizes)
+    assert max(sizes) - min(sizes) <= unit
+    assert sizes == sorted(sizes, reverse=True)  # the larger shards come first
+    offsets = partition_offsets(units * unit, parts, unit=unit)
+    assert offsets == [sum(sizes[:r]) for r in range(parts)]
+
+
+def test_partition_examples():
+    assert partition_sizes(10, 4) == [3, 3, 2, 2]
+    assert partition_sizes(12 * 64, 5, unit=64) == [192, 192, 128, 128, 128]
+    assert partition_sizes(50257, 4) == [12565, 12564, 12564, 12564]
+
+
+@pytest.mark.parametrize("args, message", [
+    ((10, 16), r"out_features \(10\) is smaller than tp \(16\)"),
+    ((3 * 64, 4, 64), r"n_head \(3\) is smaller than tp \(4\)"),
+    ((100, 2, 64), r"not a whole number of units of 64"),
+    ((10, 0), r"cannot split"),
+])
+def test_partition_errors_name_the_numbers(args, message):
+    size, parts, *unit = args
+    name = "n_head" if unit else "out_features"
+    with pytest.raises(ValueError, match=message):
+        partition_sizes(size, parts, unit=unit[0] if unit else 1, name=name)
+
+
+@given(rows=st.integers(1, 9), cols=st.integers(1, 9), dim=st.integers(0, 1), data=st.data())
+def test_shards_concatenate_to_the_tensor(rows, cols, dim, data):
+    full = torch.arange(rows * cols).reshape(rows, cols)
+    parts = data.draw(st.integers(1, full.shape[dim]))
+    placement = Shard(dim, full.shape[dim])
+    pieces = [shard(full, placement, parts, r) for r in range(parts)]
+    assert torch.equal(torch.cat(pieces, dim), full)
+
+
+def test_shard_rejects_a_tensor_of_the_wrong_size():
+    with pytest.raises(ValueError, match=r"expected size 5 in dim 1"):
+        shard(torch.zeros(3, 4), Shard(1, 5), 2, 0)
