@@ -11,7 +11,7 @@ from .collectives import CollectiveError
 from .comm import all_gather, copy_to_tp, gather_from_tp, reduce_from_tp, reduce_scatter, scatter_to_tp
 from .counter import CollectiveCounter, CollectiveRecord, count_collectives
 from .launch import RankError, spawn
-from .mesh import Mesh, current_mesh, group_rank_size, init, tp_group, use_mesh
+from .mesh import Mesh, current_mesh, group_rank_size, init, shutdown, tp_group, use_mesh
 from .parallelize import parallelize
 from .sharding import Shard, partition_offsets, partition_sizes, shard
 from .state import full_grads, full_state_dict, load_full_state_dict
@@ -21,5 +21,5 @@ __all__ = [
     "all_gather", "copy_to_tp", "count_collectives", "current_mesh", "full_grads", "full_state_dict",
     "gather_from_tp", "group_rank_size", "init", "load_full_state_dict", "parallelize",
     "partition_offsets", "partition_sizes", "reduce_from_tp", "reduce_scatter", "scatter_to_tp",
-    "shard", "spawn", "tiled_init", "tp_group", "use_mesh",
+    "shard", "shutdown", "spawn", "tiled_init", "tp_group", "use_mesh",
 ]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,8 +29,18 @@ from .counter import CollectiveCounter, record
 from .sharding import Shard
 
 # torch >= 2.12 renamed the tensor-in/tensor-out collectives.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _flat_collective(op: Any, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> None:
+    """Run a flat tensor-in/tensor-out collective; gloo gets CUDA tensors staged through host memory."""
+    if inp.is_cuda and dist.get_backend(group) == "gloo":
+        host_out = out.cpu()
+        op(host_out, inp.cpu(), group=group)
+        out.copy_(host_out)
+    else:
+        op(out, inp, group=group)
 
 
 class CollectiveError(RuntimeError):
@@ -85,7 +96,7 @@ def all_gather_along(x: torch.Tensor, dim: int, sizes: Sequence[int], group: Pro
     buf = x3.new_empty(n, pre, big, post)
     record("all_gather", x.dtype, pre * sum(sizes) * post, n, counters)
     with _tagged("all_gather", x, group):  # flat buffers: the backends concatenate along dim 0
-        _all_gather_single(buf.view(-1), send.view(-1), group=group)
+        _flat_collective(_ALL_GATHER, buf.view(-1), send.view(-1), group)
     if all(s == big for s in sizes):
         out = buf.transpose(0, 1).reshape(pre, n * big, post)
     else:
@@ -114,7 +125,7 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, sizes: Sequence[int], group:
     out = x3.new_empty(pre, big, post)
     record("reduce_scatter", x.dtype, x.numel(), n, counters)
     with _tagged("reduce_scatter", x, group):
-        _reduce_scatter_single(out.view(-1), send.view(-1), group=group)
+        _flat_collective(_REDUCE_SCATTER, out.view(-1), send.view(-1), group)
     return out[:, :sizes[rank]].reshape(*x.shape[:dim], sizes[rank], *x.shape[dim + 1:])
 
 

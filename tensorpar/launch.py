@@ -17,13 +17,14 @@ import pickle
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .mesh import DEFAULT_TIMEOUT
+from .mesh import DEFAULT_TIMEOUT, shutdown
 
 _LOOPBACK = "127.0.0.1"
 
@@ -81,12 +82,11 @@ def _worker(fn: Callable[..., Any], args: Sequence[Any], rank: int, world_size: 
             timeout: timedelta, conn: multiprocessing.connection.Connection) -> None:
     try:
         join_group(rank, world_size, port, backend, timeout)
-        reply = pickle.dumps((True, fn(*args)))
-    except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent
-        reply = pickle.dumps((False, error_payload(e)))
-    conn.send_bytes(reply)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+        conn.send_bytes(pickle.dumps((True, fn(*args))))
+    except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent, which stops the rest
+        conn.send_bytes(pickle.dumps((False, error_payload(e))))
+        return
+    shutdown(timeout)
 
 
 def default_backend_for(nprocs: int) -> str:
@@ -126,7 +126,11 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None =
         procs.append(p)
         conns.append(parent_end)
     try:
-        return _collect(procs, conns, timeout)
+        replies = collect_replies(procs, conns, timeout)
+        replies.raise_first_error("process")
+        if replies.silent:
+            raise RankError(replies.silent[0], f"timed out after {timeout} s; ranks {replies.silent} had not finished")
+        return [replies.results[r] for r in range(nprocs)]
     finally:
         for p in procs:
             if p.is_alive():
@@ -134,31 +138,59 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None =
             p.join()
 
 
-def _collect(procs: list[Any], conns: list[multiprocessing.connection.Connection],
-             timeout: float | None) -> list[Any]:
+@dataclass
+class Replies:
+    """What :func:`collect_replies` heard: results and errors by rank, ranks that died
+    (with exit codes), and ranks still silent when it stopped waiting."""
+
+    results: dict[int, Any] = field(default_factory=dict)
+    errors: dict[int, tuple[bytes | None, str, str]] = field(default_factory=dict)
+    dead: dict[int, int | None] = field(default_factory=dict)
+    silent: list[int] = field(default_factory=list)
+
+    def raise_first_error(self, what: str) -> None:
+        if self.errors:
+            rank = min(self.errors)
+            raise_rank_error(rank, self.errors[rank])
+        if self.dead:
+            rank = min(self.dead)
+            raise RankError(rank, f"{what} exited with code {self.dead[rank]} before returning")
+
+
+def collect_replies(procs: Sequence[Any], conns: Sequence[multiprocessing.connection.Connection],
+                    timeout: float | None, grace: float = 0.0) -> Replies:
+    """Read one pickled ``(ok, value)`` reply per rank.
+
+    Stops waiting ``grace`` seconds after the first error (the other ranks may
+    be blocked in a collective the failed rank never joined), as soon as a
+    rank dies, or after ``timeout`` seconds.
+    """
     deadline = None if timeout is None else time.monotonic() + timeout
-    results: dict[int, Any] = {}
-    waiting = {c: r for r, c in enumerate(conns)}
-    while waiting:
-        left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left <= 0:
-            raise RankError(min(waiting.values()), f"timed out after {timeout} s; "
-                            f"ranks {sorted(waiting.values())} had not finished")
-        ready = multiprocessing.connection.wait(list(waiting) + [procs[r].sentinel for r in waiting.values()],
+    replies = Replies()
+    waiting = set(range(len(procs)))
+    owner = {c: r for r, c in enumerate(conns)} | {p.sentinel: r for r, p in enumerate(procs)}
+    while waiting and not replies.dead:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready = multiprocessing.connection.wait([conns[r] for r in waiting] + [procs[r].sentinel for r in waiting],
                                                 timeout=left)
-        for item in ready:
-            if item in waiting:
-                rank = waiting.pop(item)
+        if not ready:
+            break
+        for rank in sorted({owner[item] for item in ready} & waiting):
+            if conns[rank].poll():
                 try:
-                    ok, value = pickle.loads(item.recv_bytes())
-                except EOFError:
+                    ok, value = pickle.loads(conns[rank].recv_bytes())
+                except EOFError:  # the pipe closed without a reply
                     procs[rank].join(5)
-                    raise RankError(rank, f"exited with code {procs[rank].exitcode} before returning") from None
-                if not ok:
-                    raise_rank_error(rank, value)
-                results[rank] = value
-        for rank in sorted(waiting.values()):
-            p = procs[rank]
-            if not p.is_alive() and not conns[rank].poll():
-                raise RankError(rank, f"exited with code {p.exitcode} before returning")
-    return [results[r] for r in range(len(procs))]
+                    replies.dead[rank] = procs[rank].exitcode
+                else:
+                    (replies.results if ok else replies.errors)[rank] = value
+                    if not ok and grace is not None:
+                        soon = time.monotonic() + grace
+                        deadline = soon if deadline is None else min(deadline, soon)
+            elif not procs[rank].is_alive():
+                replies.dead[rank] = procs[rank].exitcode
+            else:
+                continue
+            waiting.discard(rank)
+    replies.silent = sorted(waiting)
+    return replies

@@ -9,6 +9,7 @@ data-parallel groups stride across them. With 4 ranks and ``tp=2``::
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
 import os
@@ -60,12 +61,33 @@ def _init_process_group(backend: str | None, timeout: timedelta) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if "WORLD_SIZE" not in os.environ:  # plain `python`, a notebook: a single-process world
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        if missing:
+            raise RuntimeError(f"WORLD_SIZE is set but {', '.join(missing)} is not: launch with torchrun "
+                               "or tensorpar.spawn, or initialise torch.distributed yourself")
+        dist.init_process_group(backend, timeout=timeout)
+    # The group is ours: close it at exit (a gloo group left open can abort the interpreter's shutdown).
+    atexit.register(shutdown, timeout)
+
+
+def shutdown(timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+    """Wait for every rank, then destroy the process group (a no-op when there is none).
+
+    Ranks that tear gloo down while a peer still uses it can abort; the barrier
+    first avoids that. If a peer is gone the barrier fails and the group is
+    left for the process exit to drop.
+    """
+    if not dist.is_initialized():
         return
-    missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
-    if missing:
-        raise RuntimeError(f"WORLD_SIZE is set but {', '.join(missing)} is not: launch with torchrun "
-                           "or tensorpar.spawn, or initialise torch.distributed yourself")
-    dist.init_process_group(backend, timeout=timeout)
+    try:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timeout)
+        else:
+            dist.barrier()
+    except RuntimeError:
+        return
+    dist.destroy_process_group()
 
 
 def init(tp: int | None = None, dp: int | None = None, *, backend: str | None = None,

@@ -27,7 +27,6 @@ import multiprocessing
 import multiprocessing.connection
 import pickle
 import sys
-import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -39,8 +38,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from .collectives import unshard
-from .launch import RankError, error_payload, host_store, join_group, raise_rank_error
-from .mesh import Mesh, current_mesh, group_rank_size, init, use_mesh
+from .launch import RankError, collect_replies, error_payload, host_store, join_group
+from .mesh import Mesh, current_mesh, group_rank_size, init, shutdown, use_mesh
 from .sharding import Shard, shard
 from .state import full_grads
 
@@ -79,7 +78,7 @@ def _serve(rank: int, size: int, port: int, timeout: timedelta, path: list[str],
         except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
             reply = (False, error_payload(e))
         conn.send_bytes(pickle.dumps(reply))
-    dist.destroy_process_group()
+    shutdown(timedelta(seconds=10))
 
 
 class World:
@@ -132,7 +131,7 @@ class World:
             except OSError:
                 pass
         for p in self._procs:
-            p.join(1)
+            p.join(15)
             if p.is_alive():
                 p.kill()
                 p.join()
@@ -165,42 +164,14 @@ class World:
         return self._collect(getattr(fn, "__name__", repr(fn)), self.timeout if timeout is None else timeout)
 
     def _collect(self, name: str, timeout: float) -> list[Any]:
-        deadline = time.monotonic() + timeout
-        results: dict[int, Any] = {}
-        errors: dict[int, Any] = {}
-        waiting = {conn: rank for rank, conn in enumerate(self._conns)}
-        while waiting:
-            ready = multiprocessing.connection.wait(
-                list(waiting) + [self._procs[r].sentinel for r in waiting.values()],
-                timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                break
-            for item in ready:
-                if item in waiting:
-                    try:
-                        ok, value = pickle.loads(item.recv_bytes())
-                    except EOFError:
-                        continue  # the worker died: reported below, by its exit code
-                    rank = waiting.pop(item)
-                    (results if ok else errors)[rank] = value
-                    if not ok:
-                        deadline = min(deadline, time.monotonic() + self.grace)
-            dead = [r for r in waiting.values() if not self._procs[r].is_alive() and not self._conns[r].poll()]
-            if dead:
-                code = self._procs[dead[0]].exitcode
-                self._kill()
-                raise RankError(dead[0], f"pool worker exited with code {code} while running {name}; "
-                                         "the pool will restart")
-        if waiting:
-            stuck = sorted(waiting.values())
+        replies = collect_replies(self._procs, self._conns, timeout, self.grace)
+        if replies.silent or replies.dead:  # some rank is stuck or gone: the group is unusable
             self._kill()
-            if errors:
-                raise_rank_error(min(errors), errors[min(errors)])
-            raise TimeoutError(f"{name} did not finish within {timeout} s on ranks {stuck} of a world of "
-                               f"{self.size}; the pool was killed and will restart")
-        if errors:
-            raise_rank_error(min(errors), errors[min(errors)])
-        return [results[r] for r in range(self.size)]
+        replies.raise_first_error(f"pool worker running {name}")
+        if replies.silent:
+            raise TimeoutError(f"{name} did not finish within {timeout} s on ranks {replies.silent} of a world "
+                               f"of {self.size}; the pool was killed and will restart")
+        return [replies.results[r] for r in range(self.size)]
 
 
 class Worlds(Mapping[int, World]):

@@ -1,0 +1,158 @@
+"""The test harness itself: failures are caught, named and never hang; mistakes in f/g are caught."""
+
+import copy
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import DenseMLP
+
+import tensorpar
+from layers import ColumnParallelLinear, RowParallelLinear
+from tensorpar.testing import World, assert_sharded_equivalent, tp_sizes
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """A world of its own, so restarts here do not slow the shared pools."""
+    world = World(2, timeout=4.0, grace=1.0)
+    yield world
+    world.close()
+
+
+def rank_one_raises():
+    if dist.get_rank() == 1:
+        raise KeyError("boom")
+    dist.all_reduce(torch.ones(1))  # rank 0 waits for a peer that never comes
+
+
+def ranks():
+    return dist.get_rank()
+
+
+def test_a_rank_that_raises_fails_fast_and_the_pool_recovers(pair):
+    pair.run(ranks)  # started
+    start = time.monotonic()
+    with pytest.raises(tensorpar.RankError, match=r"rank 1: KeyError: 'boom'") as info:
+        pair.run(rank_one_raises)
+    assert time.monotonic() - start < 3.5  # the 1 s grace, not the 4 s timeout
+    assert "rank_one_raises" in info.value.remote_traceback
+    assert pair.run(ranks) == [0, 1]
+
+
+def all_hang():
+    time.sleep(30)
+
+
+def test_a_hung_example_is_killed_and_the_pool_restarted(pair):
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"all_hang did not finish within 4.0 s on ranks \[0, 1\]"):
+        pair.run(all_hang)
+    assert time.monotonic() - start < 10
+    assert pair.run(ranks) == [0, 1]
+
+
+def rank_zero_exits():
+    if dist.get_rank() == 0:
+        os._exit(3)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_a_worker_that_dies_is_reported_and_replaced(pair):
+    with pytest.raises(tensorpar.RankError, match=r"rank 0: pool worker running rank_zero_exits exited with code 3"):
+        pair.run(rank_zero_exits)
+    assert pair.run(ranks) == [0, 1]
+
+
+def test_throughput_of_a_small_linear_check(pair):
+    from test_linear import check_linear
+    pair.run(check_linear, "column", 8, 12, (4,), torch.float32, True, False, 0)
+    start, n = time.monotonic(), 50
+    for seed in range(n):
+        pair.run(check_linear, "column", 8, 12, (4,), torch.float32, True, False, seed)
+    rate = n / (time.monotonic() - start)
+    print(f"\nharness throughput at world size 2: {rate:.0f} examples/s")
+    assert rate > 5  # a sanity floor only: the real figure is printed (and reported), not asserted
+
+
+# ------------------------------------------------ a broken f or g is caught
+
+def _twice(fn):
+    return lambda x, group=None: fn(fn(x, group), group)
+
+
+MUTATIONS = {
+    "missing f": ("copy_to_tp", lambda fn: lambda x, group=None: x),
+    "doubled f": ("copy_to_tp", _twice),
+    "missing g": ("reduce_from_tp", lambda fn: lambda x, group=None: x),
+    "doubled g": ("reduce_from_tp", _twice),
+}
+
+
+def check_mutation_is_caught(mutation, seed):
+    name, mutate = MUTATIONS[mutation]
+    original = getattr(tensorpar, name)
+    torch.manual_seed(seed)
+    dense = DenseMLP(6, 10, dtype=torch.float64)
+    sharded = copy.deepcopy(dense)
+    sharded.fc1, sharded.fc2 = ColumnParallelLinear.from_linear(dense.fc1), RowParallelLinear.from_linear(dense.fc2)
+    x = torch.randn(5, 6, dtype=torch.float64)
+    setattr(tensorpar, name, mutate(original))
+    try:
+        assert_sharded_equivalent(sharded, dense, x, seed=seed)
+        caught = None
+    except AssertionError as e:
+        caught = str(e)
+    finally:
+        setattr(tensorpar, name, original)
+    # the size of the mistake: input-gradient and output norms against the dense model
+    xs, xd = x.clone().requires_grad_(), x.clone().requires_grad_()
+    setattr(tensorpar, name, mutate(original))
+    try:
+        ys = sharded(xs)
+        ys.sum().backward()
+    finally:
+        setattr(tensorpar, name, original)
+    yd = dense(xd)
+    yd.sum().backward()
+    return caught, (xs.grad.norm() / xd.grad.norm()).item(), ((ys - dense.fc2.bias).norm()
+                                                              / (yd - dense.fc2.bias).norm()).item()
+
+
+@settings(max_examples=8)
+@given(mutation=st.sampled_from(sorted(MUTATIONS)), tp=st.integers(2, 4), seed=st.integers(0, 2**31))
+def test_a_missing_or_doubled_f_or_g_fails_the_equivalence_check(worlds, mutation, tp, seed):
+    caught, grad_ratio, out_ratio = worlds[tp].run(check_mutation_is_caught, mutation, seed)[0]
+    assert caught is not None, f"{mutation} at tp={tp} went unnoticed"
+    if mutation == "doubled f":  # the all-reduce of the input gradient runs twice: tp times too large
+        assert grad_ratio == pytest.approx(tp, rel=1e-9)
+    if mutation == "doubled g":  # the partial sums are summed twice: tp times too large
+        assert out_ratio == pytest.approx(tp, rel=1e-9)
+    if mutation == "missing g":
+        assert "output" in caught
+
+
+# ------------------------------------------------ collective accounting
+
+def count_mlp_collectives(d, hidden, tokens):
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(ColumnParallelLinear(d, hidden), torch.nn.GELU(), RowParallelLinear(hidden, d))
+    x = torch.randn(tokens, d, requires_grad=True)
+    with tensorpar.count_collectives() as counts:
+        mlp(x).sum().backward()
+    return sorted(counts.summary().items(), key=str)
+
+
+@settings(max_examples=8)
+@given(tp=tp_sizes(), d=st.integers(1, 16), extra=st.integers(0, 16), tokens=st.integers(1, 9))
+def test_an_mlp_issues_exactly_one_all_reduce_each_way(worlds, tp, d, extra, tokens):
+    for summary in worlds[tp].run(count_mlp_collectives, d, tp + extra, tokens):
+        if tp == 1:
+            assert summary == []
+        else:  # g in forward, f in backward, each over the (tokens, d) activation
+            assert summary == [(("backward", "all_reduce", torch.float32, tokens * d), 1),
+                               (("forward", "all_reduce", torch.float32, tokens * d), 1)]

@@ -1,0 +1,117 @@
+"""tensorpar.init: the (dp, tp) mesh, its groups, defaults and misuse."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tensorpar
+from layers import ColumnParallelLinear
+
+
+def check_mesh_2x2():
+    mesh = tensorpar.init(tp=2, dp=2)
+    rank = dist.get_rank()
+    tp_sum, dp_sum = torch.tensor([float(rank)]), torch.tensor([float(rank)])
+    dist.all_reduce(tp_sum, group=mesh.tp_group)
+    dist.all_reduce(dp_sum, group=mesh.dp_group)
+    dm = mesh.device_mesh
+    return (mesh.tp, mesh.dp, mesh.tp_rank, mesh.dp_rank, mesh.rank, mesh.world_size, tp_sum.item(), dp_sum.item(),
+            dm.mesh_dim_names, dm.mesh.tolist(), tensorpar.current_mesh() is mesh)
+
+
+def test_init_builds_a_dp_by_tp_mesh_with_contiguous_tp_groups(worlds):
+    results = worlds[4].run(check_mesh_2x2, mesh=False)
+    for rank, (tp, dp, tp_rank, dp_rank, r, world, tp_sum, dp_sum, names, grid, is_default) in enumerate(results):
+        assert (tp, dp, r, world) == (2, 2, rank, 4)
+        assert (tp_rank, dp_rank) == (rank % 2, rank // 2)
+        assert tp_sum == {0: 1, 1: 1, 2: 5, 3: 5}[rank]  # tp groups [0, 1] and [2, 3]
+        assert dp_sum == {0: 2, 1: 4, 2: 2, 3: 4}[rank]  # dp groups [0, 2] and [1, 3]
+        assert names == ("dp", "tp") and grid == [[0, 1], [2, 3]] and is_default
+
+
+def check_defaults():
+    return [(m.tp, m.dp) for m in (tensorpar.init(tp=2), tensorpar.init(dp=4), tensorpar.init())]
+
+
+def test_init_fills_in_the_missing_size(worlds):
+    assert worlds[4].run(check_defaults, mesh=False)[0] == [(2, 2), (1, 4), (4, 1)]
+
+
+def check_init_errors():
+    messages = []
+    for kwargs in ({"tp": 3}, {"tp": 2, "dp": 3}, {"tp": 0}, {"dp": 2.5}):
+        try:
+            tensorpar.init(**kwargs)
+            messages.append(None)
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_init_misuse_is_a_clear_error(worlds):
+    messages = worlds[4].run(check_init_errors, mesh=False)[0]
+    assert messages == [
+        "tp (3) does not divide the world size (4)",
+        "tp (2) x dp (3) = 6 does not match the world size (4)",
+        "tp must be a positive integer, got 0",
+        "dp must be a positive integer, got 2.5",
+    ]
+
+
+def check_layer_without_init():
+    try:
+        ColumnParallelLinear(4, 4)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_a_layer_built_before_init_says_to_call_init(worlds):
+    message = worlds[2].run(check_layer_without_init, mesh=False)[0]
+    assert message and "call tensorpar.init(tp=...) first" in message
+
+
+def check_explicit_group_beats_the_default():
+    world = tensorpar.init(tp=4)
+    pairs = tensorpar.init(tp=2)  # now the default
+    layer = ColumnParallelLinear(8, 8, group=world.tp_group)
+    with tensorpar.use_mesh(world):
+        inner = ColumnParallelLinear(8, 8).tp
+    return layer.tp, ColumnParallelLinear(8, 8).tp, inner, tensorpar.current_mesh() is pairs
+
+
+def test_group_argument_and_use_mesh_choose_the_group(worlds):
+    assert worlds[4].run(check_explicit_group_beats_the_default, mesh=False)[0] == (4, 2, 4, True)
+
+
+def _run(*command):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+SCRIPT = """
+import os, torch, tensorpar
+from layers import RowParallelLinear
+mesh = tensorpar.init(tp=int(os.environ.get("WORLD_SIZE", 1)))
+layer = RowParallelLinear(6, 3)
+y = layer(torch.ones(2, layer.local_features))
+print(f"rank={mesh.rank} tp={mesh.tp} dp={mesh.dp} shape={tuple(y.shape)}")
+"""
+
+
+def test_init_without_a_process_group_makes_a_world_of_one():
+    assert _run(sys.executable, "-c", SCRIPT).strip() == "rank=0 tp=1 dp=1 shape=(2, 3)"
+
+
+def test_init_reads_torchrun_environment(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    out = _run(torchrun, "--standalone", "--nproc-per-node=2", str(script))
+    assert sorted(out.splitlines()) == [f"rank={r} tp=2 dp=1 shape=(2, 3)" for r in (0, 1)]
