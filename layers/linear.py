@@ -10,7 +10,10 @@ A linear layer ``Y = X Wᵀ + b`` with ``W`` of shape ``(out, in)`` splits two w
 * **Row-parallel** splits ``W`` by columns (input features):
   ``W = [W_1, ..., W_tp]`` and ``X = [X_1, ..., X_tp]`` so ``Y = Σ_r X_r W_rᵀ``.
   Each rank computes a partial sum and ``g`` (:func:`reduce_from_tp`) all-reduces
-  it in forward; the bias is added once, after the sum.
+  it in forward; the bias is added once, after the sum. Both layers fuse their
+  collective with the matmul (:mod:`tensorpar.functional`), which lets it work
+  in place on buffers the op owns and overlap the backward all-reduce with the
+  weight-gradient computation.
 
 Column then row (an MLP) needs no communication in between: the column layer's
 sharded output is exactly the row layer's sharded input. Shards are balanced
@@ -23,7 +26,6 @@ import math
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
@@ -142,7 +144,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x, self.in_features, "an input")
-        y = F.linear(tensorpar.copy_to_tp(x, self.tp_group), self.weight, self.bias)  # (*, out / tp)
+        y = tensorpar.column_parallel_linear(x, self.weight, self.bias, self.tp_group)  # (*, out / tp)
         if self.gather_output:
             y = tensorpar.gather_from_tp(y, -1, self.out_features, self.tp_group)  # (*, out)
         return y
@@ -175,17 +177,14 @@ class RowParallelLinear(_ParallelLinear):
         self.input_is_parallel = input_is_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp == 1:
-            self._check_input(x, self.in_features, "an input")
-            return F.linear(x, self.weight, self.bias)
-        if self.input_is_parallel:
-            self._check_input(x, self.local_features, f"this rank's input slice ({self.in_features} in_features "
-                                                      f"over tp {self.tp}; input_is_parallel=True)")
+        if self.input_is_parallel or self.tp == 1:
+            self._check_input(x, self.local_features, "an input" if self.tp == 1 else
+                              f"this rank's input slice ({self.in_features} in_features over tp {self.tp}; "
+                              "input_is_parallel=True)")
         else:
             self._check_input(x, self.in_features, "an input")
             x = tensorpar.scatter_to_tp(x, -1, self.tp_group)  # (*, in / tp)
-        y = tensorpar.reduce_from_tp(F.linear(x, self.weight), self.tp_group)  # (*, out), summed over ranks
-        return y if self.bias is None else y + self.bias
+        return tensorpar.row_parallel_linear(x, self.weight, self.bias, self.tp_group)  # (*, out), summed over ranks
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, input_is_parallel={self.input_is_parallel}"

@@ -9,6 +9,7 @@ helpers. The layers built on it live in the ``layers`` package;
 from . import tiled_init
 from .collectives import CollectiveError
 from .comm import all_gather, copy_to_tp, gather_from_tp, reduce_from_tp, reduce_scatter, scatter_to_tp
+from .functional import column_parallel_linear, row_parallel_linear
 from .counter import CollectiveCounter, CollectiveRecord, count_collectives
 from .launch import RankError, spawn
 from .mesh import Mesh, current_mesh, group_rank_size, init, shutdown, tp_group, use_mesh
@@ -18,8 +19,8 @@ from .state import full_grads, full_state_dict, load_full_state_dict
 
 __all__ = [
     "CollectiveCounter", "CollectiveError", "CollectiveRecord", "Mesh", "RankError", "Shard",
-    "all_gather", "copy_to_tp", "count_collectives", "current_mesh", "full_grads", "full_state_dict",
+    "all_gather", "column_parallel_linear", "copy_to_tp", "count_collectives", "current_mesh", "full_grads", "full_state_dict",
     "gather_from_tp", "group_rank_size", "init", "load_full_state_dict", "parallelize",
-    "partition_offsets", "partition_sizes", "reduce_from_tp", "reduce_scatter", "scatter_to_tp",
+    "partition_offsets", "partition_sizes", "reduce_from_tp", "reduce_scatter", "row_parallel_linear", "scatter_to_tp",
     "shard", "shutdown", "spawn", "tiled_init", "tp_group", "use_mesh",
 ]

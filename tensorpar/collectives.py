@@ -78,6 +78,31 @@ def all_reduce_sum(x: torch.Tensor, group: ProcessGroup,
     return out
 
 
+class PendingAllReduce:
+    """An all-reduce in flight; ``wait()`` returns the summed tensor."""
+
+    def __init__(self, work: Any, tensor: torch.Tensor, group: ProcessGroup) -> None:
+        self._work, self._tensor, self._group = work, tensor, group
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            with _tagged("all_reduce", self._tensor, self._group):
+                self._work.wait()
+        return self._tensor
+
+
+def start_all_reduce_(x: torch.Tensor, group: ProcessGroup,
+                      counters: tuple[CollectiveCounter, ...] | None = None) -> PendingAllReduce:
+    """Start summing ``x`` over the group in place and return at once. Only for a
+    buffer the caller owns (never an autograd input)."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        return PendingAllReduce(None, x, group)
+    record("all_reduce", x.dtype, x.numel(), n, counters)
+    with _tagged("all_reduce", x, group):
+        return PendingAllReduce(dist.all_reduce(x, group=group, async_op=True), x, group)
+
+
 def all_gather_along(x: torch.Tensor, dim: int, sizes: Sequence[int], group: ProcessGroup,
                      counters: tuple[CollectiveCounter, ...] | None = None) -> torch.Tensor:
     """Concatenation along ``dim`` of every rank's ``x``; rank ``r`` holds ``sizes[r]`` there."""

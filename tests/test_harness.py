@@ -81,15 +81,26 @@ def test_throughput_of_a_small_linear_check(pair):
 
 # ------------------------------------------------ a broken f or g is caught
 
-def _twice(fn):
-    return lambda x, group=None: fn(fn(x, group), group)
+def _plain(fn):  # the linear map without its collective
+    return lambda x, w, b=None, group=None: torch.nn.functional.linear(x, w, b)
+
+
+def _f_twice(fn):  # one more f in front of the (fused) column-parallel linear
+    return lambda x, w, b=None, group=None: fn(tensorpar.copy_to_tp(x, group), w, b, group)
+
+
+def _g_twice(fn):  # one more g behind the (fused) row-parallel partial sums
+    def twice(x, w, b=None, group=None):
+        y = tensorpar.reduce_from_tp(fn(x, w, None, group), group)
+        return y if b is None else y + b
+    return twice
 
 
 MUTATIONS = {
-    "missing f": ("copy_to_tp", lambda fn: lambda x, group=None: x),
-    "doubled f": ("copy_to_tp", _twice),
-    "missing g": ("reduce_from_tp", lambda fn: lambda x, group=None: x),
-    "doubled g": ("reduce_from_tp", _twice),
+    "missing f": ("column_parallel_linear", _plain),
+    "doubled f": ("column_parallel_linear", _f_twice),
+    "missing g": ("row_parallel_linear", _plain),
+    "doubled g": ("row_parallel_linear", _g_twice),
 }
 
 

@@ -151,3 +151,23 @@ def check_parameter_names():
 def test_parameter_names_are_those_of_nn_linear(worlds):
     for column, row in worlds[2].run(check_parameter_names):
         assert column == ["weight", "bias"] and row == ["weight"]
+
+
+def check_autocast(tp_kind, d, hidden, seed):
+    """fp32 parameters under CPU bf16 autocast, against nn.Linear under the same autocast."""
+    torch.manual_seed(seed)
+    dense = DenseMLP(d, hidden)
+    sharded = copy.deepcopy(dense)
+    tensorpar.parallelize(sharded, {"fc1": "column", "fc2": "row"})
+    x = torch.randn(16, d)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        errors = assert_sharded_equivalent(sharded, dense, x, rtol=TOLERANCES[torch.bfloat16], seed=seed)
+        dtype = sharded(x).dtype
+    return dtype, max(errors.values())
+
+
+@settings(max_examples=6)
+@given(tp=tp_sizes(), d=st.integers(8, 32), extra=st.integers(8, 64), seed=st.integers(0, 2**31))
+def test_layers_follow_autocast_like_nn_linear(worlds, tp, d, extra, seed):
+    for dtype, err in worlds[tp].run(check_autocast, None, d, extra, seed):
+        assert dtype == torch.bfloat16 and err <= TOLERANCES[torch.bfloat16]
