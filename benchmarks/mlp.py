@@ -12,12 +12,8 @@ are medians over rounds. ``--write`` records them in benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -25,6 +21,8 @@ from torch import nn
 import tensorpar
 from layers import ColumnParallelLinear, RowParallelLinear
 from tensorpar.testing import World
+
+from results import machine, write_section
 
 
 def dense_mlp(h: int) -> nn.Module:
@@ -104,13 +102,9 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     if args.write:
-        header = (f"# Benchmark results\n\n## MLP h → 4h → GELU → h, forward+backward, fp32, one thread per rank\n\n"
-                  f"Measured {datetime.date.today()} on {platform.machine()} with {os.cpu_count()} cores, "
-                  f"{platform.python_implementation()} {platform.python_version()}, torch {torch.__version__}, "
-                  f"gloo; medians of {args.rounds} interleaved rounds × {args.iters} steps "
-                  f"(`python benchmarks/mlp.py --write`).\n\n")
-        Path(__file__).with_name("RESULTS.md").write_text(header + table + "\n")
-
+        write_section("MLP h → 4h → GELU → h, forward+backward, fp32, one thread per rank",
+                      f"{machine()}, gloo; medians of {args.rounds} interleaved rounds × {args.iters} steps "
+                      f"(`python benchmarks/mlp.py --write`).\n\n{table}")
 
 if __name__ == "__main__":
     main()

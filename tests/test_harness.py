@@ -19,7 +19,7 @@ from tensorpar.testing import World, assert_sharded_equivalent, tp_sizes
 @pytest.fixture(scope="module")
 def pair():
     """A world of its own, so restarts here do not slow the shared pools."""
-    world = World(2, timeout=4.0, grace=1.0)
+    world = World(2, timeout=8.0, grace=1.0)
     yield world
     world.close()
 
@@ -39,7 +39,7 @@ def test_a_rank_that_raises_fails_fast_and_the_pool_recovers(pair):
     start = time.monotonic()
     with pytest.raises(tensorpar.RankError, match=r"rank 1: KeyError: 'boom'") as info:
         pair.run(rank_one_raises)
-    assert time.monotonic() - start < 3.5  # the 1 s grace, not the 4 s timeout
+    assert time.monotonic() - start < 5  # the 1 s grace, not the 8 s timeout
     assert "rank_one_raises" in info.value.remote_traceback
     assert pair.run(ranks) == [0, 1]
 
@@ -50,9 +50,9 @@ def all_hang():
 
 def test_a_hung_example_is_killed_and_the_pool_restarted(pair):
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"all_hang did not finish within 4.0 s on ranks \[0, 1\]"):
+    with pytest.raises(TimeoutError, match=r"all_hang did not finish within 8.0 s on ranks \[0, 1\]"):
         pair.run(all_hang)
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 15
     assert pair.run(ranks) == [0, 1]
 
 
@@ -66,17 +66,6 @@ def test_a_worker_that_dies_is_reported_and_replaced(pair):
     with pytest.raises(tensorpar.RankError, match=r"rank 0: pool worker running rank_zero_exits exited with code 3"):
         pair.run(rank_zero_exits)
     assert pair.run(ranks) == [0, 1]
-
-
-def test_throughput_of_a_small_linear_check(pair):
-    from test_linear import check_linear
-    pair.run(check_linear, "column", 8, 12, (4,), torch.float32, True, False, 0)
-    start, n = time.monotonic(), 50
-    for seed in range(n):
-        pair.run(check_linear, "column", 8, 12, (4,), torch.float32, True, False, seed)
-    rate = n / (time.monotonic() - start)
-    print(f"\nharness throughput at world size 2: {rate:.0f} examples/s")
-    assert rate > 5  # a sanity floor only: the real figure is printed (and reported), not asserted
 
 
 # ------------------------------------------------ a broken f or g is caught
