@@ -13,6 +13,8 @@ The split/gather pairs move a tensor between "replicated" and "sharded along
 parallelism, where the replicated side holds partial sums. Every function takes
 ``group=None`` (the default mesh's tp group) and is the identity at tp = 1.
 Shards are balanced (see :mod:`tensorpar.sharding`), so sizes need not divide.
+Backward is first-order only: a double backward raises instead of silently
+missing the collectives.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from .collectives import all_gather_along, all_reduce_sum, reduce_scatter_along
@@ -37,6 +40,7 @@ class _CopyToTP(torch.autograd.Function):
         return x
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return all_reduce_sum(grad, ctx.group, ctx.counters), None
 
@@ -49,6 +53,7 @@ class _ReduceFromTP(torch.autograd.Function):
         return all_reduce_sum(x, group)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
@@ -64,6 +69,7 @@ class _ScatterToTP(torch.autograd.Function):
         return x.narrow(dim, sum(sizes[:rank]), sizes[rank]).clone(memory_format=torch.contiguous_format)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return all_gather_along(grad, ctx.dim, ctx.sizes, ctx.group, ctx.counters), None, None
 
@@ -78,6 +84,7 @@ class _GatherFromTP(torch.autograd.Function):
         return all_gather_along(x, dim, sizes, group)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         return grad.narrow(ctx.dim, ctx.offset, ctx.size), None, None, None
 
@@ -93,6 +100,7 @@ class _ReduceScatter(torch.autograd.Function):
         return reduce_scatter_along(x, dim, sizes, group)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return all_gather_along(grad, ctx.dim, ctx.sizes, ctx.group, ctx.counters), None, None
 
@@ -106,6 +114,7 @@ class _AllGather(torch.autograd.Function):
         return all_gather_along(x, dim, sizes, group)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         return reduce_scatter_along(grad, ctx.dim, ctx.sizes, ctx.group, ctx.counters), None, None, None
 

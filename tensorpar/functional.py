@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from .collectives import start_all_reduce_
@@ -29,7 +30,11 @@ def _autocast(ctx: Any, x: torch.Tensor, weight: torch.Tensor,
     device = x.device.type
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
-        x, weight, bias = x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+
+        def cast(t: torch.Tensor | None) -> Any:  # autocast leaves float64 alone
+            return t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+
+        x, weight, bias = cast(x), cast(weight), cast(bias)
     ctx.save_for_backward(x, weight)
     ctx.has_bias, ctx.counters = bias is not None, active_counters()
     return x, weight, bias
@@ -54,6 +59,7 @@ class _ColumnParallelLinear(torch.autograd.Function):
             return F.linear(x, weight, bias)  # (*, out / tp)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> Grads:
         x, weight = ctx.saved_tensors
         pending = start_all_reduce_(grad @ weight, ctx.group, ctx.counters) if ctx.needs_input_grad[0] else None
@@ -74,6 +80,7 @@ class _RowParallelLinear(torch.autograd.Function):
         return y if bias is None else y.add_(bias)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> Grads:
         x, weight = ctx.saved_tensors
         grad_x = grad @ weight if ctx.needs_input_grad[0] else None  # (*, in / tp)

@@ -149,12 +149,14 @@ class Replies:
     silent: list[int] = field(default_factory=list)
 
     def raise_first_error(self, what: str) -> None:
-        if self.errors:
-            rank = min(self.errors)
-            raise_rank_error(rank, self.errors[rank])
+        """Raise for the likeliest root cause: a rank that died, else a rank whose error is
+        not a failed collective (peers of a failed rank see those), else the lowest rank."""
         if self.dead:
             rank = min(self.dead)
             raise RankError(rank, f"{what} exited with code {self.dead[rank]} before returning")
+        if self.errors:
+            rank = min(self.errors, key=lambda r: (self.errors[r][1].startswith("CollectiveError"), r))
+            raise_rank_error(rank, self.errors[rank])
 
 
 def collect_replies(procs: Sequence[Any], conns: Sequence[multiprocessing.connection.Connection],

@@ -13,6 +13,7 @@ import atexit
 import contextlib
 import contextvars
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -68,7 +69,14 @@ def _init_process_group(backend: str | None, timeout: timedelta) -> None:
                                "or tensorpar.spawn, or initialise torch.distributed yourself")
         dist.init_process_group(backend, timeout=timeout)
     # The group is ours: close it at exit (a gloo group left open can abort the interpreter's shutdown).
-    atexit.register(shutdown, timeout)
+    atexit.register(_shutdown_at_exit, timeout)
+
+
+def _shutdown_at_exit(timeout: timedelta) -> None:
+    # After an uncaught exception, exit at once: waiting in a barrier for peers that are
+    # blocked in a collective would only hide the failure from the launcher.
+    if getattr(sys, "last_value", None) is None:
+        shutdown(timeout)
 
 
 def shutdown(timeout: timedelta = DEFAULT_TIMEOUT) -> None:
@@ -110,6 +118,8 @@ def init(tp: int | None = None, dp: int | None = None, *, backend: str | None = 
     for name, value in (("tp", tp), ("dp", dp)):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if dp is not None and world % dp:
+        raise ValueError(f"dp ({dp}) does not divide the world size ({world})")
     if tp is None:
         tp = world // dp if dp is not None else world
     if world % tp:

@@ -120,6 +120,7 @@ class World:
         try:
             self._collect("start-up", self.startup)
         except (RankError, TimeoutError) as e:
+            self._kill()
             self._broken = f"the pool of {self.size} workers failed to start: {e}"
             raise RuntimeError(self._broken) from e
 

@@ -171,3 +171,27 @@ def check_autocast(tp_kind, d, hidden, seed):
 def test_layers_follow_autocast_like_nn_linear(worlds, tp, d, extra, seed):
     for dtype, err in worlds[tp].run(check_autocast, None, d, extra, seed):
         assert dtype == torch.bfloat16 and err <= TOLERANCES[torch.bfloat16]
+
+
+def check_float64_under_autocast_and_double_backward():
+    torch.manual_seed(0)
+    column = ColumnParallelLinear(6, 8, dtype=torch.float64)
+    row = RowParallelLinear(8, 6, dtype=torch.float64)
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast leaves float64 alone, at every tp
+        dtype = row(column(x)).dtype
+    (dx,) = torch.autograd.grad(row(torch.tanh(column(x))).sum(), x, create_graph=True)
+    try:
+        dx.pow(2).sum().backward()
+        second = None
+    except RuntimeError as e:
+        second = str(e)
+    return dtype, second
+
+
+def test_float64_under_autocast_and_double_backward_is_refused(worlds):
+    for tp in (1, 2):
+        for dtype, second in worlds[tp].run(check_float64_under_autocast_and_double_backward):
+            assert dtype == torch.float64
+            if tp > 1:  # the collectives in backward are not differentiable: say so, never answer wrongly
+                assert second and "once_differentiable" in second

@@ -1,8 +1,10 @@
 """tensorpar.init: the (dp, tp) mesh, its groups, defaults and misuse."""
 
 import os
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -43,7 +45,7 @@ def test_init_fills_in_the_missing_size(worlds):
 
 def check_init_errors():
     messages = []
-    for kwargs in ({"tp": 3}, {"tp": 2, "dp": 3}, {"tp": 0}, {"dp": 2.5}):
+    for kwargs in ({"tp": 3}, {"tp": 2, "dp": 1}, {"tp": 0}, {"dp": 2.5}, {"dp": 3}):
         try:
             tensorpar.init(**kwargs)
             messages.append(None)
@@ -56,9 +58,10 @@ def test_init_misuse_is_a_clear_error(worlds):
     messages = worlds[4].run(check_init_errors, mesh=False)[0]
     assert messages == [
         "tp (3) does not divide the world size (4)",
-        "tp (2) x dp (3) = 6 does not match the world size (4)",
+        "tp (2) x dp (1) = 2 does not match the world size (4)",
         "tp must be a positive integer, got 0",
         "dp must be a positive integer, got 2.5",
+        "dp (3) does not divide the world size (4)",
     ]
 
 
@@ -114,4 +117,26 @@ def test_init_reads_torchrun_environment(tmp_path):
     script.write_text(SCRIPT)
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     out = _run(torchrun, "--standalone", "--nproc-per-node=2", str(script))
-    assert sorted(out.splitlines()) == [f"rank={r} tp=2 dp=1 shape=(2, 3)" for r in (0, 1)]
+    # the two ranks share one stdout, so their lines may run together
+    assert sorted(re.findall(r"rank=\d tp=\d dp=\d shape=\(2, 3\)", out)) == [
+        f"rank={r} tp=2 dp=1 shape=(2, 3)" for r in (0, 1)]
+
+
+CRASH = """
+import torch, tensorpar
+mesh = tensorpar.init(tp=2)
+if mesh.rank == 1:
+    raise SystemError("rank 1 gives up")
+tensorpar.reduce_from_tp(torch.ones(3))  # rank 0 waits for rank 1, which has gone
+"""
+
+
+def test_a_crashing_rank_ends_a_torchrun_job_promptly(tmp_path):
+    script = tmp_path / "crash.py"
+    script.write_text(CRASH)
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    start = time.monotonic()
+    done = subprocess.run([torchrun, "--standalone", "--nproc-per-node=2", str(script)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "rank 1 gives up" in done.stderr
+    assert time.monotonic() - start < 60  # not the 10-minute collective timeout
