@@ -16,7 +16,9 @@ A linear layer ``Y = X Wᵀ + b`` with ``W`` of shape ``(out, in)`` splits two w
   weight-gradient computation.
 
 Column then row (an MLP) needs no communication in between: the column layer's
-sharded output is exactly the row layer's sharded input. Shards are balanced
+sharded output is exactly the row layer's sharded input. ``unit=k`` keeps
+whole groups of ``k`` features together (``unit=head_dim``: whole attention
+heads per rank). Shards are balanced
 and need not divide evenly; weights are initialised identically at every tp.
 """
 
@@ -38,17 +40,19 @@ class _ParallelLinear(nn.Module):
 
     split_dim: ClassVar[int]  # 0: output features are split; 1: input features are split
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, group: ProcessGroup | None,
+    def __init__(self, in_features: int, out_features: int, bias: bool, unit: int, group: ProcessGroup | None,
                  device: torch.device | str | None, dtype: torch.dtype | None) -> None:
         super().__init__()
         for name, value in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{type(self).__name__}: {name} must be a positive integer, got {value!r}")
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features, self.unit = in_features, out_features, unit
         self.tp_group = tensorpar.tp_group(group)
         self.tp_rank, self.tp = tensorpar.group_rank_size(self.tp_group)
         full = (out_features, in_features)
-        sizes = partition_sizes(full[self.split_dim], self.tp, name=("out_features", "in_features")[self.split_dim])
+        name = ("out_features", "in_features")[self.split_dim]
+        sizes = partition_sizes(full[self.split_dim], self.tp, unit=unit,
+                                name=name if unit == 1 else f"{name} in units of {unit}")
         self.local_offset, self.local_features = sum(sizes[:self.tp_rank]), sizes[self.tp_rank]
         local = list(full)
         local[self.split_dim] = self.local_features
@@ -59,21 +63,16 @@ class _ParallelLinear(nn.Module):
 
     def sharding(self) -> dict[str, Shard]:
         """Placements of the split parameters (see :mod:`tensorpar.state`)."""
-        split = {"weight": Shard(self.split_dim, (self.out_features, self.in_features)[self.split_dim])}
+        split = {"weight": Shard(self.split_dim, (self.out_features, self.in_features)[self.split_dim], self.unit)}
         if self.bias is not None and self.split_dim == 0:
-            split["bias"] = Shard(0, self.out_features)
+            split["bias"] = Shard(0, self.out_features, self.unit)
         return split
 
     def reset_parameters(self) -> None:
         """``nn.Linear``'s default: weight and bias ``U(-1/√in, 1/√in)``, drawn tp-invariantly."""
         bound = 1 / math.sqrt(self.in_features)
-        offset = [0, 0]
-        offset[self.split_dim] = self.local_offset
-        tensorpar.tiled_init.uniform_(self.weight, -bound, bound, full_shape=(self.out_features, self.in_features),
-                                offset=offset)
-        if self.bias is not None:
-            tensorpar.tiled_init.uniform_(self.bias, -bound, bound, full_shape=(self.out_features,),
-                                    offset=(self.local_offset if self.split_dim == 0 else 0,))
+        for name, geometry in tensorpar.shard_geometry(self).items():
+            tensorpar.tiled_init.uniform_(getattr(self, name), -bound, bound, **geometry)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **options: Any) -> "_ParallelLinear":
@@ -117,7 +116,7 @@ class _ParallelLinear(nn.Module):
         lo, hi = self.local_offset, self.local_offset + self.local_features
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, local {split}={self.local_features} [{lo}:{hi}] "
-                f"on tp rank {self.tp_rank} of {self.tp}")
+                f"on tp rank {self.tp_rank} of {self.tp}" + (f", unit={self.unit}" if self.unit > 1 else ""))
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -137,9 +136,9 @@ class ColumnParallelLinear(_ParallelLinear):
     split_dim = 0
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, gather_output: bool = False,
-                 group: ProcessGroup | None = None, device: torch.device | str | None = None,
+                 unit: int = 1, group: ProcessGroup | None = None, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
-        super().__init__(in_features, out_features, bias, group, device, dtype)
+        super().__init__(in_features, out_features, bias, unit, group, device, dtype)
         self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -171,9 +170,9 @@ class RowParallelLinear(_ParallelLinear):
     split_dim = 1
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, input_is_parallel: bool = True,
-                 group: ProcessGroup | None = None, device: torch.device | str | None = None,
+                 unit: int = 1, group: ProcessGroup | None = None, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
-        super().__init__(in_features, out_features, bias, group, device, dtype)
+        super().__init__(in_features, out_features, bias, unit, group, device, dtype)
         self.input_is_parallel = input_is_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -183,7 +182,7 @@ class RowParallelLinear(_ParallelLinear):
                               "input_is_parallel=True)")
         else:
             self._check_input(x, self.in_features, "an input")
-            x = tensorpar.scatter_to_tp(x, -1, self.tp_group)  # (*, in / tp)
+            x = tensorpar.scatter_to_tp(x, -1, self.tp_group, unit=self.unit)  # (*, in / tp)
         return tensorpar.row_parallel_linear(x, self.weight, self.bias, self.tp_group)  # (*, out), summed over ranks
 
     def extra_repr(self) -> str:

@@ -1,26 +1,30 @@
 """tensorpar: Megatron-style tensor parallelism for PyTorch.
 
 The runtime core: the (dp, tp) process mesh, autograd collectives, balanced
-sharding, tp-invariant initialisation, a local launcher, and whole-model
-helpers. The layers built on it live in the ``layers`` package;
-``tensorpar.testing`` holds the multi-process test harness.
+sharding, tp-invariant initialisation, per-rank random streams, vocab-parallel
+cross-entropy, a local launcher, and whole-model helpers. The layers built on
+it live in the ``layers`` package; ``tensorpar.testing`` holds the
+multi-process test harness.
 """
 
 from . import tiled_init
 from .collectives import CollectiveError
 from .comm import all_gather, copy_to_tp, gather_from_tp, reduce_from_tp, reduce_scatter, scatter_to_tp
-from .functional import column_parallel_linear, row_parallel_linear
 from .counter import CollectiveCounter, CollectiveRecord, count_collectives
+from .cross_entropy import vocab_parallel_cross_entropy
+from .functional import column_parallel_linear, row_parallel_linear
 from .launch import RankError, spawn
-from .mesh import Mesh, current_mesh, group_rank_size, init, shutdown, tp_group, use_mesh
+from .mesh import Mesh, current_mesh, group_rank_size, init, manual_seed, shutdown, tp_group, use_mesh
 from .parallelize import parallelize
+from .random import RNGStatesTracker
 from .sharding import Shard, partition_offsets, partition_sizes, shard
-from .state import full_grads, full_state_dict, load_full_state_dict
+from .state import full_grads, full_state_dict, load_full_state_dict, shard_geometry
 
 __all__ = [
-    "CollectiveCounter", "CollectiveError", "CollectiveRecord", "Mesh", "RankError", "Shard",
-    "all_gather", "column_parallel_linear", "copy_to_tp", "count_collectives", "current_mesh", "full_grads", "full_state_dict",
-    "gather_from_tp", "group_rank_size", "init", "load_full_state_dict", "parallelize",
-    "partition_offsets", "partition_sizes", "reduce_from_tp", "reduce_scatter", "row_parallel_linear", "scatter_to_tp",
-    "shard", "shutdown", "spawn", "tiled_init", "tp_group", "use_mesh",
+    "CollectiveCounter", "CollectiveError", "CollectiveRecord", "Mesh", "RNGStatesTracker", "RankError", "Shard",
+    "all_gather", "column_parallel_linear", "copy_to_tp", "count_collectives", "current_mesh", "full_grads",
+    "full_state_dict", "gather_from_tp", "group_rank_size", "init", "load_full_state_dict", "manual_seed",
+    "parallelize", "partition_offsets", "partition_sizes", "reduce_from_tp", "reduce_scatter", "row_parallel_linear",
+    "scatter_to_tp", "shard", "shard_geometry", "shutdown", "spawn", "tiled_init", "tp_group", "use_mesh",
+    "vocab_parallel_cross_entropy",
 ]

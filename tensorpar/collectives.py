@@ -92,15 +92,27 @@ class PendingAllReduce:
 
 
 def start_all_reduce_(x: torch.Tensor, group: ProcessGroup,
-                      counters: tuple[CollectiveCounter, ...] | None = None) -> PendingAllReduce:
-    """Start summing ``x`` over the group in place and return at once. Only for a
-    buffer the caller owns (never an autograd input)."""
+                      counters: tuple[CollectiveCounter, ...] | None = None, *,
+                      op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> PendingAllReduce:
+    """Start reducing ``x`` over the group in place (a sum unless ``op`` says otherwise)
+    and return at once. Only for a buffer the caller owns (never an autograd input)."""
     n = dist.get_world_size(group)
     if n == 1:
         return PendingAllReduce(None, x, group)
     record("all_reduce", x.dtype, x.numel(), n, counters)
     with _tagged("all_reduce", x, group):
-        return PendingAllReduce(dist.all_reduce(x, group=group, async_op=True), x, group)
+        return PendingAllReduce(dist.all_reduce(x, op=op, group=group, async_op=True), x, group)
+
+
+def broadcast_from_first_(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Overwrite ``x`` in place with the group's first rank's ``x``."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        return x
+    record("broadcast", x.dtype, x.numel(), n)
+    with _tagged("broadcast", x, group):
+        dist.broadcast(x, dist.get_global_rank(group, 0), group=group)
+    return x
 
 
 def all_gather_along(x: torch.Tensor, dim: int, sizes: Sequence[int], group: ProcessGroup,

@@ -62,16 +62,16 @@ class _ScatterToTP(torch.autograd.Function):
     """Keep this rank's slice forward; all-gather the gradient backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, dim: int, unit: int, group: ProcessGroup) -> torch.Tensor:
         rank, n = group_rank_size(group)
-        sizes = partition_sizes(x.shape[dim], n, name=f"size of dim {dim}")
+        sizes = partition_sizes(x.shape[dim], n, unit=unit, name=f"size of dim {dim}")
         ctx.dim, ctx.sizes, ctx.group, ctx.counters = dim, sizes, group, active_counters()
         return x.narrow(dim, sum(sizes[:rank]), sizes[rank]).clone(memory_format=torch.contiguous_format)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return all_gather_along(grad, ctx.dim, ctx.sizes, ctx.group, ctx.counters), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return all_gather_along(grad, ctx.dim, ctx.sizes, ctx.group, ctx.counters), None, None, None
 
 
 class _GatherFromTP(torch.autograd.Function):
@@ -142,10 +142,12 @@ def reduce_from_tp(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.
     return x if n == 1 else _ReduceFromTP.apply(x, group)
 
 
-def scatter_to_tp(x: torch.Tensor, dim: int = -1, group: ProcessGroup | None = None) -> torch.Tensor:
-    """This rank's balanced slice of a replicated ``x`` along ``dim``; backward all-gathers."""
+def scatter_to_tp(x: torch.Tensor, dim: int = -1, group: ProcessGroup | None = None, *,
+                  unit: int = 1) -> torch.Tensor:
+    """This rank's balanced slice (in whole units of ``unit``) of a replicated ``x`` along ``dim``;
+    backward all-gathers."""
     group, n = _group_and_size(group)
-    return x if n == 1 else _ScatterToTP.apply(x, dim, group)
+    return x if n == 1 else _ScatterToTP.apply(x, dim, unit, group)
 
 
 def gather_from_tp(x: torch.Tensor, dim: int, size: int, group: ProcessGroup | None = None) -> torch.Tensor:

@@ -125,17 +125,21 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None =
         child_end.close()
         procs.append(p)
         conns.append(parent_end)
+    clean_exit = 0.0
     try:
         replies = collect_replies(procs, conns, timeout)
         replies.raise_first_error("process")
         if replies.silent:
             raise RankError(replies.silent[0], f"timed out after {timeout} s; ranks {replies.silent} had not finished")
+        clean_exit = collective_timeout.total_seconds()  # let the ranks leave the group together
         return [replies.results[r] for r in range(nprocs)]
     finally:
+        deadline = time.monotonic() + clean_exit
         for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
-            p.join()
+                p.join()
 
 
 @dataclass

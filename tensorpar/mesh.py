@@ -15,7 +15,7 @@ import contextvars
 import os
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -23,12 +23,17 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
+from .random import RNGStatesTracker
+
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
 @dataclass(frozen=True)
 class Mesh:
-    """A 2-D ``("dp", "tp")`` mesh over the world, with its groups, ranks and sizes."""
+    """A 2-D ``("dp", "tp")`` mesh over the world, with its groups, ranks and sizes.
+
+    ``rng`` is this rank's random stream for sharded regions (see :mod:`tensorpar.random`).
+    """
 
     device_mesh: DeviceMesh
     tp_group: ProcessGroup
@@ -40,6 +45,7 @@ class Mesh:
     rank: int
     world_size: int
     device: torch.device
+    rng: RNGStatesTracker = field(compare=False)
 
     def __repr__(self) -> str:
         return (f"Mesh(tp={self.tp}, dp={self.dp}, rank={self.rank}, tp_rank={self.tp_rank}, "
@@ -138,7 +144,7 @@ def init(tp: int | None = None, dp: int | None = None, *, backend: str | None = 
         tp_group=device_mesh.get_group("tp"),
         dp_group=device_mesh.get_group("dp"),
         tp=tp, dp=dp, tp_rank=rank % tp, dp_rank=rank // tp,
-        rank=rank, world_size=world, device=device,
+        rank=rank, world_size=world, device=device, rng=RNGStatesTracker(rank % tp),
     )
     _current.set(mesh)
     return mesh
@@ -161,6 +167,13 @@ def use_mesh(mesh: Mesh | None) -> Iterator[Mesh | None]:
         yield mesh
     finally:
         _current.reset(token)
+
+
+def manual_seed(seed: int, mesh: Mesh | None = None) -> None:
+    """Seed torch's default generators (the same on every rank: replicated regions)
+    and the mesh's tp streams (different on each tp rank: sharded regions)."""
+    torch.manual_seed(seed)
+    (mesh or current_mesh()).rng.seed(seed)
 
 
 def tp_group(group: ProcessGroup | None = None) -> ProcessGroup:

@@ -10,10 +10,13 @@ from typing import Any, Union
 from torch import nn
 from torch.distributed import ProcessGroup
 
-#: A plan value: a style name ("column", "row", ...), a class with ``from_linear``, or a converter.
+#: A plan value: a style name ("column", "row", "embedding"), a class with ``from_linear``, or a converter.
 Style = Union[str, type, Callable[[nn.Module], nn.Module]]
 
 STYLE_GROUP = "tensorpar.styles"
+
+#: How a style class converts each kind of dense module.
+_FROM = ((nn.Linear, "from_linear"), (nn.Embedding, "from_embedding"))
 
 
 def _style_class(name: str) -> Any:
@@ -28,12 +31,19 @@ def _style_class(name: str) -> Any:
 def _converter(style: Style, group: ProcessGroup | None) -> Callable[[nn.Module], nn.Module]:
     if isinstance(style, str):
         style = _style_class(style)
-    if hasattr(style, "from_linear"):
+    if isinstance(style, type) and any(hasattr(style, method) for _, method in _FROM):
         cls = style
-        return lambda module: cls.from_linear(module, group=group)
+
+        def convert(module: nn.Module) -> nn.Module:
+            for kind, method in _FROM:
+                if isinstance(module, kind) and hasattr(cls, method):
+                    return getattr(cls, method)(module, group=group)
+            raise TypeError(f"{cls.__name__} cannot convert a {type(module).__name__}")
+        return convert
     if callable(style):
         return style
-    raise TypeError(f"a plan value must be a style name, a class with from_linear, or a callable; got {style!r}")
+    raise TypeError("a plan value must be a style name, a class with from_linear/from_embedding, or a callable; "
+                    f"got {style!r}")
 
 
 def parallelize(model: nn.Module, plan: Mapping[str, Style], *, group: ProcessGroup | None = None) -> nn.Module:
@@ -41,7 +51,8 @@ def parallelize(model: nn.Module, plan: Mapping[str, Style], *, group: ProcessGr
 
     Keys are submodule names, glob patterns allowed (``"blocks.*.fc1"``); values
     are styles: ``"column"`` (``ColumnParallelLinear``), ``"row"``
-    (``RowParallelLinear``), or a class with ``from_linear``, or any callable
+    (``RowParallelLinear``), ``"embedding"`` (``VocabParallelEmbedding``), a
+    class with ``from_linear``/``from_embedding``, or any callable
     taking the dense module and returning its replacement. Every rank must hold
     the same dense weights. Returns ``model``, changed in place.
 

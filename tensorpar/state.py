@@ -46,6 +46,29 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return _gathered({k: p.grad for k, p in model.named_parameters() if p.grad is not None}, model)
 
 
+def shard_geometry(model: nn.Module) -> dict[str, dict[str, tuple[int, ...]]]:
+    """``{name: {"full_shape": ..., "offset": ...}}`` for every parameter of ``model``:
+    where this rank's block sits in the full tensor (replicated: the whole of it).
+
+    The values are the keyword arguments of :mod:`tensorpar.tiled_init`'s fills,
+    so a model initialises tp-invariantly with, e.g.::
+
+        geometry = tensorpar.shard_geometry(model)
+        for name, p in model.named_parameters():
+            tensorpar.tiled_init.normal_(p, 0.0, 0.02, **geometry[name])
+    """
+    geometry = {name: {"full_shape": tuple(p.shape), "offset": (0,) * p.dim()}
+                for name, p in model.named_parameters(remove_duplicate=False)}
+    for key, placement, group in sharded_entries(model):
+        if key in geometry:
+            rank, n = group_rank_size(group)
+            full, offset = list(geometry[key]["full_shape"]), list(geometry[key]["offset"])
+            offset[placement.dim], _ = placement.bounds(n, rank)
+            full[placement.dim] = placement.size
+            geometry[key] = {"full_shape": tuple(full), "offset": tuple(offset)}
+    return geometry
+
+
 def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
     """Load an unsharded state dict, keeping each rank's shard of the split tensors."""
     local = dict(state_dict)

@@ -18,22 +18,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .random import mix_seed
+
 TILE = 256
-_MASK = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
-    return x ^ (x >> 31)
-
-
-def _tile_seed(base: int, index: tuple[int, ...]) -> int:
-    seed = base
-    for i in index:
-        seed = _splitmix64(seed ^ i)
-    return seed >> 1  # a non-negative int64
 
 
 @torch.no_grad()
@@ -57,7 +44,7 @@ def fill_tiled_(tensor: torch.Tensor, sample: Callable[[torch.Tensor, torch.Gene
         lo = [i * TILE for i in index]
         hi = [min(f, l + TILE) for f, l in zip(full_shape, lo)]
         tile = torch.empty([h - l for h, l in zip(hi, lo)], dtype=tensor.dtype)
-        sample(tile, torch.Generator().manual_seed(_tile_seed(base, index)))
+        sample(tile, torch.Generator().manual_seed(mix_seed(base, *index)))
         # overlap of this tile with the shard, in full coordinates
         start = [max(l, o) for l, o in zip(lo, offset)]
         stop = [min(h, o + s) for h, o, s in zip(hi, offset, tensor.shape)]

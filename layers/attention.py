@@ -1,0 +1,154 @@
+"""Causal self-attention with its heads split across the tp group.
+
+Attention is independent per head, so each rank owns whole heads: the Q, K and
+V projections are column-parallel in units of a head (``head_dim`` rows of the
+weight), attention runs locally on this rank's heads, and the output
+projection is row-parallel over the same heads, summed by ``g``. One ``f``
+enters the region (the three projections read the same replicated input, so
+they are fused into one matmul whose input gradient is all-reduced once) and
+one ``g`` leaves it: one all-reduce of ``(B, T, C)`` forward, one backward.
+
+Grouped-query attention (``n_kv_head < n_head``, ``g = n_head / n_kv_head``
+query heads per KV head) shards by query *group* when there are at least
+``tp`` KV heads: a rank owns whole KV heads and their ``g`` query heads each,
+so nothing changes in the communication. With fewer KV heads than ranks
+(multi-query attention at tp > 1, say), query heads are split alone and every
+rank holds all KV heads, using those its query heads read; the KV weights are
+then replicated, and their gradients (each rank's share of them) are summed by
+an ``f`` on the weights: one extra all-reduce of the KV weights backward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.nn.utils import skip_init
+
+import tensorpar
+from tensorpar.sharding import partition_sizes
+
+from .linear import ColumnParallelLinear, RowParallelLinear
+
+
+class ParallelSelfAttention(nn.Module):
+    """Multi-head causal self-attention, sharded by head. ``(B, T, C) -> (B, T, C)``, replicated.
+
+    Parameters (full shapes, as the unsharded twin's ``nn.Linear``\\ s): ``q_proj``
+    ``(C, C)``, ``k_proj`` and ``v_proj`` ``(n_kv_head * head_dim, C)``, ``c_proj``
+    ``(C, C)``. ``dropout`` applies to the attention probabilities (a different
+    mask on each rank: the heads differ, drawn from the mesh's tp stream) and to
+    the output (the same mask on every rank: the output is replicated).
+
+    Example::
+
+        tensorpar.init(tp=4)
+        attn = ParallelSelfAttention(768, 12, n_kv_head=4)   # 1 KV head and 3 query heads per rank
+        y = attn(x)                                          # x, y: (B, T, 768)
+    """
+
+    def __init__(self, n_embd: int, n_head: int, *, n_kv_head: int | None = None, bias: bool = True,
+                 dropout: float = 0.0, group: ProcessGroup | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        n_kv_head = n_head if n_kv_head is None else n_kv_head
+        for name, value in (("n_embd", n_embd), ("n_head", n_head), ("n_kv_head", n_kv_head)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{type(self).__name__}: {name} must be a positive integer, got {value!r}")
+        if n_embd % n_head:
+            raise ValueError(f"n_embd ({n_embd}) is not divisible by n_head ({n_head})")
+        if n_head % n_kv_head:
+            raise ValueError(f"n_head ({n_head}) is not divisible by n_kv_head ({n_kv_head})")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        self.n_embd, self.n_head, self.n_kv_head, self.dropout = n_embd, n_head, n_kv_head, dropout
+        self.head_dim = d = n_embd // n_head
+        group = tensorpar.tp_group(group)
+        self.tp_group = group
+        rank, tp = tensorpar.group_rank_size(group)
+        self.rng = _rng_tracker(group, rank)
+        g = n_head // n_kv_head
+        device = torch.get_default_device() if device is None else torch.device(device)  # skip_init needs one
+        factory = dict(group=group, device=device, dtype=dtype)
+
+        self.kv_replicated = n_kv_head < tp
+        if self.kv_replicated:  # query heads split alone; every rank holds all KV heads
+            q_unit, sizes = d, partition_sizes(n_head, tp, name="n_head")
+            q_lo, self.local_heads = sum(sizes[:rank]), sizes[rank]
+            self.kv_lo, kv_hi = q_lo // g, (q_lo + self.local_heads - 1) // g + 1
+            self.k_proj = skip_init(nn.Linear, n_embd, n_kv_head * d, bias, device=device, dtype=dtype)
+            self.v_proj = skip_init(nn.Linear, n_embd, n_kv_head * d, bias, device=device, dtype=dtype)
+        else:  # whole query groups per rank: a KV head and its g query heads stay together
+            q_unit, sizes = g * d, partition_sizes(n_kv_head, tp, name="n_kv_head")
+            q_lo, self.local_heads = g * sum(sizes[:rank]), g * sizes[rank]
+            self.kv_lo, kv_hi = 0, sizes[rank]  # local indices: this rank's KV weights are its own heads only
+            self.k_proj = skip_init(ColumnParallelLinear, n_embd, n_kv_head * d, bias, unit=d, **factory)
+            self.v_proj = skip_init(ColumnParallelLinear, n_embd, n_kv_head * d, bias, unit=d, **factory)
+        self.local_kv_heads = kv_hi - self.kv_lo
+        # local KV head read by each local query head (None: the trivial 1:1 map)
+        kv_of_q = [(q_lo + i) // g - (q_lo // g) for i in range(self.local_heads)]
+        self._kv_index = None if kv_of_q == list(range(self.local_kv_heads)) else kv_of_q
+        self.q_proj = skip_init(ColumnParallelLinear, n_embd, n_embd, bias, unit=q_unit, **factory)
+        self.c_proj = skip_init(RowParallelLinear, n_embd, n_embd, bias, unit=q_unit, **factory)
+        self.resid_dropout = nn.Dropout(dropout)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s default for every projection, drawn tp-invariantly in a fixed order."""
+        bound = 1 / math.sqrt(self.n_embd)  # every projection has n_embd input features
+        geometry = tensorpar.shard_geometry(self)
+        for name, p in self.named_parameters():
+            tensorpar.tiled_init.uniform_(p, -bound, bound, **geometry[name])
+
+    def _qkv_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's Q, K, V rows as one ``((h + 2 h_kv) d, C)`` matrix, and the bias to match."""
+        def rows(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if not self.kv_replicated:
+                return torch.cat([k, v])
+            # f on the whole replicated K and V (the same tensors on every rank): each rank's
+            # gradient covers only the heads it reads, and the all-reduce sums them
+            k, v = tensorpar.copy_to_tp(torch.cat([k, v]), self.tp_group).chunk(2)
+            used = slice(self.kv_lo * self.head_dim, (self.kv_lo + self.local_kv_heads) * self.head_dim)
+            return torch.cat([k[used], v[used]])
+
+        w = torch.cat([self.q_proj.weight, rows(self.k_proj.weight, self.v_proj.weight)])
+        if self.q_proj.bias is None:
+            return w, None
+        return w, torch.cat([self.q_proj.bias, rows(self.k_proj.bias, self.v_proj.bias)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3 or x.shape[-1] != self.n_embd:
+            raise ValueError(f"{type(self).__name__} expects (B, T, {self.n_embd}), got {tuple(x.shape)}")
+        w, b = self._qkv_weights()
+        qkv = tensorpar.column_parallel_linear(x, w, b, self.tp_group)  # (B, T, (h + 2 h_kv) d), h local heads
+        kv_width = self.local_kv_heads * self.head_dim
+        q, k, v = (rearrange(t, "b t (h d) -> b h t d", d=self.head_dim)
+                   for t in qkv.split([self.local_heads * self.head_dim, kv_width, kv_width], -1))
+        if self._kv_index is not None:  # grouped-query: each query head reads its group's KV head
+            k, v = k[:, self._kv_index], v[:, self._kv_index]  # (B, h, T, d)
+        p = self.dropout if self.training else 0.0
+        if p:
+            with self.rng.fork(x.device):  # heads differ per rank: so do their masks
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, h, T, d)
+        y = self.c_proj(rearrange(y, "b h t d -> b t (h d)"))  # (B, T, C), summed over ranks
+        return self.resid_dropout(y)
+
+    def extra_repr(self) -> str:
+        return (f"n_embd={self.n_embd}, n_head={self.n_head}, n_kv_head={self.n_kv_head}, "
+                f"local heads={self.local_heads}, local kv heads={self.local_kv_heads}"
+                + (" (replicated)" if self.kv_replicated else "") + f", dropout={self.dropout}")
+
+
+def _rng_tracker(group: ProcessGroup, rank: int) -> tensorpar.RNGStatesTracker:
+    """The default mesh's tp stream when the layer uses its group, else a stream of the layer's own."""
+    try:
+        mesh = tensorpar.current_mesh()
+    except RuntimeError:
+        mesh = None
+    return mesh.rng if mesh is not None and mesh.tp_group is group else tensorpar.RNGStatesTracker(rank)

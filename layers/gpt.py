@@ -1,0 +1,206 @@
+"""A GPT (GPT-2 architecture by default) built from tensor-parallel layers.
+
+Each rank holds ``1/tp`` of every weight matrix and embedding table:
+
+* token and position embeddings are vocab-parallel (rows split); their partial
+  lookups are summed and reduced once: one all-reduce of ``(B, T, C)``;
+* each block is pre-LayerNorm attention + MLP with residuals; attention and
+  MLP each cost one all-reduce of ``(B, T, C)`` forward and one backward;
+* the LM head is tied to the token embedding, so it is column-parallel over
+  the vocabulary: logits come out vocab-sharded, ``(B, T, V / tp)``. The loss
+  is computed from them directly (three all-reduces of ``(B, T)``); full
+  logits are gathered only when asked for.
+
+LayerNorms and row-parallel biases are replicated (tiny); everything else is
+split, so a rank holds little more than ``1/tp`` of the parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+import tensorpar
+from tensorpar.collectives import broadcast_from_first_
+
+from .attention import ParallelSelfAttention
+from .embedding import VocabParallelEmbedding
+from .linear import ColumnParallelLinear
+from .mlp import ACTIVATIONS, ParallelMLP
+
+
+@dataclass
+class GPTConfig:
+    """nanoGPT's configuration, plus grouped-query attention and the MLP kind.
+
+    ``n_kv_head=None`` means ``n_head`` (multi-head attention); ``mlp`` is
+    ``"gelu"`` (hidden ``4 * n_embd``) or ``"swiglu"`` (hidden ``8 * n_embd // 3``).
+    """
+
+    block_size: int = 1024
+    vocab_size: int = 50304
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True
+    n_kv_head: int | None = None
+    mlp: str = "gelu"
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) is not divisible by n_head ({self.n_head})")
+        if self.n_head % self.kv_heads:
+            raise ValueError(f"n_head ({self.n_head}) is not divisible by n_kv_head ({self.kv_heads})")
+        if self.mlp not in ACTIVATIONS:
+            raise ValueError(f"mlp must be one of {ACTIVATIONS}, got {self.mlp!r}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    @property
+    def mlp_hidden(self) -> int:
+        return 4 * self.n_embd if self.mlp == "gelu" else 8 * self.n_embd // 3
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``. ``(B, T, C)``."""
+
+    def __init__(self, config: GPTConfig, *, group: ProcessGroup | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        c = config
+        self.ln_1 = nn.LayerNorm(c.n_embd, bias=c.bias, device=device, dtype=dtype)
+        self.attn = ParallelSelfAttention(c.n_embd, c.n_head, n_kv_head=c.kv_heads, bias=c.bias, dropout=c.dropout,
+                                          group=group, device=device, dtype=dtype)
+        self.ln_2 = nn.LayerNorm(c.n_embd, bias=c.bias, device=device, dtype=dtype)
+        self.mlp = ParallelMLP(c.n_embd, c.mlp_hidden, activation=c.mlp, bias=c.bias, dropout=c.dropout,
+                               group=group, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))  # (B, T, C)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """A GPT sharded over the tp group, with nanoGPT's module and parameter names.
+
+    ``model(idx)`` returns the full logits ``(B, T, vocab_size)``, the same on
+    every rank; ``model(idx, targets)`` returns the mean cross-entropy (targets
+    equal to -1 are ignored), computed from vocab-sharded logits.
+
+    Example::
+
+        tensorpar.init(tp=2)
+        model = GPT(GPTConfig(vocab_size=50257, n_layer=12, n_head=12, n_embd=768))
+        loss = model(idx, targets)                  # idx, targets: (B, T) token ids
+        full = model.full_state_dict()              # the unsharded keys, on every rank
+    """
+
+    def __init__(self, config: GPTConfig, *, group: ProcessGroup | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.config = c = config
+        self.tp_group = group = tensorpar.tp_group(group)
+        factory: dict[str, Any] = dict(device=device, dtype=dtype)
+        self.transformer = nn.ModuleDict(dict(
+            wte=VocabParallelEmbedding(c.vocab_size, c.n_embd, group=group, **factory),
+            wpe=VocabParallelEmbedding(c.block_size, c.n_embd, group=group, **factory),
+            drop=nn.Dropout(c.dropout),
+            h=nn.ModuleList([Block(c, group=group, **factory) for _ in range(c.n_layer)]),
+            ln_f=nn.LayerNorm(c.n_embd, bias=c.bias, **factory),
+        ))
+        self.lm_head = ColumnParallelLinear(c.n_embd, c.vocab_size, bias=False, group=group, **factory)
+        self.lm_head.weight = self.transformer.wte.weight  # tied: both split the vocabulary alike
+        self.reset_parameters()
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "GPT":
+        super()._apply(fn, recurse)  # .to(), .to_empty(), ... may replace the parameters: tie them again
+        self.lm_head.weight = self.transformer.wte.weight
+        return self
+
+    def reset_parameters(self) -> None:
+        """nanoGPT's initialisation, drawn tp-invariantly: weights ``N(0, 0.02)`` (residual
+        projections ``N(0, 0.02 / √(2 n_layer))``), biases 0, LayerNorm weights 1."""
+        geometry = tensorpar.shard_geometry(self)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if p.dim() >= 2:
+                    std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith("c_proj.weight") else 0.02
+                    tensorpar.tiled_init.normal_(p, 0.0, std, **geometry[name])
+                else:
+                    p.fill_(0.0 if name.endswith("bias") else 1.0)
+
+    def _hidden(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids ``(B, T)`` -> final hidden states ``(B, T, C)``, replicated."""
+        if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
+            raise ValueError(f"GPT expects token ids of shape (B, T), got "
+                             f"{tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__}")
+        t = idx.shape[1]
+        if t > self.config.block_size:
+            raise ValueError(f"sequence length ({t}) is longer than block_size ({self.config.block_size})")
+        wte, wpe = self.transformer.wte, self.transformer.wpe
+        pos = torch.arange(t, device=idx.device)
+        x = tensorpar.reduce_from_tp(wte.partial(idx) + wpe.partial(pos), self.tp_group)  # (B, T, C): one reduce
+        x = self.transformer.drop(x)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.transformer.ln_f(x)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.lm_head(self._hidden(idx))  # (B, T, V / tp)
+        if targets is None:
+            return tensorpar.gather_from_tp(logits, -1, self.config.vocab_size, self.tp_group)  # (B, T, V)
+        if targets.shape != idx.shape:
+            raise ValueError(f"targets of shape {tuple(targets.shape)} do not match idx of shape {tuple(idx.shape)}")
+        return tensorpar.vocab_parallel_cross_entropy(logits, targets, self.config.vocab_size, ignore_index=-1,
+                                                      group=self.tp_group)
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None) -> torch.Tensor:
+        """Append ``max_new_tokens`` sampled tokens to ``idx`` (B, T), as nanoGPT does.
+
+        ``temperature=0`` picks the most likely token. Every rank returns the
+        same tokens: the group's first rank's samples are broadcast.
+        """
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        for _ in range(max_new_tokens):
+            h = self._hidden(idx[:, -self.config.block_size:])[:, -1]  # (B, C)
+            logits = tensorpar.gather_from_tp(self.lm_head(h), -1, self.config.vocab_size, self.tp_group)  # (B, V)
+            if temperature == 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, [-1]]
+                    logits = logits.masked_fill(logits < kth, -math.inf)
+                nxt = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)  # (B, 1)
+            idx = torch.cat((idx, broadcast_from_first_(nxt, self.tp_group)), dim=1)
+        return idx
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsharded model's state dict, on every rank (a collective)."""
+        return tensorpar.full_state_dict(self)
+
+    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load an unsharded state dict (from any tp size), keeping this rank's shards."""
+        tensorpar.load_full_state_dict(self, state_dict)
+
+    @classmethod
+    def from_hf(cls, model: nn.Module, **options: Any) -> "GPT":
+        """A sharded GPT with the weights of a Hugging Face ``GPT2LMHeadModel`` (extra ``hf``)."""
+        from .hf import gpt_from_hf
+        return gpt_from_hf(cls, model, **options)

@@ -1,0 +1,64 @@
+"""The transformer MLP, column -> activation -> row.
+
+The hidden features are split across ranks: ``c_fc`` (and SwiGLU's gate,
+``c_gate``) are column-parallel, the activation is elementwise, so it runs on
+each rank's slice, and ``c_proj`` is row-parallel over the same slice. One
+``f`` enters (the up and gate projections share it: one matmul, one backward
+all-reduce) and one ``g`` leaves: one all-reduce of ``(*, C)`` each way.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+import tensorpar
+
+from .linear import ColumnParallelLinear, RowParallelLinear
+
+ACTIVATIONS = ("gelu", "swiglu")
+
+
+class ParallelMLP(nn.Module):
+    """``c_proj(act(c_fc(x)))``, sharded over the hidden features. ``(*, C) -> (*, C)``, replicated.
+
+    ``activation="gelu"``: GELU with the tanh approximation (GPT-2).
+    ``activation="swiglu"``: ``c_proj(silu(c_gate(x)) * c_fc(x))`` (LLaMA).
+    ``dropout`` applies to the output, with the same mask on every rank.
+
+    Example::
+
+        tensorpar.init(tp=2)
+        mlp = ParallelMLP(768, 3072)   # c_fc (1536, 768) and c_proj (768, 1536) on each rank
+        y = mlp(x)                     # (B, T, 768)
+    """
+
+    def __init__(self, n_embd: int, hidden: int, *, activation: str = "gelu", bias: bool = True,
+                 dropout: float = 0.0, group: ProcessGroup | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        self.activation = activation
+        factory = dict(group=group, device=device, dtype=dtype)
+        self.c_fc = ColumnParallelLinear(n_embd, hidden, bias, **factory)
+        self.c_gate = ColumnParallelLinear(n_embd, hidden, bias, **factory) if activation == "swiglu" else None
+        self.c_proj = RowParallelLinear(hidden, n_embd, bias, **factory)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fc, group = self.c_fc, self.c_fc.tp_group
+        fc._check_input(x, fc.in_features, "an input")
+        if self.c_gate is None:
+            h = F.gelu(tensorpar.column_parallel_linear(x, fc.weight, fc.bias, group), approximate="tanh")
+        else:  # up and gate in one matmul: (*, 2 H / tp)
+            gate = self.c_gate
+            bias = None if fc.bias is None else torch.cat([fc.bias, gate.bias])
+            up, g = tensorpar.column_parallel_linear(x, torch.cat([fc.weight, gate.weight]), bias, group).chunk(2, -1)
+            h = F.silu(g) * up
+        return self.dropout(self.c_proj(h))  # (*, C), summed over ranks
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}"

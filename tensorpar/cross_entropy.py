@@ -1,0 +1,105 @@
+"""Cross-entropy from vocab-sharded logits, without gathering them.
+
+Rank ``r`` holds the logits of vocabulary rows ``[lo_r, hi_r)`` (a balanced
+split of ``vocab_size``). For each position with target ``t``::
+
+    loss = log Σ_v exp(z_v) − z_t = log Σ_v exp(z_v − m) − (z_t − m),   m = max_v z_v
+
+Each of the three ingredients is a reduction over the vocabulary, so each rank
+reduces its own rows and one all-reduce of ``(*)`` elements (the token shape)
+combines the ranks: the max ``m`` (op MAX), the target logit ``z_t − m`` (SUM;
+only the rank owning ``t`` contributes), and the sum of exponentials (SUM).
+Subtracting ``m`` keeps ``exp`` from overflowing. The gradient is local:
+``∂loss/∂z_v = softmax(z)_v − [v = t]`` on each rank's own rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+from torch.distributed import ProcessGroup, ReduceOp
+
+from .collectives import start_all_reduce_
+from .mesh import group_rank_size, tp_group
+from .sharding import partition_sizes
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, lo: int, ignore_index: int,
+                reduction: str, group: ProcessGroup) -> torch.Tensor:
+        # low-precision logits are reduced in float32, as F.cross_entropy accumulates
+        z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits.clone()  # (*, V / tp)
+        start_all_reduce_(m := z.amax(-1), group, op=ReduceOp.MAX).wait()  # (*) global max
+        z.sub_(m.unsqueeze(-1))
+        local_t = targets - lo
+        owned = (local_t >= 0) & (local_t < z.shape[-1])  # (*) this rank holds the target's row
+        local_t = local_t.masked_fill(~owned, 0)
+        target_z = z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)  # (*)
+        pending = start_all_reduce_(target_z, group)
+        sum_exp = z.exp_().sum(-1)  # (*); z now holds exp(z - m)
+        start_all_reduce_(sum_exp, group).wait()
+        target_z = pending.wait()
+        valid = targets != ignore_index
+        loss = (sum_exp.log() - target_z).masked_fill(~valid, 0.0)  # (*)
+        z.div_(sum_exp.unsqueeze(-1))  # softmax, this rank's rows
+        ctx.save_for_backward(z, local_t, owned, valid)
+        ctx.reduction, ctx.dtype = reduction, logits.dtype
+        if reduction == "none":
+            return loss.to(logits.dtype)
+        total = loss.sum()
+        ctx.count = valid.sum()
+        return (total / ctx.count if reduction == "mean" else total).to(logits.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None, None]:
+        softmax, local_t, owned, valid = ctx.saved_tensors
+        grad_z = softmax  # reused in place: backward runs once
+        grad_z.scatter_add_(-1, local_t.unsqueeze(-1), -owned.unsqueeze(-1).to(grad_z.dtype))
+        scale = grad.to(grad_z.dtype) * valid  # (*) or (): the per-position weight of the loss
+        if ctx.reduction == "mean":
+            scale = scale / ctx.count
+        grad_z.mul_(scale.unsqueeze(-1) if scale.dim() else scale)
+        return grad_z.to(ctx.dtype), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, *,
+                                 ignore_index: int = -100, reduction: str = "mean",
+                                 group: ProcessGroup | None = None) -> torch.Tensor:
+    """``F.cross_entropy`` of vocab-sharded ``logits`` (*, vocab_size / tp) against full ``targets`` (*).
+
+    ``targets`` holds token ids in ``[0, vocab_size)``, the same on every rank;
+    positions equal to ``ignore_index`` add nothing (and ``"mean"`` averages
+    over the others). The loss is the same on every rank; three all-reduces of
+    ``targets.numel()`` elements, no gathered logits.
+
+    Example::
+
+        logits = lm_head(h)                                     # (B, T, V / tp)
+        loss = tensorpar.vocab_parallel_cross_entropy(logits, targets, V)
+    """
+    group = tp_group(group)
+    rank, n = group_rank_size(group)
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise TypeError(f"targets must be integer token ids, got {targets.dtype}")
+    sizes = partition_sizes(vocab_size, n, name="vocab_size")
+    if logits.dim() == 0 or logits.shape[:-1] != targets.shape or logits.shape[-1] != sizes[rank]:
+        raise ValueError(f"logits of shape {tuple(logits.shape)} do not match targets of shape "
+                         f"{tuple(targets.shape)} and this rank's {sizes[rank]} of {vocab_size} vocabulary rows")
+    bad = ((targets < 0) | (targets >= vocab_size)) & (targets != ignore_index)
+    if bad.any():
+        raise ValueError(f"target id {targets[bad][0].item()} is out of range for vocab_size {vocab_size} "
+                         f"(and is not ignore_index {ignore_index})")
+    if n == 1:  # the whole vocabulary is here
+        loss = F.cross_entropy(logits.reshape(-1, vocab_size), targets.reshape(-1), ignore_index=ignore_index,
+                               reduction=reduction)
+        return loss.reshape(targets.shape) if reduction == "none" else loss
+    return _VocabParallelCrossEntropy.apply(logits, targets, sum(sizes[:rank]), ignore_index, reduction, group)

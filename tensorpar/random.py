@@ -1,0 +1,109 @@
+"""Random streams for tensor-parallel regions (Megatron's RNG-states tracker).
+
+Dropout in a tensor-parallel model comes in two kinds:
+
+* **replicated** regions (residual dropout, embedding dropout) act on tensors
+  every tp rank holds whole, so every rank must draw the *same* mask: they use
+  torch's default generator, which ranks seeded alike keep in step;
+* **sharded** regions (attention-probability dropout, where each rank holds
+  its own heads) must draw *different* masks on each rank, or the heads of
+  different ranks would share one mask pattern. They run inside
+  :meth:`RNGStatesTracker.fork`, which swaps in a stream of this rank's own
+  and swaps the default state back afterwards, untouched.
+
+The rank's stream is seeded from a base seed and the tp rank; without
+:func:`manual_seed` the base is one draw of the default generator, taken at
+the first fork (identically on every rank, so ranks stay in step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+_MASK = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def mix_seed(base: int, *keys: int) -> int:
+    """A non-negative 63-bit seed derived from ``base`` and ``keys`` (splitmix64 chained)."""
+    seed = base & _MASK
+    for key in keys:
+        seed = _splitmix64(seed ^ (key & _MASK))
+    return seed >> 1
+
+
+def _get_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+class RNGStatesTracker:
+    """This rank's random stream for sharded regions, one state per device.
+
+    Example::
+
+        mesh = tensorpar.init(tp=2)
+        tensorpar.manual_seed(1234)                 # default stream and the tp streams
+        with mesh.rng.fork(x.device):
+            y = F.dropout(scores, 0.1)              # a different mask on each tp rank
+        z = F.dropout(h, 0.1)                       # the same mask on every tp rank
+    """
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._base: int | None = None
+        self._states: dict[str, torch.Tensor] = {}
+
+    def seed(self, base: int) -> None:
+        """Restart the stream from ``base`` (mixed with this rank)."""
+        self._base, self._states = int(base), {}
+
+    def _device(self, device: torch.device | str | None) -> torch.device:
+        device = torch.device("cpu" if device is None else device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"no random-stream support for device {device}")
+        return device
+
+    @contextlib.contextmanager
+    def fork(self, device: torch.device | str | None = None) -> Iterator[None]:
+        """Run the block on this rank's stream for ``device`` (default: CPU)."""
+        device = self._device(device)
+        key = str(device)
+        if key not in self._states:
+            if self._base is None:
+                self._base = int(torch.randint(0, 2**62, ()).item())  # the same draw on every rank
+            self._states[key] = torch.Generator(device).manual_seed(mix_seed(self._base, self.rank)).get_state()
+        outside = _get_state(device)
+        _set_state(device, self._states[key])
+        try:
+            yield
+        finally:
+            self._states[key] = _get_state(device)
+            _set_state(device, outside)
+
+    def state_dict(self) -> dict[str, object]:
+        """The stream's state, for a checkpoint."""
+        return {"rank": self.rank, "base": self._base, "states": {k: v.clone() for k, v in self._states.items()}}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        if state["rank"] != self.rank:
+            raise ValueError(f"RNG state of tp rank {state['rank']} cannot be loaded on tp rank {self.rank}")
+        self._base = state["base"]  # type: ignore[assignment]
+        self._states = {k: v.clone() for k, v in state["states"].items()}  # type: ignore[attr-defined]
