@@ -56,7 +56,7 @@ class VocabParallelEmbedding(nn.Module):
         tensorpar.tiled_init.normal_(self.weight, **tensorpar.shard_geometry(self)["weight"])
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, **options: object) -> "VocabParallelEmbedding":
+    def from_embedding(cls, embedding: nn.Embedding, **options: object) -> VocabParallelEmbedding:
         """Shard an ``nn.Embedding`` (the same on every rank), keeping its weights."""
         if not isinstance(embedding, nn.Embedding):
             raise TypeError(f"{cls.__name__}.from_embedding expects an nn.Embedding, got {type(embedding).__name__}")

@@ -125,7 +125,7 @@ class GPT(nn.Module):
         self.lm_head.weight = self.transformer.wte.weight  # tied: both split the vocabulary alike
         self.reset_parameters()
 
-    def _apply(self, fn: Any, recurse: bool = True) -> "GPT":
+    def _apply(self, fn: Any, recurse: bool = True) -> GPT:
         super()._apply(fn, recurse)  # .to(), .to_empty(), ... may replace the parameters: tie them again
         self.lm_head.weight = self.transformer.wte.weight
         return self
@@ -200,7 +200,7 @@ class GPT(nn.Module):
         tensorpar.load_full_state_dict(self, state_dict)
 
     @classmethod
-    def from_hf(cls, model: nn.Module, **options: Any) -> "GPT":
+    def from_hf(cls, model: nn.Module, **options: Any) -> GPT:
         """A sharded GPT with the weights of a Hugging Face ``GPT2LMHeadModel`` (extra ``hf``)."""
         from .hf import gpt_from_hf
         return gpt_from_hf(cls, model, **options)

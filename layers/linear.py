@@ -75,7 +75,7 @@ class _ParallelLinear(nn.Module):
             tensorpar.tiled_init.uniform_(getattr(self, name), -bound, bound, **geometry)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, **options: Any) -> "_ParallelLinear":
+    def from_linear(cls, linear: nn.Linear, **options: Any) -> _ParallelLinear:
         """Shard an ``nn.Linear`` (the same on every rank), keeping its weights.
 
         Example::

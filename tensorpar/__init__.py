@@ -9,12 +9,28 @@ multi-process test harness.
 
 from . import tiled_init
 from .collectives import CollectiveError
-from .comm import all_gather, copy_to_tp, gather_from_tp, reduce_from_tp, reduce_scatter, scatter_to_tp
+from .comm import (
+    all_gather,
+    copy_to_tp,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter,
+    scatter_to_tp,
+)
 from .counter import CollectiveCounter, CollectiveRecord, count_collectives
 from .cross_entropy import vocab_parallel_cross_entropy
 from .functional import column_parallel_linear, row_parallel_linear
 from .launch import RankError, spawn
-from .mesh import Mesh, current_mesh, group_rank_size, init, manual_seed, shutdown, tp_group, use_mesh
+from .mesh import (
+    Mesh,
+    current_mesh,
+    group_rank_size,
+    init,
+    manual_seed,
+    shutdown,
+    tp_group,
+    use_mesh,
+)
 from .parallelize import parallelize
 from .random import RNGStatesTracker
 from .sharding import Shard, partition_offsets, partition_sizes, shard

@@ -218,19 +218,26 @@ def dtypes() -> st.SearchStrategy[torch.dtype]:
 
 # ---------------------------------------------------------------- comparisons
 
-def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """``‖actual − expected‖ / ‖expected‖`` in float64 (absolute when ``expected`` is zero)."""
+def rel_error(actual: torch.Tensor, expected: torch.Tensor, scale: float = 0.0) -> float:
+    """``‖actual − expected‖ / max(‖expected‖, scale)`` in float64 (absolute when both are zero).
+
+    ``scale`` is for values whose true size is zero or near it, where any
+    round-off is a large fraction of the value: e.g. one gradient measured
+    against the norm of the whole model's gradient.
+    """
     a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
     if a.shape != e.shape:
         raise AssertionError(f"shape {tuple(a.shape)} does not match the expected {tuple(e.shape)}")
-    scale = e.norm().item()
-    return (a - e).norm().item() / (scale if scale > 0 else 1.0)
+    norm = max(e.norm().item(), scale)
+    return (a - e).norm().item() / (norm if norm > 0 else 1.0)
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float | None = None, name: str = "") -> float:
-    """Raise unless the norm-wise relative error is within ``rtol`` (default: by dtype); return it."""
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float | None = None, name: str = "",
+                 scale: float = 0.0) -> float:
+    """Raise unless the norm-wise relative error (see :func:`rel_error`) is within ``rtol``
+    (default: by dtype); return it."""
     rtol = TOLERANCES[expected.dtype] if rtol is None else rtol
-    err = rel_error(actual, expected)
+    err = rel_error(actual, expected, scale)
     if not err <= rtol:
         raise AssertionError(f"{name or 'tensor'}: relative error {err:.3g} exceeds {rtol:.1g} ({expected.dtype})")
     return err
@@ -272,12 +279,20 @@ def assert_sharded_equivalent(sharded: nn.Module, dense: nn.Module, x: torch.Ten
         raise AssertionError(f"sharded gradients {sorted(grads)} do not match the dense {sorted(dense_grads)}")
     pairs = {"output": (y_full, y_dense), "input grad": (dx, x_dense.grad)}
     pairs.update({f"grad {k}": (grads[k], dense_grads[k]) for k in sorted(dense_grads)})
+    return assert_all_close(pairs, rtol=rtol, what=f"sharded module differs from its dense twin at tp={n}")
+
+
+def assert_all_close(pairs: Mapping[str, tuple[Any, ...]], *, rtol: float | None = None,
+                     what: str = "results differ") -> dict[str, float]:
+    """:func:`assert_close` on every ``name: (actual, expected[, scale])``; one error listing
+    every failure, else the relative errors by name. Call it after the last collective, so that
+    a mismatch fails every rank alike instead of leaving the others waiting."""
     errors, failures = {}, []
-    for name, (actual, expected) in pairs.items():
+    for name, (actual, expected, *scale) in pairs.items():
         try:
-            errors[name] = assert_close(actual, expected, rtol=rtol, name=name)
+            errors[name] = assert_close(actual, expected, rtol=rtol, name=name, scale=scale[0] if scale else 0.0)
         except AssertionError as e:
             failures.append(str(e))
     if failures:
-        raise AssertionError(f"sharded module differs from its dense twin at tp={n}:\n  " + "\n  ".join(failures))
+        raise AssertionError(f"{what}:\n  " + "\n  ".join(failures))
     return errors

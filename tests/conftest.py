@@ -3,6 +3,8 @@
 import pytest
 from hypothesis import HealthCheck, settings
 
+from gpt_cases import EXAMPLES, WORST
+
 from tensorpar.testing import Worlds
 
 settings.register_profile("tensorpar", deadline=None, print_blob=True,
@@ -24,3 +26,6 @@ def pytest_terminal_summary(terminalreporter):
     if any(runs.values()):
         per = ", ".join(f"world {n}: {r}" for n, r in runs.items())
         terminalreporter.write_line(f"multi-process examples run: {sum(runs.values())} ({per})")
+    if EXAMPLES["gpt"]:
+        worst = ", ".join(f"{dtype} {err:.2g}" for dtype, err in sorted(WORST.items()))
+        terminalreporter.write_line(f"GPT equivalence examples: {EXAMPLES['gpt']}; worst relative error: {worst}")

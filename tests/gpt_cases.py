@@ -1,0 +1,57 @@
+"""Hypothesis strategies for GPT configurations, and building a sharded GPT next to
+its plain twin with the same weights."""
+
+import torch
+from hypothesis import strategies as st
+from reference_gpt import RefConfig, RefGPT
+
+from layers import GPT, GPTConfig
+
+# Worst relative error seen per dtype by the GPT equivalence tests (printed at the end of the run).
+WORST: dict[str, float] = {}
+EXAMPLES = {"gpt": 0}
+
+
+def note_errors(dtype, errors):
+    name = str(dtype).removeprefix("torch.")
+    WORST[name] = max(WORST.get(name, 0.0), *errors)
+    EXAMPLES["gpt"] += 1
+
+
+@st.composite
+def gpt_configs(draw, tp, *, max_layer=3):
+    """Configs valid at ``tp``: head counts that do not divide by it, KV heads fewer than it,
+    odd vocabulary sizes, either MLP."""
+    n_head = draw(st.integers(tp, 6))
+    n_kv_head = draw(st.sampled_from([d for d in range(1, n_head + 1) if n_head % d == 0]))
+    # n_embd >= 3: LayerNorm over 2 features outputs (±1, ∓1) whatever its input, so every gradient
+    # beneath it is zero in exact arithmetic and round-off alone in practice.
+    head_dim = draw(st.integers(-(-3 // n_head), 4))
+    return dict(
+        n_layer=draw(st.integers(1, max_layer)), n_head=n_head, n_kv_head=n_kv_head, n_embd=n_head * head_dim,
+        vocab_size=draw(st.integers(tp, 67)), block_size=draw(st.integers(max(tp, 2), 12)),
+        bias=draw(st.booleans()), mlp=draw(st.sampled_from(["gelu", "swiglu"])),
+    )
+
+
+def twins(cfg, dtype, seed, **overrides):
+    """A plain ``RefGPT`` initialised from ``seed``, and a sharded ``GPT`` loaded with its weights."""
+    cfg = dict(cfg, **overrides)
+    torch.manual_seed(seed)
+    ref = RefGPT(RefConfig(**cfg)).to(dtype)
+    model = GPT(GPTConfig(**cfg), device="meta", dtype=dtype)
+    model.to_empty(device="cpu")
+    model.load_full_state_dict(ref.state_dict())
+    return ref, model
+
+
+def batch(cfg, b, t, seed, ignore=True):
+    """Token ids and next-token targets (some ignored with -1) of shape (b, t)."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, cfg["vocab_size"], (b, t + 1), generator=g)
+    targets = idx[:, 1:].clone()
+    if ignore:
+        ignored = torch.rand(b, t, generator=g) < 0.2
+        ignored[0, 0] = False  # at least one counted target, or the mean loss is 0/0
+        targets[ignored] = -1
+    return idx[:, :-1], targets

@@ -1,0 +1,127 @@
+"""A plain, unsharded GPT written with torch.nn only (nanoGPT-shaped): the twin the
+sharded layers are checked against. It imports nothing from tensorpar or layers.
+
+Split Q/K/V projections (grouped-query attention when n_kv_head < n_head), attention
+written out by hand (scores, causal mask, softmax, dropout, weighted sum), GELU-tanh
+or SwiGLU MLP, learned positions, LM head tied to the token embedding.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class RefConfig:
+    block_size: int = 1024
+    vocab_size: int = 50304
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True
+    n_kv_head: int | None = None
+    mlp: str = "gelu"
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.n_head, self.n_kv_head = c.n_head, c.n_kv_head or c.n_head
+        self.head_dim = c.n_embd // c.n_head
+        self.q_proj = nn.Linear(c.n_embd, c.n_embd, bias=c.bias)
+        self.k_proj = nn.Linear(c.n_embd, self.n_kv_head * self.head_dim, bias=c.bias)
+        self.v_proj = nn.Linear(c.n_embd, self.n_kv_head * self.head_dim, bias=c.bias)
+        self.c_proj = nn.Linear(c.n_embd, c.n_embd, bias=c.bias)
+        self.attn_dropout = nn.Dropout(c.dropout)
+        self.resid_dropout = nn.Dropout(c.dropout)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)      # (B, nh, T, hd)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)   # (B, nkv, T, hd)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        group = self.n_head // self.n_kv_head
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, nh, T, hd)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)                     # (B, nh, T, T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        att = att.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+        att = self.attn_dropout(att)
+        y = (att @ v).transpose(1, 2).reshape(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.swiglu = c.mlp == "swiglu"
+        hidden = 8 * c.n_embd // 3 if self.swiglu else 4 * c.n_embd
+        self.c_fc = nn.Linear(c.n_embd, hidden, bias=c.bias)
+        if self.swiglu:
+            self.c_gate = nn.Linear(c.n_embd, hidden, bias=c.bias)
+        self.c_proj = nn.Linear(hidden, c.n_embd, bias=c.bias)
+        self.dropout = nn.Dropout(c.dropout)
+
+    def forward(self, x):
+        if self.swiglu:
+            h = F.silu(self.c_gate(x)) * self.c_fc(x)
+        else:
+            h = F.gelu(self.c_fc(x), approximate="tanh")
+        return self.dropout(self.c_proj(h))
+
+
+class Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(c.n_embd, bias=c.bias)
+        self.attn = CausalSelfAttention(c)
+        self.ln_2 = nn.LayerNorm(c.n_embd, bias=c.bias)
+        self.mlp = MLP(c)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class RefGPT(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.config = c
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(c.vocab_size, c.n_embd),
+            wpe=nn.Embedding(c.block_size, c.n_embd),
+            drop=nn.Dropout(c.dropout),
+            h=nn.ModuleList([Block(c) for _ in range(c.n_layer)]),
+            ln_f=nn.LayerNorm(c.n_embd, bias=c.bias),
+        ))
+        self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # tied
+
+    def forward(self, idx, targets=None):
+        B, T = idx.shape
+        pos = torch.arange(T, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, V)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.config.block_size:])[:, -1, :]
+            if temperature == 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                    logits[logits < v[:, [-1]]] = -float("Inf")
+                nxt = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            idx = torch.cat((idx, nxt), dim=1)
+        return idx

@@ -1,0 +1,131 @@
+"""The sharded GPT against the plain reference GPT in tests/reference_gpt.py, at tp 1-4.
+
+Every example draws a configuration (head counts that do not divide by tp, KV
+heads fewer than tp, odd vocabularies, either MLP), builds the reference from a
+seed and loads its weights into the sharded model, then compares logits, loss,
+every parameter gradient (gathered) and the parameters after 3 AdamW steps.
+"""
+
+import hashlib
+
+import torch
+from gpt_cases import batch, gpt_configs, note_errors, twins
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tensorpar
+from layers import GPT, GPTConfig
+from tensorpar.testing import TOLERANCES, assert_all_close, tp_sizes
+
+
+def train_twins(cfg, b, t, dtype, seed, steps=3):
+    """Forward, backward and ``steps`` AdamW steps on both twins; the relative errors."""
+    ref, model = twins(cfg, dtype, seed)
+    idx, targets = batch(cfg, b, t, seed)
+    logits, ref_logits = model(idx), ref(idx)
+    loss, ref_loss = model(idx, targets), ref(idx, targets)
+    loss.backward()
+    ref_loss.backward()
+    grads = tensorpar.full_grads(model)
+    ref_grads = {k: p.grad for k, p in ref.named_parameters()}
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1) for m in (model, ref)]
+    for step in range(steps):
+        if step:  # the first step uses the gradients compared above
+            idx2, targets2 = batch(cfg, b, t, seed + step)
+            for m, opt in zip((model, ref), opts):
+                opt.zero_grad()
+                m(idx2, targets2).backward()
+        for opt in opts:
+            opt.step()
+    full = model.full_state_dict()
+    ref_state = ref.state_dict()
+    # every collective is done: compare (a failure is raised on every rank alike)
+    if set(grads) != set(ref_grads) or set(full) != set(ref_state):
+        raise AssertionError(f"keys differ: {sorted(set(full) ^ set(ref_state))} {sorted(set(grads) ^ set(ref_grads))}")
+    # Each gradient is measured against the whole gradient's norm when that is larger: some are
+    # zero or nearly so in exact arithmetic (a key bias adds the same amount to every score of a
+    # softmax row, so its gradient is identically zero) and hold nothing but round-off.
+    scale = torch.cat([g.flatten() for g in ref_grads.values()]).norm().item()
+    pairs = {"logits": (logits, ref_logits), "loss": (loss, ref_loss)}
+    pairs |= {f"grad {k}": (grads[k], ref_grads[k], scale) for k in ref_grads}
+    # AdamW divides by a gradient's own RMS, so it turns a zero gradient's round-off into steps of
+    # up to lr in either direction: the key biases are compared to within that after the steps.
+    # It also magnifies the round-off of tiny gradients (float32 configs with a few features have
+    # them), so parameters are measured against the whole model's parameter norm when larger.
+    drift = {k: (full.pop(k) - ref_state.pop(k)).abs().max().item() for k in list(ref_state) if "k_proj.bias" in k}
+    norm = torch.cat([v.flatten() for v in ref_state.values()]).norm().item()
+    pairs |= {f"after {steps} steps {k}": (full[k], ref_state[k], norm) for k in ref_state}
+    errors = assert_all_close(pairs, what=f"GPT differs from its reference at tp={tensorpar.current_mesh().tp}")
+    if any(d > 2 * steps * 1e-3 for d in drift.values()):
+        raise AssertionError(f"key biases moved apart by more than AdamW's steps allow: {drift}")
+    digest = hashlib.sha256(logits.detach().numpy().tobytes() + loss.detach().numpy().tobytes()).hexdigest()
+    return errors, digest
+
+
+@st.composite
+def gpt_training_cases(draw):
+    tp = draw(tp_sizes())
+    cfg = draw(gpt_configs(tp))
+    t = draw(st.integers(1, cfg["block_size"]))
+    return tp, cfg, draw(st.integers(1, 3)), t, draw(st.sampled_from([torch.float64, torch.float32])), \
+        draw(st.integers(0, 2**31))
+
+
+@settings(max_examples=60)
+@given(case=gpt_training_cases())
+def test_gpt_matches_reference(worlds, case):
+    tp, cfg, b, t, dtype, seed = case
+    results = worlds[tp].run(train_twins, cfg, b, t, dtype, seed)
+    assert len({digest for _, digest in results}) == 1, "logits or loss differ between tp ranks"
+    worst = max(max(errors.values()) for errors, _ in results)
+    note_errors(dtype, [worst])
+    assert worst <= TOLERANCES[dtype]
+
+
+def full_weights_digest(cfg, seed):
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(**cfg))
+    full = model.full_state_dict()
+    stds = {k: v.std().item() for k, v in full.items() if v.dim() == 2 and v.numel() >= 2000}
+    return {k: hashlib.sha256(v.numpy().tobytes()).hexdigest() for k, v in full.items()}, stds
+
+
+@settings(max_examples=6)
+@given(cfg=gpt_configs(4, max_layer=2), seed=st.integers(0, 2**31))
+def test_init_is_bitwise_identical_at_every_tp(worlds, cfg, seed):
+    digests = {tp: worlds[tp].run(full_weights_digest, cfg, seed) for tp in (1, 2, 3, 4)}
+    for tp, results in digests.items():
+        for rank, (digest, _) in enumerate(results):
+            assert digest == digests[1][0][0], f"full weights at tp={tp} (rank {rank}) differ from tp=1"
+
+
+def test_init_follows_gpt2(worlds):
+    """nanoGPT's scheme: N(0, 0.02) weights and embeddings, N(0, 0.02/sqrt(2 n_layer)) residual projections."""
+    cfg = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, vocab_size=101, block_size=40, bias=True, mlp="gelu")
+    (_, stds), *_ = worlds[2].run(full_weights_digest, cfg, 0)
+    for key, std in stds.items():
+        expected = 0.02 / 2 if key.endswith("c_proj.weight") else 0.02
+        assert abs(std / expected - 1) < 0.1, f"{key}: std {std:.4g}, expected {expected:.4g}"
+
+
+def generate_twins(cfg, seed, temperature, top_k):
+    ref, model = twins(cfg, torch.float64, seed)
+    model.eval()
+    ref.eval()
+    idx, _ = batch(cfg, 2, 3, seed, ignore=False)
+    torch.manual_seed(seed)
+    ours = model.generate(idx, cfg["block_size"] + 2, temperature=temperature, top_k=top_k)
+    torch.manual_seed(seed)
+    theirs = ref.generate(idx, cfg["block_size"] + 2, temperature=temperature, top_k=top_k)
+    return ours.tolist(), theirs.tolist()
+
+
+@settings(max_examples=10)
+@given(tp=tp_sizes(), data=st.data())
+def test_generate_matches_reference(worlds, tp, data):
+    cfg = data.draw(gpt_configs(tp, max_layer=2))
+    temperature, top_k = data.draw(st.sampled_from([(0.0, None), (1.0, None), (0.8, 3)]))
+    results = worlds[tp].run(generate_twins, cfg, data.draw(st.integers(0, 2**31)), temperature, top_k)
+    for ours, theirs in results:
+        assert ours == theirs == results[0][0]
+
