@@ -113,6 +113,9 @@ class GPT(nn.Module):
         super().__init__()
         self.config = c = config
         self.tp_group = group = tensorpar.tp_group(group)
+        _, tp = tensorpar.group_rank_size(group)
+        for name in ("vocab_size", "block_size"):  # both tables are split by rows
+            tensorpar.partition_sizes(getattr(c, name), tp, name=name)
         factory: dict[str, Any] = dict(device=device, dtype=dtype)
         self.transformer = nn.ModuleDict(dict(
             wte=VocabParallelEmbedding(c.vocab_size, c.n_embd, group=group, **factory),

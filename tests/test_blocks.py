@@ -1,0 +1,69 @@
+"""Attention, MLP and Block against their plain twins in tests/reference_gpt.py.
+
+Each sharded module is loaded with the reference's weights and compared with
+``assert_sharded_equivalent``: output, input gradient and every parameter
+gradient, in float64, float32 and bfloat16, at tp 1-4.
+"""
+
+import reference_gpt as ref
+import torch
+from gpt_cases import gpt_configs
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tensorpar
+from layers import Block, GPTConfig, ParallelMLP, ParallelSelfAttention
+from tensorpar.testing import TOLERANCES, assert_sharded_equivalent, dtypes, tp_sizes
+
+
+def sharded_twin(kind, cfg, dtype):
+    c = GPTConfig(**cfg)
+    if kind == "attention":
+        dense = ref.CausalSelfAttention(ref.RefConfig(**cfg))
+        sharded = ParallelSelfAttention(c.n_embd, c.n_head, n_kv_head=c.kv_heads, bias=c.bias, dtype=dtype)
+    elif kind == "mlp":
+        dense = ref.MLP(ref.RefConfig(**cfg))
+        sharded = ParallelMLP(c.n_embd, c.mlp_hidden, activation=c.mlp, bias=c.bias, dtype=dtype)
+    else:
+        dense = ref.Block(ref.RefConfig(**cfg))
+        sharded = Block(c, dtype=dtype)
+    dense = dense.to(dtype)
+    tensorpar.load_full_state_dict(sharded, dense.state_dict())
+    return sharded, dense
+
+
+def check_module(kind, cfg, b, t, dtype, seed):
+    torch.manual_seed(seed)
+    sharded, dense = sharded_twin(kind, cfg, dtype)
+    x = torch.randn(b, t, cfg["n_embd"], dtype=dtype)
+    return max(assert_sharded_equivalent(sharded, dense, x, seed=seed).values())
+
+
+@settings(max_examples=40)
+@given(tp=tp_sizes(), kind=st.sampled_from(["attention", "mlp", "block"]), dtype=dtypes(), data=st.data())
+def test_modules_match_their_plain_twins(worlds, tp, kind, dtype, data):
+    cfg = data.draw(gpt_configs(tp, max_layer=1))
+    if dtype == torch.bfloat16:  # enough elements for a norm-wise bf16 bound to mean something (see test_linear)
+        cfg |= dict(n_embd=cfg["n_head"] * data.draw(st.integers(-(-16 // cfg["n_head"]), 16)))
+        b, t = data.draw(st.integers(2, 3)), data.draw(st.integers(8, 12))
+    else:
+        b, t = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 12))
+    errors = worlds[tp].run(check_module, kind, cfg, b, t, dtype, data.draw(st.integers(0, 2**31)))
+    assert max(errors) <= TOLERANCES[dtype]
+
+
+def check_attention_layout(n_embd, n_head, n_kv_head):
+    attn = ParallelSelfAttention(n_embd, n_head, n_kv_head=n_kv_head)
+    return attn.local_heads, attn.local_kv_heads, attn.kv_replicated, tuple(attn.q_proj.weight.shape)
+
+
+def test_heads_are_split_whole_and_balanced(worlds):
+    """12 heads of 8 over tp=4 (3 each); 6 heads over tp=4 (2, 2, 1, 1); 1 KV head at tp 4: replicated."""
+    assert [r[0] for r in worlds[4].run(check_attention_layout, 96, 12, 12)] == [3, 3, 3, 3]
+    assert worlds[4].run(check_attention_layout, 48, 6, 6) == [
+        (2, 2, False, (16, 48)), (2, 2, False, (16, 48)), (1, 1, False, (8, 48)), (1, 1, False, (8, 48))]
+    # grouped-query, 8 heads in 4 groups of 2 over 3 ranks: whole groups, 2 + 1 + 1
+    assert [r[:3] for r in worlds[3].run(check_attention_layout, 32, 8, 4)] == [(4, 2, False), (2, 1, False),
+                                                                                  (2, 1, False)]
+    # multi-query over 4 ranks: query heads split alone, the single KV head held by all
+    assert [r[:3] for r in worlds[4].run(check_attention_layout, 32, 8, 1)] == [(2, 1, True)] * 4

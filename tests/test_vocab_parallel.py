@@ -1,0 +1,116 @@
+"""Vocab-parallel embedding and cross-entropy against nn.Embedding and F.cross_entropy."""
+
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import tensorpar
+from layers import VocabParallelEmbedding
+from tensorpar.testing import TOLERANCES, assert_all_close, dtypes, tp_sizes
+
+
+def check_embedding(vocab, dim, shape, dtype, seed):
+    torch.manual_seed(seed)
+    dense = nn.Embedding(vocab, dim, dtype=dtype)
+    sharded = VocabParallelEmbedding.from_embedding(dense)
+    ids = torch.randint(0, vocab, shape)
+    grad = torch.randn(*shape, dim, dtype=dtype)
+    y, y_dense = sharded(ids), dense(ids)
+    y.backward(grad)
+    y_dense.backward(grad)
+    full = tensorpar.full_grads(sharded)["weight"]
+    back = sharded.to_embedding()
+    errors = assert_all_close({"output": (y, y_dense), "grad weight": (full, dense.weight.grad)})
+    return max(errors.values()), torch.equal(back.weight, dense.weight)
+
+
+@settings(max_examples=25)
+@given(tp=tp_sizes(), data=st.data())
+def test_embedding_matches_nn_embedding(worlds, tp, data):
+    vocab = data.draw(st.integers(tp, 97))
+    shape = tuple(data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=2)))
+    dtype = data.draw(dtypes())
+    for err, roundtrip in worlds[tp].run(check_embedding, vocab, data.draw(st.integers(1, 12)), shape, dtype,
+                                         data.draw(st.integers(0, 2**31))):
+        assert err <= TOLERANCES[dtype] and roundtrip
+
+
+def test_gpt2_vocabulary_at_tp4_is_not_padded(worlds):
+    """50257 rows over 4 ranks: 12565 + 3 x 12564, and the same lookups as unsharded."""
+    results = worlds[4].run(check_embedding, 50257, 4, (3, 7), torch.float32, 0)
+    assert all(err == 0.0 and roundtrip for err, roundtrip in results)
+
+
+def check_cross_entropy(vocab, shape, dtype, ignore_index, reduction, scale, seed):
+    mesh = tensorpar.current_mesh()
+    g = torch.Generator().manual_seed(seed)
+    full = (torch.randn(*shape, vocab, generator=g, dtype=torch.float64) * scale).to(dtype)
+    targets = torch.randint(0, vocab, shape, generator=g)
+    targets[torch.rand(shape, generator=g) < 0.25] = ignore_index
+    targets.view(-1)[0] = 1 if ignore_index == 0 else 0  # at least one counted target
+    local = tensorpar.scatter_to_tp(full, -1).detach().requires_grad_()
+    dense = full.clone().requires_grad_()
+    with tensorpar.count_collectives() as counts:
+        loss = tensorpar.vocab_parallel_cross_entropy(local, targets, vocab, ignore_index=ignore_index,
+                                                      reduction=reduction)
+    expected = F.cross_entropy(dense.reshape(-1, vocab), targets.reshape(-1), ignore_index=ignore_index,
+                               reduction=reduction)
+    expected = expected.reshape(shape) if reduction == "none" else expected
+    out_grad = torch.randn(loss.shape, generator=g, dtype=torch.float64).to(dtype)
+    loss.backward(out_grad)
+    expected.backward(out_grad)
+    grad = tensorpar.all_gather(local.grad, -1, vocab)
+    errors = assert_all_close({"loss": (loss, expected), "grad": (grad, dense.grad)})
+    return max(errors.values()), counts.summary(), loss.dtype, mesh.tp
+
+
+@settings(max_examples=40)
+@given(tp=tp_sizes(), data=st.data())
+def test_cross_entropy_matches_f_cross_entropy(worlds, tp, data):
+    dtype = data.draw(dtypes())
+    vocab = data.draw(st.integers(max(tp, 2), 67) if dtype != torch.bfloat16 else st.integers(16, 67))
+    shape = tuple(data.draw(st.lists(st.integers(1, 5), min_size=1, max_size=2)))
+    if dtype == torch.bfloat16:  # enough positions for a norm-wise bound (see test_linear)
+        shape = (16,) + shape
+    args = (vocab, shape, dtype, data.draw(st.sampled_from([-100, -1, 0])),
+            data.draw(st.sampled_from(["mean", "sum", "none"])),
+            data.draw(st.sampled_from([1.0, 30.0, 1e4]) if dtype == torch.float64 else st.just(1.0)),
+            data.draw(st.integers(0, 2**31)))
+    for err, counts, out_dtype, n in worlds[tp].run(check_cross_entropy, *args):
+        assert err <= TOLERANCES[dtype] and out_dtype == dtype
+        tokens = torch.Size(shape).numel()
+        expected = {} if n == 1 else {("forward", "all_reduce", torch.float64 if dtype == torch.float64
+                                       else torch.float32, tokens): 3}
+        assert dict(counts) == expected
+
+
+def check_stability():
+    """Logits far beyond exp's range, in float32: finite, and equal to F.cross_entropy's."""
+    torch.manual_seed(0)
+    full = torch.randn(6, 40) * 1e3 + 5e4
+    targets = torch.randint(0, 40, (6,))
+    local = tensorpar.scatter_to_tp(full, -1).detach().requires_grad_()
+    loss = tensorpar.vocab_parallel_cross_entropy(local, targets, 40)
+    loss.backward()
+    dense = full.clone().requires_grad_()
+    expected = F.cross_entropy(dense, targets)
+    expected.backward()
+    grad = tensorpar.all_gather(local.grad, -1, 40)
+    return bool(torch.isfinite(loss)), assert_all_close({"loss": (loss, expected), "grad": (grad, dense.grad)})
+
+
+def test_cross_entropy_is_stable_for_huge_logits(worlds):
+    for finite, _ in worlds[3].run(check_stability):
+        assert finite
+
+
+def check_all_ignored():
+    local = tensorpar.scatter_to_tp(torch.randn(3, 10), -1)
+    loss = tensorpar.vocab_parallel_cross_entropy(local, torch.full((3,), -100), 10)
+    return loss.isnan().item(), F.cross_entropy(torch.randn(3, 10), torch.full((3,), -100)).isnan().item()
+
+
+def test_all_ignored_gives_nan_like_f_cross_entropy(worlds):
+    assert worlds[2].run(check_all_ignored) == [(True, True)] * 2
