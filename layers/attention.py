@@ -5,8 +5,8 @@ V projections are column-parallel in units of a head (``head_dim`` rows of the
 weight), attention runs locally on this rank's heads, and the output
 projection is row-parallel over the same heads, summed by ``g``. One ``f``
 enters the region (the three projections read the same replicated input, so
-they are fused into one matmul whose input gradient is all-reduced once) and
-one ``g`` leaves it: one all-reduce of ``(B, T, C)`` forward, one backward.
+one all-reduce of their summed input gradient serves all three) and one ``g``
+leaves it: one all-reduce of ``(B, T, C)`` forward, one backward.
 
 Grouped-query attention (``n_kv_head < n_head``, ``g = n_head / n_kv_head``
 query heads per KV head) shards by query *group* when there are at least
@@ -104,30 +104,23 @@ class ParallelSelfAttention(nn.Module):
         for name, p in self.named_parameters():
             tensorpar.tiled_init.uniform_(p, -bound, bound, **geometry[name])
 
-    def _qkv_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """This rank's Q, K, V rows as one ``((h + 2 h_kv) d, C)`` matrix, and the bias to match."""
-        def rows(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            if not self.kv_replicated:
-                return torch.cat([k, v])
-            # f on the whole replicated K and V (the same tensors on every rank): each rank's
-            # gradient covers only the heads it reads, and the all-reduce sums them
-            k, v = tensorpar.copy_to_tp(torch.cat([k, v]), self.tp_group).chunk(2)
-            used = slice(self.kv_lo * self.head_dim, (self.kv_lo + self.local_kv_heads) * self.head_dim)
-            return torch.cat([k[used], v[used]])
-
-        w = torch.cat([self.q_proj.weight, rows(self.k_proj.weight, self.v_proj.weight)])
-        if self.q_proj.bias is None:
-            return w, None
-        return w, torch.cat([self.q_proj.bias, rows(self.k_proj.bias, self.v_proj.bias)])
+    def _kv_params(self, name: str) -> list[torch.Tensor | None]:
+        """This rank's K and V ``weight`` or ``bias``: its own heads, or with replicated KV heads
+        the ones its query heads read, behind an ``f`` that sums their gradient over ranks."""
+        k, v = getattr(self.k_proj, name), getattr(self.v_proj, name)
+        if k is None or not self.kv_replicated:
+            return [k, v]
+        k, v = tensorpar.copy_to_tp(torch.cat([k, v]), self.tp_group).chunk(2)  # one all-reduce backward
+        used = slice(self.kv_lo * self.head_dim, (self.kv_lo + self.local_kv_heads) * self.head_dim)
+        return [k[used], v[used]]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 3 or x.shape[-1] != self.n_embd:
             raise ValueError(f"{type(self).__name__} expects (B, T, {self.n_embd}), got {tuple(x.shape)}")
-        w, b = self._qkv_weights()
-        qkv = tensorpar.column_parallel_linear(x, w, b, self.tp_group)  # (B, T, (h + 2 h_kv) d), h local heads
-        kv_width = self.local_kv_heads * self.head_dim
-        q, k, v = (rearrange(t, "b t (h d) -> b h t d", d=self.head_dim)
-                   for t in qkv.split([self.local_heads * self.head_dim, kv_width, kv_width], -1))
+        weights = [self.q_proj.weight, *self._kv_params("weight")]
+        biases = [self.q_proj.bias, *self._kv_params("bias")]
+        q, k, v = (rearrange(t, "b t (h d) -> b h t d", d=self.head_dim)  # h: this rank's (query or KV) heads
+                   for t in tensorpar.column_parallel_linears(x, weights, biases, self.tp_group))
         if self._kv_index is not None:  # grouped-query: each query head reads its group's KV head
             k, v = k[:, self._kv_index], v[:, self._kv_index]  # (B, h, T, d)
         p = self.dropout if self.training else 0.0

@@ -3,8 +3,8 @@
 The hidden features are split across ranks: ``c_fc`` (and SwiGLU's gate,
 ``c_gate``) are column-parallel, the activation is elementwise, so it runs on
 each rank's slice, and ``c_proj`` is row-parallel over the same slice. One
-``f`` enters (the up and gate projections share it: one matmul, one backward
-all-reduce) and one ``g`` leaves: one all-reduce of ``(*, C)`` each way.
+``f`` enters (the up and gate projections share it: one backward all-reduce)
+and one ``g`` leaves: one all-reduce of ``(*, C)`` each way.
 """
 
 from __future__ import annotations
@@ -49,14 +49,12 @@ class ParallelMLP(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fc, group = self.c_fc, self.c_fc.tp_group
+        fc, gate = self.c_fc, self.c_gate
         fc._check_input(x, fc.in_features, "an input")
-        if self.c_gate is None:
-            h = F.gelu(tensorpar.column_parallel_linear(x, fc.weight, fc.bias, group), approximate="tanh")
-        else:  # up and gate in one matmul: (*, 2 H / tp)
-            gate = self.c_gate
-            bias = None if fc.bias is None else torch.cat([fc.bias, gate.bias])
-            up, g = tensorpar.column_parallel_linear(x, torch.cat([fc.weight, gate.weight]), bias, group).chunk(2, -1)
+        if gate is None:
+            h = F.gelu(tensorpar.column_parallel_linear(x, fc.weight, fc.bias, fc.tp_group), approximate="tanh")
+        else:  # up and gate behind one f: (*, H / tp) each
+            up, g = tensorpar.column_parallel_linears(x, [fc.weight, gate.weight], [fc.bias, gate.bias], fc.tp_group)
             h = F.silu(g) * up
         return self.dropout(self.c_proj(h))  # (*, C), summed over ranks
 

@@ -19,7 +19,7 @@ from .comm import (
 )
 from .counter import CollectiveCounter, CollectiveRecord, count_collectives
 from .cross_entropy import vocab_parallel_cross_entropy
-from .functional import column_parallel_linear, row_parallel_linear
+from .functional import column_parallel_linear, column_parallel_linears, row_parallel_linear
 from .launch import RankError, spawn
 from .mesh import (
     Mesh,
@@ -38,7 +38,7 @@ from .state import full_grads, full_state_dict, load_full_state_dict, shard_geom
 
 __all__ = [
     "CollectiveCounter", "CollectiveError", "CollectiveRecord", "Mesh", "RNGStatesTracker", "RankError", "Shard",
-    "all_gather", "column_parallel_linear", "copy_to_tp", "count_collectives", "current_mesh", "full_grads",
+    "all_gather", "column_parallel_linear", "column_parallel_linears", "copy_to_tp", "count_collectives", "current_mesh", "full_grads",
     "full_state_dict", "gather_from_tp", "group_rank_size", "init", "load_full_state_dict", "manual_seed",
     "parallelize", "partition_offsets", "partition_sizes", "reduce_from_tp", "reduce_scatter", "row_parallel_linear",
     "scatter_to_tp", "shard", "shard_geometry", "shutdown", "spawn", "tiled_init", "tp_group", "use_mesh",

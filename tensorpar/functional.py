@@ -6,10 +6,13 @@ gradient is computed, and the row-parallel forward reduces its freshly
 computed partial product in place and adds the bias once, after the sum. No
 autograd input is ever written to. Both equal the unfused compositions
 ``F.linear(copy_to_tp(x), W, b)`` and ``reduce_from_tp(F.linear(x, W)) + b``.
+Several column-parallel maps of one input (Q, K and V) share one ``f``: their
+input gradients are summed locally and all-reduced once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,47 +27,58 @@ from .mesh import group_rank_size, tp_group
 Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]
 
 
-def _autocast(ctx: Any, x: torch.Tensor, weight: torch.Tensor,
-              bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Cast as autocast would (a custom Function's body is not autocast), and remember for backward."""
+def _autocast(x: torch.Tensor, *tensors: torch.Tensor | None) -> list[Any]:
+    """Cast as autocast would (a custom Function's body is not autocast)."""
     device = x.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-
-        def cast(t: torch.Tensor | None) -> Any:  # autocast leaves float64 alone
-            return t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
-
-        x, weight, bias = cast(x), cast(weight), cast(bias)
-    ctx.save_for_backward(x, weight)
-    ctx.has_bias, ctx.counters = bias is not None, active_counters()
-    return x, weight, bias
+    if not torch.is_autocast_enabled(device):
+        return [x, *tensors]
+    dtype = torch.get_autocast_dtype(device)
+    # autocast leaves float64 alone
+    return [t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+            for t in (x, *tensors)]
 
 
-def _weight_grads(ctx: Any, grad: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def _weight_grads(grad: torch.Tensor, x2: torch.Tensor, needs_weight: bool,
+                  needs_bias: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     g2 = grad.reshape(-1, grad.shape[-1])  # (N, out)
-    grad_w = g2.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None  # (out, in)
-    grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    grad_w = g2.t() @ x2 if needs_weight else None  # (out, in)
+    grad_b = g2.sum(0) if needs_bias else None
     return grad_w, grad_b
 
 
-class _ColumnParallelLinear(torch.autograd.Function):
-    """``f`` + linear: identity-input forward; all-reduce of the input gradient, overlapped, backward."""
+class _ColumnParallelLinears(torch.autograd.Function):
+    """``f`` + linear maps of one input: identity-input forward; backward, one all-reduce of
+    the summed input gradient, overlapped with the weight gradients."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                group: ProcessGroup) -> torch.Tensor:
-        x, weight, bias = _autocast(ctx, x, weight, bias)
-        ctx.group = group
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup, n: int, *params: torch.Tensor | None) -> Any:
+        x, *params = _autocast(x, *params)
+        weights, biases = params[:n], params[n:]
+        ctx.save_for_backward(x, *weights)
+        ctx.group, ctx.counters, ctx.n = group, active_counters(), n
         with torch.autocast(x.device.type, enabled=False):
-            return F.linear(x, weight, bias)  # (*, out / tp)
+            return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))  # each (*, out_i / tp)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> Grads:
-        x, weight = ctx.saved_tensors
-        pending = start_all_reduce_(grad @ weight, ctx.group, ctx.counters) if ctx.needs_input_grad[0] else None
-        grad_w, grad_b = _weight_grads(ctx, grad, x)  # while the input gradient (*, in) is summed
-        return (pending.wait() if pending else None), grad_w, grad_b, None
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        x, *weights = ctx.saved_tensors
+        n, needs = ctx.n, ctx.needs_input_grad
+        used = [(g.reshape(-1, g.shape[-1]), w) for g, w in zip(grads, weights) if g is not None]
+        pending = None
+        if needs[0] and used:
+            grad_x = used[0][0] @ used[0][1]  # (N, in)
+            for g2, w in used[1:]:
+                grad_x.addmm_(g2, w)
+            pending = start_all_reduce_(grad_x, ctx.group, ctx.counters)
+        x2 = x.reshape(-1, x.shape[-1])
+        grad_ws, grad_bs = [], []
+        for i, g in enumerate(grads):  # while the input gradient is summed
+            grad_w, grad_b = (None, None) if g is None else _weight_grads(g, x2, needs[3 + i], needs[3 + n + i])
+            grad_ws.append(grad_w)
+            grad_bs.append(grad_b)
+        grad_x = pending.wait().view(x.shape) if pending else None
+        return (grad_x, None, None, *grad_ws, *grad_bs)
 
 
 class _RowParallelLinear(torch.autograd.Function):
@@ -73,7 +87,9 @@ class _RowParallelLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 group: ProcessGroup) -> torch.Tensor:
-        x, weight, bias = _autocast(ctx, x, weight, bias)
+        x, weight, bias = _autocast(x, weight, bias)
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
         with torch.autocast(x.device.type, enabled=False):
             y = F.linear(x, weight)  # (*, out), this rank's partial sum
         y = start_all_reduce_(y, group).wait()
@@ -83,8 +99,9 @@ class _RowParallelLinear(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> Grads:
         x, weight = ctx.saved_tensors
-        grad_x = grad @ weight if ctx.needs_input_grad[0] else None  # (*, in / tp)
-        return (grad_x, *_weight_grads(ctx, grad, x), None)
+        needs = ctx.needs_input_grad
+        grad_x = grad @ weight if needs[0] else None  # (*, in / tp)
+        return (grad_x, *_weight_grads(grad, x.reshape(-1, x.shape[-1]), needs[1], ctx.has_bias and needs[2]), None)
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -94,10 +111,29 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     Equal to ``F.linear(copy_to_tp(x), weight, bias)``; the backward all-reduce
     of the input gradient overlaps the weight-gradient computation.
     """
+    return column_parallel_linears(x, [weight], None if bias is None else [bias], group)[0]
+
+
+def column_parallel_linears(x: torch.Tensor, weights: Sequence[torch.Tensor],
+                            biases: Sequence[torch.Tensor | None] | None = None,
+                            group: ProcessGroup | None = None) -> tuple[torch.Tensor, ...]:
+    """Several column-parallel maps of one replicated input ``x`` (*, in), behind one ``f``.
+
+    ``F.linear(copy_to_tp(x), w_i, b_i)`` for each weight (e.g. Q, K and V, or
+    an MLP's up and gate projections), with no copy of the weights: one
+    all-reduce of the summed input gradient backward instead of one per map.
+
+    Example::
+
+        q, k, v = tensorpar.column_parallel_linears(x, [wq, wk, wv], [bq, bk, bv])
+    """
+    biases = [None] * len(weights) if biases is None else list(biases)
+    if len(biases) != len(weights):
+        raise ValueError(f"{len(weights)} weights but {len(biases)} biases")
     group = tp_group(group)
     if group_rank_size(group)[1] == 1:
-        return F.linear(x, weight, bias)
-    return _ColumnParallelLinear.apply(x, weight, bias, group)
+        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
+    return _ColumnParallelLinears.apply(x, group, len(weights), *weights, *biases)
 
 
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -31,3 +31,36 @@ def test_layers_on_cuda_with_nccl_at_world_size_1(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layers_on_cuda_tensors_with_gloo_at_world_size_2(dtype):
     assert max(tensorpar.spawn(cuda_layer_checks, 2, dtype, backend="gloo")) <= TOLERANCES[dtype]
+
+
+def cuda_gpt_checks(dtype):
+    """A Block against its plain twin on CUDA, a GPT's loss against the reference's, and the tp streams."""
+    from gpt_cases import batch, twins
+    from test_blocks import sharded_twin
+    from test_dropout import stream_draws
+
+    from tensorpar.testing import assert_sharded_equivalent
+
+    mesh = tensorpar.init()
+    cfg = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, vocab_size=97, block_size=32, bias=True, mlp="swiglu")
+    torch.manual_seed(0)
+    sharded, dense = sharded_twin("block", cfg, dtype)
+    x = torch.randn(2, 32, 64, dtype=dtype, device="cuda")
+    errors = assert_sharded_equivalent(sharded.cuda(), dense.cuda(), x)
+    ref, model = twins(cfg, dtype, 0)
+    ref, model = ref.cuda(), model.cuda()
+    idx, targets = batch(cfg, 2, 32, 0)
+    loss, ref_loss = model(idx.cuda(), targets.cuda()), ref(idx.cuda(), targets.cuda())
+    errors["loss"] = tensorpar.testing.rel_error(loss, ref_loss)
+    first, second, untouched = stream_draws(0, "cuda")
+    return max(errors.values()), untouched and not torch.equal(first, second), mesh.tp_rank, first
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("world, backend", [(1, "nccl"), (2, "gloo")])
+def test_gpt_on_cuda(dtype, world, backend):
+    results = tensorpar.spawn(cuda_gpt_checks, world, dtype, backend=backend)
+    for err, stream_ok, _, _ in results:
+        assert err <= TOLERANCES[dtype] and stream_ok
+    if world == 2:
+        assert not torch.equal(results[0][3], results[1][3]), "both tp ranks drew the same attention-dropout stream"

@@ -1,0 +1,91 @@
+"""Communication and memory of the sharded GPT, against Megatron's formula and total / tp.
+
+    python benchmarks/accounting.py [--tokens 256] [--batch 2] [--write]
+
+* Communication: the collective counter records every collective of one block's
+  forward+backward, and of the whole model's, at tp=2. Megatron-LM's count for
+  a block is 2 all-reduces of B·T·C forward and 2 backward; the model adds the
+  embedding's (forward), the tied LM head's (backward) and the vocab-parallel
+  loss's 3 of B·T. The ratio of recorded bytes to that formula must be 1.000.
+* Memory: per-rank parameter bytes of GPT-2 small (12 layers, 12 heads, 768,
+  vocab 50257), built on the meta device at tp=2 and tp=4, against the unsharded
+  model's bytes / tp (the largest rank; the vocabulary is split unpadded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+import tensorpar
+from layers import GPT, GPTConfig
+
+from results import machine, write_section
+
+GPT2_SMALL = dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_size=1024)
+
+
+def count_bytes(b: int, t: int) -> dict[str, object]:
+    tensorpar.init()
+    torch.manual_seed(0)
+    config = GPTConfig(**(GPT2_SMALL | dict(n_layer=2)))
+    model = GPT(config)
+    idx = torch.randint(0, config.vocab_size, (b, t))
+    x = torch.randn(b, t, config.n_embd, requires_grad=True)
+    with tensorpar.count_collectives() as block:
+        model.transformer.h[0](x).sum().backward()
+    with tensorpar.count_collectives() as whole:
+        model(idx, idx).backward()
+    act, tokens = b * t * config.n_embd * 4, b * t * 4  # float32 bytes
+    return dict(
+        block=(block.count(), block.bytes(), 4 * act),
+        whole=(whole.count(), whole.bytes(), (4 * config.n_layer + 2) * act + 3 * tokens),
+        block_summary=sorted((phase, op, numel, n) for (phase, op, _, numel), n in block.summary().items()),
+    )
+
+
+def parameter_bytes() -> tuple[int, int]:
+    """(this rank's parameter bytes, the unsharded model's) for GPT-2 small on the meta device."""
+    tensorpar.init()
+    model = GPT(GPTConfig(**GPT2_SMALL), device="meta")
+    geometry = tensorpar.shard_geometry(model)
+    local = sum(p.numel() * p.element_size() for p in model.parameters())
+    full = sum(math.prod(geometry[name]["full_shape"]) * p.element_size() for name, p in model.named_parameters())
+    return local, full
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--write", action="store_true", help="record the figures in benchmarks/RESULTS.md")
+    args = parser.parse_args()
+
+    comm = tensorpar.spawn(count_bytes, 2, args.batch, args.tokens)[0]
+    rows = ["| what (tp=2, B=%d, T=%d, C=768, fp32) | collectives | bytes | Megatron's formula | ratio |" %
+            (args.batch, args.tokens), "|---|---:|---:|---:|---:|"]
+    for name, label in (("block", "one block, forward+backward"), ("whole", "2-layer GPT with loss")):
+        n, got, formula = comm[name]
+        rows.append(f"| {label} | {n} | {got} | {formula} | {got / formula:.3f} |")
+    detail = ", ".join(f"{n}× {op} of {numel} elements ({phase})" for phase, op, numel, n in comm["block_summary"])
+
+    mem = ["| tp | largest rank's parameter bytes | unsharded bytes / tp | ratio (target ≤ 1.003) |",
+           "|---:|---:|---:|---:|"]
+    for tp in (2, 4):
+        results = tensorpar.spawn(parameter_bytes, tp)
+        local, full = max(r[0] for r in results), results[0][1]
+        mem.append(f"| {tp} | {local} | {full / tp:.0f} | {local / (full / tp):.4f} |")
+
+    text = "\n".join(rows) + f"\n\nOne block: {detail}.\n\n" + "\n".join(mem)
+    print(text)
+    if args.write:
+        write_section("Collective bytes and per-rank parameter memory of the GPT",
+                      f"{machine()}, gloo (`python benchmarks/accounting.py --write`). Memory: GPT-2 small "
+                      f"(12 layers, 12 heads, n_embd 768, vocab 50257, block 1024), built on the meta device.\n\n"
+                      + text)
+
+
+if __name__ == "__main__":
+    main()
