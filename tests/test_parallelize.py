@@ -10,6 +10,7 @@ from reference import DenseMLP
 from torch import nn
 
 import tensorpar
+import tensorpar.testing
 from layers import ColumnParallelLinear, RowParallelLinear
 from tensorpar.testing import assert_sharded_equivalent, tp_sizes
 
@@ -64,7 +65,7 @@ def test_bad_plans_get_clear_errors(worlds):
     messages = worlds[2].run(check_plan_errors)[0]
     assert len(messages) == 5, messages
     assert "'blocks.*.nope' matches no submodule of Toy" in messages[0]
-    assert "unknown parallel style 'diagonal'" in messages[1] and "column, row" in messages[1]
+    assert "unknown parallel style 'diagonal'" in messages[1] and "column, embedding, row" in messages[1]
     assert messages[2].startswith("TypeError: cannot parallelize 'blocks.0'") and "DenseMLP" in messages[2]
     assert "matched by both" in messages[3]
     assert messages[4].startswith("TypeError: a plan value must be")
@@ -83,3 +84,23 @@ def test_a_callable_style_builds_the_replacement(worlds):
 def test_from_linear_rejects_other_modules(worlds):
     with pytest.raises(tensorpar.RankError, match=r"expects an nn.Linear, got Conv1d"):
         worlds[1].run(ColumnParallelLinear.from_linear, nn.Conv1d(2, 2, 1))
+
+
+def check_parallelized_embedding(vocab, d, seed):
+    torch.manual_seed(seed)
+    dense = nn.Sequential(nn.Embedding(vocab, d, dtype=torch.float64), DenseMLP(d, 2 * d, dtype=torch.float64))
+    model = tensorpar.parallelize(copy.deepcopy(dense), {"0": "embedding", "1.fc1": "column", "1.fc2": "row"})
+    ids = torch.randint(0, vocab, (3, 4))
+    y, y_dense = model(ids), dense(ids)
+    y.sum().backward()
+    y_dense.sum().backward()
+    grads = tensorpar.full_grads(model)
+    return type(model[0]).__name__, max(tensorpar.testing.rel_error(grads[k], p.grad, 1.0)
+                                        for k, p in dense.named_parameters()), tensorpar.testing.rel_error(y, y_dense)
+
+
+@settings(max_examples=6)
+@given(tp=tp_sizes(), vocab=st.integers(4, 40), d=st.integers(2, 10), seed=st.integers(0, 2**31))
+def test_parallelize_swaps_embeddings_by_the_embedding_style(worlds, tp, vocab, d, seed):
+    for kind, grad_err, out_err in worlds[tp].run(check_parallelized_embedding, vocab, d, seed):
+        assert kind == "VocabParallelEmbedding" and grad_err <= 1e-10 and out_err <= 1e-10
