@@ -18,11 +18,10 @@ import argparse
 import math
 
 import torch
+from results import machine, write_section
 
 import tensorpar
 from layers import GPT, GPTConfig
-
-from results import machine, write_section
 
 GPT2_SMALL = dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_size=1024)
 

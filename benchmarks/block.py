@@ -23,12 +23,11 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from results import machine, write_section
 from torch import nn
 
 import tensorpar
 from layers import Block, GPTConfig
-
-from results import machine, write_section
 
 
 class PlainBlock(nn.Module):

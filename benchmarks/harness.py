@@ -13,13 +13,12 @@ import time
 from pathlib import Path
 
 import torch
-
 from results import machine, write_section
 
 from tensorpar.testing import World
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from test_linear import check_linear  # noqa: E402
+from test_linear import check_linear
 
 
 def main() -> None:

@@ -16,13 +16,12 @@ import statistics
 import time
 
 import torch
+from results import machine, write_section
 from torch import nn
 
 import tensorpar
 from layers import ColumnParallelLinear, RowParallelLinear
 from tensorpar.testing import World
-
-from results import machine, write_section
 
 
 def dense_mlp(h: int) -> nn.Module:

@@ -20,6 +20,6 @@ def write_section(title: str, body: str) -> None:
     """Replace (or add) the ``## title`` section of RESULTS.md with ``body``."""
     text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
     section = f"## {title}\n\n{body.strip()}\n"
-    pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.M | re.S)
+    pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
     text = pattern.sub(lambda _: section + "\n", text) if pattern.search(text) else text.rstrip() + "\n\n" + section
     RESULTS.write_text(text.rstrip() + "\n")

@@ -15,7 +15,8 @@ so nothing changes in the communication. With fewer KV heads than ranks
 (multi-query attention at tp > 1, say), query heads are split alone and every
 rank holds all KV heads, using those its query heads read; the KV weights are
 then replicated, and their gradients (each rank's share of them) are summed by
-an ``f`` on the weights: one extra all-reduce of the KV weights backward.
+an ``f`` on the weights: one extra all-reduce of the KV weights and biases
+backward.
 """
 
 from __future__ import annotations
@@ -104,21 +105,22 @@ class ParallelSelfAttention(nn.Module):
         for name, p in self.named_parameters():
             tensorpar.tiled_init.uniform_(p, -bound, bound, **geometry[name])
 
-    def _kv_params(self, name: str) -> list[torch.Tensor | None]:
-        """This rank's K and V ``weight`` or ``bias``: its own heads, or with replicated KV heads
-        the ones its query heads read, behind an ``f`` that sums their gradient over ranks."""
-        k, v = getattr(self.k_proj, name), getattr(self.v_proj, name)
-        if k is None or not self.kv_replicated:
-            return [k, v]
-        k, v = tensorpar.copy_to_tp(torch.cat([k, v]), self.tp_group).chunk(2)  # one all-reduce backward
-        used = slice(self.kv_lo * self.head_dim, (self.kv_lo + self.local_kv_heads) * self.head_dim)
-        return [k[used], v[used]]
+    def _kv_params(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """This rank's K and V weights and biases: its own heads or, with replicated KV heads, the
+        ones its query heads read, behind one ``f`` that sums their gradients over the ranks."""
+        k, v = self.k_proj, self.v_proj
+        params = [t for t in (k.weight, v.weight, k.bias, v.bias) if t is not None]
+        if self.kv_replicated:  # the same tensors on every rank; each rank's gradient covers its heads
+            flat = tensorpar.copy_to_tp(torch.cat([t.reshape(-1) for t in params]), self.tp_group)
+            used = slice(self.kv_lo * self.head_dim, (self.kv_lo + self.local_kv_heads) * self.head_dim)
+            params = [part.view_as(t)[used] for part, t in zip(flat.split([t.numel() for t in params]), params)]
+        return params[:2], (params[2:] or [None, None])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 3 or x.shape[-1] != self.n_embd:
             raise ValueError(f"{type(self).__name__} expects (B, T, {self.n_embd}), got {tuple(x.shape)}")
-        weights = [self.q_proj.weight, *self._kv_params("weight")]
-        biases = [self.q_proj.bias, *self._kv_params("bias")]
+        kv_weights, kv_biases = self._kv_params()
+        weights, biases = [self.q_proj.weight, *kv_weights], [self.q_proj.bias, *kv_biases]
         q, k, v = (rearrange(t, "b t (h d) -> b h t d", d=self.head_dim)  # h: this rank's (query or KV) heads
                    for t in tensorpar.column_parallel_linears(x, weights, biases, self.tp_group))
         if self._kv_index is not None:  # grouped-query: each query head reads its group's KV head

@@ -77,14 +77,17 @@ class VocabParallelEmbedding(nn.Module):
         embedding.load_state_dict(tensorpar.full_state_dict(self))
         return embedding
 
-    def partial(self, ids: torch.Tensor) -> torch.Tensor:
-        """This rank's term of the lookup: rows it owns, zeros elsewhere. ``(*) -> (*, embedding_dim)``."""
+    def partial(self, ids: torch.Tensor, *, check: bool = True) -> torch.Tensor:
+        """This rank's term of the lookup: rows it owns, zeros elsewhere. ``(*) -> (*, embedding_dim)``.
+
+        ``check=False`` skips the range check of ``ids`` (a host sync on GPUs) for ids known to be valid.
+        """
         if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex \
                 or ids.dtype == torch.bool:
             raise TypeError(f"VocabParallelEmbedding expects a tensor of integer ids, got "
                             f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}")
-        bad = (ids < 0) | (ids >= self.num_embeddings)
-        if bad.any():
+        bad = (ids < 0) | (ids >= self.num_embeddings) if check else None
+        if bad is not None and bad.any():
             raise ValueError(f"token id {ids[bad][0].item()} is out of range for num_embeddings "
                              f"{self.num_embeddings} (ids must be in [0, {self.num_embeddings}))")
         if self.tp == 1:

@@ -58,6 +58,8 @@ class GPTConfig:
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.n_kv_head is not None and (not isinstance(self.n_kv_head, int) or self.n_kv_head < 1):
+            raise ValueError(f"GPTConfig.n_kv_head must be a positive integer or None, got {self.n_kv_head!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) is not divisible by n_head ({self.n_head})")
         if self.n_head % self.kv_heads:
@@ -98,7 +100,10 @@ class GPT(nn.Module):
 
     ``model(idx)`` returns the full logits ``(B, T, vocab_size)``, the same on
     every rank; ``model(idx, targets)`` returns the mean cross-entropy (targets
-    equal to -1 are ignored), computed from vocab-sharded logits.
+    equal to -1 are ignored, as in nanoGPT), computed from vocab-sharded logits.
+    Every rank of the tp group must be given the same ``idx`` and ``targets``,
+    and seed its default generator alike (:func:`tensorpar.manual_seed`): the
+    replicated regions, residual dropout included, rely on it, as in Megatron.
 
     Example::
 
@@ -125,12 +130,17 @@ class GPT(nn.Module):
             ln_f=nn.LayerNorm(c.n_embd, bias=c.bias, **factory),
         ))
         self.lm_head = ColumnParallelLinear(c.n_embd, c.vocab_size, bias=False, group=group, **factory)
-        self.lm_head.weight = self.transformer.wte.weight  # tied: both split the vocabulary alike
+        self._tie()
+        # .to(), .to_empty() and load_state_dict(assign=True) may replace the parameters: tie them again
+        self.register_load_state_dict_post_hook(lambda module, _: module._tie())
         self.reset_parameters()
 
+    def _tie(self) -> None:
+        self.lm_head.weight = self.transformer.wte.weight  # tied: both split the vocabulary alike
+
     def _apply(self, fn: Any, recurse: bool = True) -> GPT:
-        super()._apply(fn, recurse)  # .to(), .to_empty(), ... may replace the parameters: tie them again
-        self.lm_head.weight = self.transformer.wte.weight
+        super()._apply(fn, recurse)
+        self._tie()
         return self
 
     def reset_parameters(self) -> None:
@@ -155,7 +165,7 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length ({t}) is longer than block_size ({self.config.block_size})")
         wte, wpe = self.transformer.wte, self.transformer.wpe
         pos = torch.arange(t, device=idx.device)
-        x = tensorpar.reduce_from_tp(wte.partial(idx) + wpe.partial(pos), self.tp_group)  # (B, T, C): one reduce
+        x = tensorpar.reduce_from_tp(wte.partial(idx) + wpe.partial(pos, check=False), self.tp_group)  # (B, T, C)
         x = self.transformer.drop(x)
         for block in self.transformer.h:
             x = block(x)
@@ -203,7 +213,14 @@ class GPT(nn.Module):
         tensorpar.load_full_state_dict(self, state_dict)
 
     @classmethod
-    def from_hf(cls, model: nn.Module, **options: Any) -> GPT:
-        """A sharded GPT with the weights of a Hugging Face ``GPT2LMHeadModel`` (extra ``hf``)."""
+    def from_hf(cls, model: nn.Module, *, group: ProcessGroup | None = None) -> GPT:
+        """A sharded GPT with the weights of a Hugging Face ``GPT2LMHeadModel`` (extra ``hf``),
+        on its device and in its dtype. Every rank must hold the same model.
+
+        Example::
+
+            hf = GPT2LMHeadModel.from_pretrained("path/to/gpt2")
+            gpt = GPT.from_hf(hf)   # 1/tp of its weights on each rank
+        """
         from .hf import gpt_from_hf
-        return gpt_from_hf(cls, model, **options)
+        return gpt_from_hf(cls, model, group=group)

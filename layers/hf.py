@@ -31,6 +31,8 @@ def _check_supported(hf: Any) -> None:
         "scale_attn_weights": (hf.scale_attn_weights, (True,)),
         "scale_attn_by_inverse_layer_idx": (hf.scale_attn_by_inverse_layer_idx, (False,)),
         "tie_word_embeddings": (getattr(hf, "tie_word_embeddings", True), (True,)),
+        # one rate serves every dropout of the GPT, so GPT-2's three must agree
+        "attn_pdrop, embd_pdrop": ((hf.attn_pdrop, hf.embd_pdrop), ((hf.resid_pdrop, hf.resid_pdrop),)),
     }
     unsupported = [f"{k}={v!r} (supported: {ok})" for k, (v, ok) in differences.items() if v not in ok]
     if unsupported:
@@ -54,16 +56,18 @@ def hf_state_dict_to_gpt(state: dict[str, torch.Tensor], n_embd: int) -> dict[st
     return out
 
 
-def gpt_from_hf(cls: type[GPT], model: nn.Module, **options: Any) -> GPT:
+def gpt_from_hf(cls: type[GPT], model: nn.Module, *, group: Any = None) -> GPT:
     """See :meth:`layers.gpt.GPT.from_hf`."""
     from .gpt import GPTConfig
 
     hf = getattr(model, "config", None)
     _check_supported(hf)
+    if not hasattr(model, "lm_head"):
+        raise TypeError(f"from_hf expects a GPT2LMHeadModel (with its LM head), got {type(model).__name__}")
     config = GPTConfig(block_size=hf.n_positions, vocab_size=hf.vocab_size, n_layer=hf.n_layer, n_head=hf.n_head,
                        n_embd=hf.n_embd, dropout=hf.resid_pdrop, bias=True)
     weight = model.get_input_embeddings().weight
-    gpt = cls(config, device="meta", dtype=weight.dtype, **options)
+    gpt = cls(config, device="meta", dtype=weight.dtype, group=group)
     gpt.to_empty(device=weight.device)
     gpt.load_full_state_dict(hf_state_dict_to_gpt(model.state_dict(), hf.n_embd))
     return gpt.train(model.training)

@@ -19,7 +19,11 @@ from .comm import (
 )
 from .counter import CollectiveCounter, CollectiveRecord, count_collectives
 from .cross_entropy import vocab_parallel_cross_entropy
-from .functional import column_parallel_linear, column_parallel_linears, row_parallel_linear
+from .functional import (
+    column_parallel_linear,
+    column_parallel_linears,
+    row_parallel_linear,
+)
 from .launch import RankError, spawn
 from .mesh import (
     Mesh,

@@ -29,6 +29,10 @@ from .sharding import partition_sizes
 REDUCTIONS = ("mean", "sum", "none")
 
 
+def _loss_dtype(logits: torch.Tensor) -> torch.dtype:
+    return torch.float32 if logits.dtype in (torch.float16, torch.bfloat16) else logits.dtype
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, lo: int, ignore_index: int,
@@ -50,11 +54,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         z.div_(sum_exp.unsqueeze(-1))  # softmax, this rank's rows
         ctx.save_for_backward(z, local_t, owned, valid)
         ctx.reduction, ctx.dtype = reduction, logits.dtype
-        if reduction == "none":
-            return loss.to(logits.dtype)
-        total = loss.sum()
+        loss = loss.to(_loss_dtype(logits))
         ctx.count = valid.sum()
-        return (total / ctx.count if reduction == "mean" else total).to(logits.dtype)
+        if reduction == "none":
+            return loss
+        return loss.sum() / ctx.count if reduction == "mean" else loss.sum()
 
     @staticmethod
     @once_differentiable
@@ -63,8 +67,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad_z = softmax  # reused in place: backward runs once
         grad_z.scatter_add_(-1, local_t.unsqueeze(-1), -owned.unsqueeze(-1).to(grad_z.dtype))
         scale = grad.to(grad_z.dtype) * valid  # (*) or (): the per-position weight of the loss
-        if ctx.reduction == "mean":
-            scale = scale / ctx.count
+        if ctx.reduction == "mean":  # no counted target: no gradient (F.cross_entropy's zeros)
+            scale = scale / ctx.count.clamp_min(1)
         grad_z.mul_(scale.unsqueeze(-1) if scale.dim() else scale)
         return grad_z.to(ctx.dtype), None, None, None, None, None
 
@@ -77,7 +81,10 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
     ``targets`` holds token ids in ``[0, vocab_size)``, the same on every rank;
     positions equal to ``ignore_index`` add nothing (and ``"mean"`` averages
     over the others). The loss is the same on every rank; three all-reduces of
-    ``targets.numel()`` elements, no gathered logits.
+    ``targets.numel()`` elements, no gathered logits. The loss is float32 for
+    16-bit logits (they are reduced in float32), else in the logits' dtype;
+    the logits' gradient comes back in their own dtype. Backward reuses the
+    saved softmax in place, so it runs once (no ``retain_graph`` second pass).
 
     Example::
 
@@ -101,5 +108,6 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
     if n == 1:  # the whole vocabulary is here
         loss = F.cross_entropy(logits.reshape(-1, vocab_size), targets.reshape(-1), ignore_index=ignore_index,
                                reduction=reduction)
-        return loss.reshape(targets.shape) if reduction == "none" else loss
+        return (loss.reshape(targets.shape) if reduction == "none" else loss).to(_loss_dtype(logits))
+    targets = targets.long()
     return _VocabParallelCrossEntropy.apply(logits, targets, sum(sizes[:rank]), ignore_index, reduction, group)

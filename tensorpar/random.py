@@ -14,6 +14,11 @@ Dropout in a tensor-parallel model comes in two kinds:
 The rank's stream is seeded from a base seed and the tp rank; without
 :func:`manual_seed` the base is one draw of the default generator, taken at
 the first fork (identically on every rank, so ranks stay in step).
+
+Activation checkpointing that recomputes a forked region must restore the
+tracker's state too (``torch.utils.checkpoint`` restores only the default
+generators): save :meth:`RNGStatesTracker.state_dict` before the region and
+load it before recomputing.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ class RNGStatesTracker:
         self.rank = rank
         self._base: int | None = None
         self._states: dict[str, torch.Tensor] = {}
+        self._inside: set[str] = set()
 
     def seed(self, base: int) -> None:
         """Restart the stream from ``base`` (mixed with this rank)."""
@@ -86,15 +92,20 @@ class RNGStatesTracker:
         """Run the block on this rank's stream for ``device`` (default: CPU)."""
         device = self._device(device)
         key = str(device)
+        if key in self._inside:
+            raise RuntimeError(f"RNGStatesTracker.fork({key}) is already active: nested forks would draw "
+                               "the same numbers twice")
         if key not in self._states:
             if self._base is None:
                 self._base = int(torch.randint(0, 2**62, ()).item())  # the same draw on every rank
             self._states[key] = torch.Generator(device).manual_seed(mix_seed(self._base, self.rank)).get_state()
         outside = _get_state(device)
         _set_state(device, self._states[key])
+        self._inside.add(key)
         try:
             yield
         finally:
+            self._inside.discard(key)
             self._states[key] = _get_state(device)
             _set_state(device, outside)
 

@@ -1,9 +1,8 @@
 """Shared fixtures: one persistent worker pool per world size, and hypothesis settings."""
 
 import pytest
-from hypothesis import HealthCheck, settings
-
 from gpt_cases import EXAMPLES, WORST
+from hypothesis import HealthCheck, settings
 
 from tensorpar.testing import Worlds
 

@@ -59,7 +59,7 @@ def check_collective(op, full_shape, dim, seed):
             y = fn(x, dim)
         y.backward(gs[rank])
 
-    total = lambda ts: torch.stack(ts).sum(0)  # noqa: E731
+    total = lambda ts: torch.stack(ts).sum(0)
     expected_y, expected_dx = {
         "copy_to_tp": lambda: (xs[rank], total(gs)),
         "reduce_from_tp": lambda: (total(xs), gs[rank]),

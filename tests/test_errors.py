@@ -4,7 +4,14 @@ import torch
 from torch import nn
 
 import tensorpar
-from layers import GPT, ColumnParallelLinear, GPTConfig, ParallelSelfAttention, RowParallelLinear, VocabParallelEmbedding
+from layers import (
+    GPT,
+    ColumnParallelLinear,
+    GPTConfig,
+    ParallelSelfAttention,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 
 
 def _message(fn):
@@ -78,6 +85,7 @@ def check_gpt_bad_inputs():
         "float ids": lambda: model.transformer.wte(torch.zeros(3)),
         "1-D ids": lambda: model(torch.zeros(8, dtype=torch.long)),
         "bad mlp": lambda: GPTConfig(mlp="relu"),
+        "zero kv heads": lambda: GPTConfig(n_kv_head=0),
         "attention width": lambda: ParallelSelfAttention(16, 4)(torch.randn(2, 3, 12)),
         "padded embedding": lambda: VocabParallelEmbedding.from_embedding(nn.Embedding(9, 4, padding_idx=0)),
         "loss vocab mismatch": lambda: tensorpar.vocab_parallel_cross_entropy(torch.randn(3, 5), ids[0, :3], 37),
@@ -104,6 +112,7 @@ def test_gpt_bad_input_gets_a_clear_error(worlds):
     assert m["float ids"] == "TypeError: VocabParallelEmbedding expects a tensor of integer ids, got torch.float32"
     assert m["1-D ids"] == "ValueError: GPT expects token ids of shape (B, T), got (8,)"
     assert m["bad mlp"] == "ValueError: mlp must be one of ('gelu', 'swiglu'), got 'relu'"
+    assert m["zero kv heads"] == "ValueError: GPTConfig.n_kv_head must be a positive integer or None, got 0"
     assert m["attention width"] == "ValueError: ParallelSelfAttention expects (B, T, 16), got (2, 3, 12)"
     assert m["padded embedding"].startswith("ValueError: VocabParallelEmbedding.from_embedding supports plain")
     assert m["loss vocab mismatch"] == ("ValueError: logits of shape (3, 5) do not match targets of shape (3,) and "

@@ -129,3 +129,34 @@ def test_generate_matches_reference(worlds, tp, data):
     for ours, theirs in results:
         assert ours == theirs == results[0][0]
 
+
+
+def check_tie_survives_moves_and_loads():
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=11, n_layer=1, n_head=2, n_embd=8, block_size=4)
+    model = GPT(cfg)
+    full = model.full_state_dict()
+    ties = {}
+    for name, make in {
+        "to(float64)": lambda: GPT(cfg).to(torch.float64),
+        "to_empty from meta": lambda: GPT(cfg, device="meta").to_empty(device="cpu"),
+        "load_state_dict(assign=True)": lambda: _assigned(GPT(cfg, device="meta"), model.state_dict()),
+    }.items():
+        m = make()
+        ties[name] = m.lm_head.weight is m.transformer.wte.weight and len(list(m.parameters())) == len(
+            list(model.parameters()))
+    again = GPT(cfg, device="meta")
+    again.to_empty(device="cpu")
+    again.load_full_state_dict(full)
+    ties["full state dict round trip"] = all(torch.equal(v, again.full_state_dict()[k]) for k, v in full.items())
+    return ties
+
+
+def _assigned(model, state):
+    model.load_state_dict(state, assign=True)
+    return model
+
+
+def test_lm_head_stays_tied_to_the_token_embedding(worlds):
+    for ties in worlds[2].run(check_tie_survives_moves_and_loads):
+        assert all(ties.values()), ties

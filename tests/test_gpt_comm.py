@@ -5,7 +5,7 @@ after the MLP: ``g``) and 2 backward (before them: ``f``). The embedding adds 1
 forward, the tied LM head 1 backward, and vocab-parallel cross-entropy 3 of B·T
 forward (max, target logit, sum of exponentials). Nothing else, at any tp > 1;
 at tp = 1, nothing at all. With fewer KV heads than ranks the replicated K/V
-weights add one all-reduce of their gradients (weights, and biases) per block.
+weights add one all-reduce of their gradients (weights and biases) per block.
 """
 
 from collections import Counter
@@ -37,11 +37,9 @@ def expected_counts(cfg, b, t, tp):
         return Counter(), Counter()
     f32, act, tokens = torch.float32, b * t * cfg["n_embd"], b * t
     block = Counter({("forward", "all_reduce", f32, act): 2, ("backward", "all_reduce", f32, act): 2})
-    if cfg["n_kv_head"] < tp:  # replicated K/V: their gradients are summed
+    if cfg["n_kv_head"] < tp:  # replicated K/V: one all-reduce sums their weight and bias gradients
         kv = 2 * cfg["n_kv_head"] * (cfg["n_embd"] // cfg["n_head"])  # K and V rows
-        block[("backward", "all_reduce", f32, kv * cfg["n_embd"])] += 1
-        if cfg["bias"]:
-            block[("backward", "all_reduce", f32, kv)] += 1
+        block[("backward", "all_reduce", f32, kv * (cfg["n_embd"] + cfg["bias"]))] += 1
     whole = Counter({k: v * cfg["n_layer"] for k, v in block.items()})
     whole[("forward", "all_reduce", f32, act)] += 1  # token + position embedding
     whole[("backward", "all_reduce", f32, act)] += 1  # LM head (f)

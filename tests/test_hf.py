@@ -41,12 +41,17 @@ def check_unsupported():
 
     hf = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=11, n_positions=4,
                                     activation_function="relu", scale_attn_by_inverse_layer_idx=True))
-    try:
-        GPT.from_hf(hf)
-    except ValueError as e:
-        return str(e)
+    messages = []
+    for model in (hf, hf.transformer):
+        try:
+            GPT.from_hf(model)
+        except (ValueError, TypeError) as e:
+            messages.append(f"{type(e).__name__}: {e}")
+    return messages
 
 
 def test_from_hf_refuses_variants_it_would_compute_differently(worlds):
-    message = worlds[1].run(check_unsupported)[0]
-    assert "activation_function='relu'" in message and "scale_attn_by_inverse_layer_idx=True" in message
+    variant, headless = worlds[1].run(check_unsupported)[0]
+    assert "activation_function='relu'" in variant and "scale_attn_by_inverse_layer_idx=True" in variant
+    assert headless.startswith("ValueError") or headless == ("TypeError: from_hf expects a GPT2LMHeadModel "
+                                                             "(with its LM head), got GPT2Model")

@@ -11,7 +11,15 @@ from torch import nn
 import tensorpar
 from layers import ColumnParallelLinear, RowParallelLinear
 from tensorpar import Shard
-from tensorpar.testing import TOLERANCES, assert_close, assert_sharded_equivalent, batch_shapes, dtypes, features, tp_sizes
+from tensorpar.testing import (
+    TOLERANCES,
+    assert_close,
+    assert_sharded_equivalent,
+    batch_shapes,
+    dtypes,
+    features,
+    tp_sizes,
+)
 
 
 def check_linear(kind, in_f, out_f, batch, dtype, bias, option, seed, device="cpu"):
