@@ -56,6 +56,7 @@ class _ColumnParallelLinears(torch.autograd.Function):
         weights, biases = params[:n], params[n:]
         ctx.save_for_backward(x, *weights)
         ctx.group, ctx.counters, ctx.n = group, active_counters(), n
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no work for it
         with torch.autocast(x.device.type, enabled=False):
             return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))  # each (*, out_i / tp)
 
@@ -111,7 +112,10 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     Equal to ``F.linear(copy_to_tp(x), weight, bias)``; the backward all-reduce
     of the input gradient overlaps the weight-gradient computation.
     """
-    return column_parallel_linears(x, [weight], None if bias is None else [bias], group)[0]
+    group = tp_group(group)
+    if group_rank_size(group)[1] == 1:
+        return F.linear(x, weight, bias)
+    return _ColumnParallelLinears.apply(x, group, 1, weight, bias)[0]
 
 
 def column_parallel_linears(x: torch.Tensor, weights: Sequence[torch.Tensor],

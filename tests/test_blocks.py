@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tensorpar
-from layers import Block, GPTConfig, ParallelMLP, ParallelSelfAttention
-from tensorpar.testing import TOLERANCES, assert_sharded_equivalent, dtypes, tp_sizes
+from layers import Block, ColumnParallelLinear, GPTConfig, ParallelMLP, ParallelSelfAttention
+from tensorpar.testing import TOLERANCES, assert_all_close, assert_sharded_equivalent, dtypes, tp_sizes
 
 
 def sharded_twin(kind, cfg, dtype):
@@ -67,3 +67,36 @@ def test_heads_are_split_whole_and_balanced(worlds):
                                                                                   (2, 1, False)]
     # multi-query over 4 ranks: query heads split alone, the single KV head held by all
     assert [r[:3] for r in worlds[4].run(check_attention_layout, 32, 8, 1)] == [(2, 1, True)] * 4
+
+
+def check_linears(n_in, outs, used, seed):
+    """Several column-parallel maps behind one f, some outputs unused, against nn.Linear."""
+    torch.manual_seed(seed)
+    dense = [torch.nn.Linear(n_in, o, dtype=torch.float64) for o in outs]
+    sharded = [ColumnParallelLinear.from_linear(d) for d in dense]
+    x = torch.randn(2, 3, n_in, dtype=torch.float64)
+    x_dense, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with tensorpar.count_collectives() as counts:
+        ys = tensorpar.column_parallel_linears(x_ours, [s.weight for s in sharded], [s.bias for s in sharded])
+        full = [tensorpar.gather_from_tp(y, -1, o) for y, o in zip(ys, outs)]
+        sum(f.pow(2).sum() * (i + 1) for i, f in enumerate(full) if used[i]).backward()
+    sum(d(x_dense).pow(2).sum() * (i + 1) for i, d in enumerate(dense) if used[i]).backward()
+    pairs = {"input grad": (x_ours.grad, x_dense.grad)}
+    for i, (s, d) in enumerate(zip(sharded, dense)):
+        grads = tensorpar.full_grads(s)
+        if used[i]:
+            pairs |= {f"{i} {k}": (grads[k], p.grad) for k, p in d.named_parameters()}
+        elif grads:
+            raise AssertionError(f"map {i} is unused but got gradients {sorted(grads)}")
+    return max(assert_all_close(pairs).values()), counts.count("all_reduce", "backward")
+
+
+@settings(max_examples=12)
+@given(tp=tp_sizes(), data=st.data())
+def test_column_parallel_linears_share_one_f(worlds, tp, data):
+    n = data.draw(st.integers(1, 3))
+    outs = [data.draw(st.integers(tp, 12)) for _ in range(n)]
+    used = data.draw(st.lists(st.booleans(), min_size=n, max_size=n).filter(any))
+    for err, reduces in worlds[tp].run(check_linears, data.draw(st.integers(1, 8)), outs, used,
+                                       data.draw(st.integers(0, 2**31))):
+        assert err <= 1e-10 and reduces == (tp > 1)
