@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; \
 	  then $(PY) -m pip install "torch>=2.4"; \
 	  else $(PY) -m pip install torch==2.13.0; fi; }
-	$(PY) -m pip install -e ".[test,hf]"
+	$(PY) -m pip install -e ".[test,hf,train,plot]"
 	touch $(STAMP)
 
 test: $(STAMP)
