@@ -127,7 +127,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None =
         conns.append(parent_end)
     clean_exit = 0.0
     try:
-        replies = collect_replies(procs, conns, timeout)
+        replies = collect_replies(procs, conns, timeout, grace=5.0)  # time for peers of a failed rank to say so
         replies.raise_first_error("process")
         if replies.silent:
             raise RankError(replies.silent[0], f"timed out after {timeout} s; ranks {replies.silent} had not finished")
@@ -154,12 +154,16 @@ class Replies:
 
     def raise_first_error(self, what: str) -> None:
         """Raise for the likeliest root cause: a rank that died, else a rank whose error is
-        not a failed collective (peers of a failed rank see those), else the lowest rank."""
+        not a failed collective (peers of a failed rank see those), else the first to fail."""
         if self.dead:
             rank = min(self.dead)
-            raise RankError(rank, f"{what} exited with code {self.dead[rank]} before returning")
-        if self.errors:
-            rank = min(self.errors, key=lambda r: (self.errors[r][1].startswith("CollectiveError"), r))
+            code = self.dead[rank]
+            how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+            seen = "".join(f"; then rank {r} failed: {self.errors[r][1].splitlines()[0]}" for r in sorted(self.errors))
+            raise RankError(rank, f"{what} {how} before returning{seen}")
+        if self.errors:  # errors are in arrival order: the root cause usually reports first
+            arrival = {r: i for i, r in enumerate(self.errors)}
+            rank = min(self.errors, key=lambda r: (self.errors[r][1].startswith("CollectiveError"), arrival[r]))
             raise_rank_error(rank, self.errors[rank])
 
 
@@ -167,15 +171,15 @@ def collect_replies(procs: Sequence[Any], conns: Sequence[multiprocessing.connec
                     timeout: float | None, grace: float = 0.0) -> Replies:
     """Read one pickled ``(ok, value)`` reply per rank.
 
-    Stops waiting ``grace`` seconds after the first error (the other ranks may
-    be blocked in a collective the failed rank never joined), as soon as a
-    rank dies, or after ``timeout`` seconds.
+    Stops waiting ``grace`` seconds after the first error or death (the other
+    ranks may be blocked in a collective the failed rank never joined), or
+    after ``timeout`` seconds.
     """
     deadline = None if timeout is None else time.monotonic() + timeout
     replies = Replies()
     waiting = set(range(len(procs)))
     owner = {c: r for r, c in enumerate(conns)} | {p.sentinel: r for r, p in enumerate(procs)}
-    while waiting and not replies.dead:
+    while waiting:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         ready = multiprocessing.connection.wait([conns[r] for r in waiting] + [procs[r].sentinel for r in waiting],
                                                 timeout=left)
@@ -190,13 +194,13 @@ def collect_replies(procs: Sequence[Any], conns: Sequence[multiprocessing.connec
                     replies.dead[rank] = procs[rank].exitcode
                 else:
                     (replies.results if ok else replies.errors)[rank] = value
-                    if not ok and grace is not None:
-                        soon = time.monotonic() + grace
-                        deadline = soon if deadline is None else min(deadline, soon)
             elif not procs[rank].is_alive():
                 replies.dead[rank] = procs[rank].exitcode
             else:
                 continue
             waiting.discard(rank)
+            if rank in replies.dead or rank in replies.errors:
+                soon = time.monotonic() + grace
+                deadline = soon if deadline is None else min(deadline, soon)
     replies.silent = sorted(waiting)
     return replies

@@ -1,0 +1,249 @@
+"""Train a small byte-level GPT with tensor x data parallelism.
+
+    python examples/train_gpt.py                         # tp=2, dp=1 on local CPU processes
+    python examples/train_gpt.py --tp 2 --dp 2 --zero    # 4 processes, optimizer state sharded over dp
+    python examples/train_gpt.py --data my.txt --steps 2000 --out run1
+    torchrun --nproc-per-node 8 examples/train_gpt.py --tp 4 --n-layer 12 --n-embd 768 --n-head 12
+
+With plain ``python`` it starts tp x dp local processes itself (gloo on CPU,
+NCCL when there is a GPU per rank); under ``torchrun`` each process is one
+rank and dp = world / tp. Tensor parallelism is inside a node-local group of
+tp ranks, data parallelism (``DistributedDataParallel`` on the dp group,
+optionally ``ZeroRedundancyOptimizer``) across them. AdamW, cosine LR with
+warmup, gradient clipping by the norm of the whole unsharded gradient,
+gradient accumulation; float32 on CPU, bf16 autocast on GPU.
+
+The data is bytes of text (the built-in corpus unless ``--data``), drawn
+deterministically per step: a run resumed from a checkpoint (``--resume``, at
+any tp or dp) continues exactly where it stopped. Rank 0 shows a progress bar,
+writes ``OUT/metrics.jsonl`` and ``OUT/loss.png``, and prints a sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+import tensorpar
+from layers import GPT, GPTConfig
+from tensorpar import checkpoint
+from tensorpar.data import VOCAB_SIZE, ByteData, default_corpus
+from tensorpar.random import mix_seed
+
+
+@dataclass
+class TrainConfig:
+    tp: int = 2
+    dp: int = 1
+    steps: int = 300
+    batch_size: int = 16  # sequences per optimizer step, over all dp ranks and micro-batches
+    grad_accum: int = 1
+    block_size: int = 64
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = False  # nanoGPT's train.py default
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup: int = 20
+    weight_decay: float = 0.1
+    clip: float = 1.0  # 0: no clipping
+    zero: bool = False
+    seed: int = 1337
+    data: str | None = None
+    out: str | None = "out"
+    ckpt_every: int = 100
+    resume: bool = False
+    stop_at: int | None = None  # end this run after this step (with a checkpoint); resume it later
+    sample_tokens: int = 200
+    progress: bool = True
+
+
+def build(cfg: TrainConfig, mesh: tensorpar.Mesh) -> tuple[GPT, torch.optim.Optimizer]:
+    tensorpar.manual_seed(cfg.seed)  # the same full weights at any tp and dp
+    model = GPT(GPTConfig(vocab_size=VOCAB_SIZE, block_size=cfg.block_size, n_layer=cfg.n_layer,
+                          n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias),
+                device=mesh.device)
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # no decay: biases, norms
+    if cfg.zero and mesh.dp > 1:
+        optimizer: torch.optim.Optimizer = ZeroRedundancyOptimizer(
+            groups, optimizer_class=torch.optim.AdamW, process_group=mesh.dp_group, lr=cfg.lr, betas=(0.9, 0.95))
+    else:
+        optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+    return model, optimizer
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Run on every rank of the current mesh; rank 0 returns the losses and the final full weights."""
+    mesh = tensorpar.current_mesh()
+    lead = mesh.rank == 0
+    data = ByteData.from_file(cfg.data, seed=cfg.seed) if cfg.data else ByteData.from_text(default_corpus(),
+                                                                                          seed=cfg.seed)
+    model, optimizer = build(cfg, mesh)
+    start = 0
+    out = Path(cfg.out) if cfg.out else None
+    if cfg.resume and out and (out / "latest").exists():
+        meta = checkpoint.load(out, model, optimizer)
+        start = meta["step"] + 1
+    ddp = DistributedDataParallel(model, process_group=mesh.dp_group) if mesh.dp > 1 else model
+    cuda = mesh.device.type == "cuda"
+    log = open(out / "metrics.jsonl", "a") if lead and out else None  # noqa: SIM115 - closed below
+    bar = _progress(cfg, start) if lead else None
+    losses: dict[int, float] = {}
+    norms: dict[int, float] = {}
+    tokens_per_step = cfg.batch_size * cfg.block_size
+    last = cfg.steps - 1 if cfg.stop_at is None else min(cfg.stop_at, cfg.steps - 1)
+    for step in range(start, last + 1):
+        began = time.perf_counter()
+        lr = tensorpar.cosine_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup=cfg.warmup, total=cfg.steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        tensorpar.manual_seed(mix_seed(cfg.seed, step), mesh)  # dropout depends on the step alone
+        loss_sum = torch.zeros((), device=mesh.device)
+        for micro in range(cfg.grad_accum):
+            x, y = data.batch(step, micro, batch_size=cfg.batch_size, block_size=cfg.block_size,
+                              accum=cfg.grad_accum, dp=mesh.dp, dp_rank=mesh.dp_rank)
+            sync = contextlib.nullcontext() if mesh.dp == 1 or micro == cfg.grad_accum - 1 else ddp.no_sync()
+            autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+            with sync:  # no gradient all-reduce over dp until the last micro-batch
+                with autocast:
+                    loss = ddp(x.to(mesh.device), y.to(mesh.device)) / cfg.grad_accum
+                loss.backward()
+            loss_sum += loss.detach()
+        norm = tensorpar.clip_grad_norm_(model, cfg.clip) if cfg.clip else tensorpar.grad_norm(model)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if mesh.dp > 1:  # the step's loss over the whole batch, for the log
+            dist.all_reduce(loss_sum, group=mesh.dp_group)
+            loss_sum /= mesh.dp
+        losses[step], norms[step] = loss_sum.item(), norm.item()
+        seconds = time.perf_counter() - began
+        if out and ((step + 1) % cfg.ckpt_every == 0 or step == last):
+            checkpoint.save(out, model, optimizer, step=step, mesh=mesh,
+                            extra={"data_position": {"step": step + 1, "tokens": (step + 1) * tokens_per_step},
+                                   "train_config": dataclasses.asdict(cfg)})
+        if log:
+            log.write(json.dumps({"step": step, "loss": losses[step], "lr": lr, "grad_norm": norm.item(),
+                                  "tokens_per_s": tokens_per_step / seconds, "tp": mesh.tp, "dp": mesh.dp}) + "\n")
+            log.flush()
+        if bar:
+            bar.set_postfix(loss=f"{losses[step]:.3f}", tok_s=f"{tokens_per_step / seconds:,.0f}")
+            bar.update()
+    if bar:
+        bar.close()
+    if log:
+        log.close()
+    sample = _sample(model, cfg, mesh) if cfg.sample_tokens and last == cfg.steps - 1 else None
+    full = model.full_state_dict() if mesh.dp_rank == 0 else None
+    if not lead:
+        return {}
+    if out and losses:
+        _plot(out)
+    return {"losses": losses, "grad_norms": norms, "sample": sample, "state": full}
+
+
+def _progress(cfg: TrainConfig, start: int) -> Any:
+    if not cfg.progress:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        print("tqdm is not installed (pip install 'tensorpar[train]'): no progress bar")
+        return None
+    return tqdm(total=cfg.steps, initial=start, desc=f"train tp={cfg.tp} dp={cfg.dp}", unit="step")
+
+
+def _sample(model: GPT, cfg: TrainConfig, mesh: tensorpar.Mesh) -> str:
+    model.eval()
+    prompt = torch.tensor([list(b"The ")], device=mesh.device)
+    torch.manual_seed(cfg.seed)
+    tokens = model.generate(prompt, cfg.sample_tokens, temperature=0.8, top_k=40)[0].tolist()
+    model.train()
+    return ByteData.decode(tokens)
+
+
+def _plot(out: Path) -> None:
+    """The loss curve of every run logged in ``out/metrics.jsonl``, as ``out/loss.png``."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'tensorpar[plot]'): no loss.png")
+        return
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1)
+    ax.set(xlabel="step", ylabel="loss (nats / byte)", title="byte-level GPT training loss")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=110)
+    plt.close(fig)
+
+
+def spawned(cfg: TrainConfig) -> dict[str, Any]:
+    """One rank of a local run started by ``tensorpar.spawn``."""
+    tensorpar.init(cfg.tp, cfg.dp)
+    torch.set_num_threads(1)
+    return train(cfg)
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for f in dataclasses.fields(TrainConfig):
+        name = "--" + f.name.replace("_", "-")
+        kind = str(f.type).removesuffix(" | None")
+        if kind == "bool":
+            parser.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            parser.add_argument(name, type={"int": int, "float": float}.get(kind, str), default=f.default)
+    cfg = TrainConfig(**vars(parser.parse_args(argv)))
+    if cfg.out in ("", "none"):
+        cfg.out = None
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_args(argv)
+    if cfg.out:
+        Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    began = time.perf_counter()
+    if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
+        mesh = tensorpar.init(cfg.tp, None if cfg.dp == 1 else cfg.dp)
+        cfg = dataclasses.replace(cfg, dp=mesh.dp)
+        result = train(cfg)
+        if mesh.rank:
+            return
+    else:
+        result = tensorpar.spawn(spawned, cfg.tp * cfg.dp, cfg)[0]
+    losses = result["losses"]
+    if losses:
+        first, last = losses[min(losses)], losses[max(losses)]
+        print(f"loss {first:.3f} -> {last:.3f} over steps {min(losses)}-{max(losses)} "
+              f"in {time.perf_counter() - began:.0f} s (tp={cfg.tp}, dp={cfg.dp})")
+    if cfg.out:
+        print(f"metrics: {cfg.out}/metrics.jsonl, curve: {cfg.out}/loss.png, checkpoint: {cfg.out}/latest")
+    if result.get("sample"):
+        print("sample:\n" + result["sample"])
+    if losses and not math.isfinite(losses[max(losses)]):
+        raise SystemExit("the loss is not finite")
+
+
+if __name__ == "__main__":
+    main()
