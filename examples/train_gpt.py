@@ -103,6 +103,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         start = meta["step"] + 1
     ddp = DistributedDataParallel(model, process_group=mesh.dp_group) if mesh.dp > 1 else model
     cuda = mesh.device.type == "cuda"
+    if lead and out:
+        out.mkdir(parents=True, exist_ok=True)
     log = open(out / "metrics.jsonl", "a") if lead and out else None  # noqa: SIM115 - closed below
     bar = _progress(cfg, start) if lead else None
     losses: dict[int, float] = {}
@@ -221,8 +223,6 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
-    if cfg.out:
-        Path(cfg.out).mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
     if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         mesh = tensorpar.init(cfg.tp, None if cfg.dp == 1 else cfg.dp)

@@ -1,0 +1,203 @@
+"""Training with tensor x data parallelism: the same trajectory at every layout, the true
+gradient norm, checkpoints that resume (at any tp) to the same parameters, and clear errors
+for broken checkpoints."""
+
+import dataclasses
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from gpt_cases import batch, gpt_configs, twins
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tensorpar
+from layers import GPT, GPTConfig
+from tensorpar import checkpoint
+from tensorpar.testing import assert_all_close, tp_sizes
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+import train_gpt  # noqa: E402
+
+#: a small run: 5 steps, gradient accumulation over 2 micro-batches, clipping below the gradient norm
+SMALL = dict(steps=5, batch_size=8, grad_accum=2, block_size=16, n_layer=2, n_head=4, n_embd=32, warmup=2,
+             clip=0.5, out=None, sample_tokens=0, progress=False)
+
+
+def run_training(overrides):
+    result = train_gpt.train(train_gpt.TrainConfig(**(SMALL | overrides)))
+    return result and {k: result[k] for k in ("losses", "grad_norms", "state")}
+
+
+def compare_states(state, reference):
+    """Every tensor against the reference, each measured against the whole model's norm when larger."""
+    norm = torch.cat([v.flatten() for v in reference.values()]).norm().item()
+    return assert_all_close({k: (state[k], v, norm) for k, v in reference.items()}, rtol=1e-5,
+                            what="parameters differ from the tp=1 dp=1 run")
+
+
+@pytest.fixture(scope="module")
+def reference_run(worlds):
+    """tp=1, dp=1, the whole batch of each step in one process."""
+    return worlds[1].run(run_training, {}, tp=1)[0]
+
+
+@pytest.mark.parametrize("tp, dp, zero", [(2, 2, False), (2, 2, True), (4, 1, False), (1, 4, True)])
+def test_every_layout_follows_the_same_trajectory(worlds, reference_run, tp, dp, zero):
+    result = worlds[tp * dp].run(run_training, {"zero": zero}, tp=tp, dp=dp)[0]
+    assert max(reference_run["grad_norms"].values()) > SMALL["clip"], "clipping was not active"
+    for step, loss in reference_run["losses"].items():
+        assert abs(result["losses"][step] - loss) <= 1e-5 * abs(loss), f"step {step}: loss differs"
+        norm = reference_run["grad_norms"][step]
+        assert abs(result["grad_norms"][step] - norm) <= 1e-5 * norm, f"step {step}: gradient norm differs"
+    assert max(compare_states(result["state"], reference_run["state"]).values()) <= 1e-5
+
+
+def norm_twins(cfg, seed):
+    """The sharded GPT's global gradient norm and clipped gradients against the plain twin's."""
+    ref, model = twins(cfg, torch.float64, seed)
+    idx, targets = batch(cfg, 2, cfg["block_size"], seed)
+    model(idx, targets).backward()
+    ref(idx, targets).backward()
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    norm = tensorpar.clip_grad_norm_(model, 0.1)
+    grads = tensorpar.full_grads(model)
+    scale = torch.cat([p.grad.flatten() for p in ref.parameters()]).norm().item()  # see test_gpt: zero grads
+    pairs = {"norm": (norm.double(), expected)}
+    pairs |= {k: (grads[k], p.grad, scale) for k, p in ref.named_parameters()}
+    return max(assert_all_close(pairs, rtol=1e-6).values())  # the norm is accumulated in float32
+
+
+@settings(max_examples=10)
+@given(tp=tp_sizes(), data=st.data())
+def test_clipping_uses_the_unsharded_gradient_norm(worlds, tp, data):
+    cfg = data.draw(gpt_configs(tp, max_layer=2))
+    assert max(worlds[tp].run(norm_twins, cfg, data.draw(st.integers(0, 2**31)))) <= 1e-6
+
+
+def test_resume_reaches_the_uninterrupted_parameters_at_any_tp(worlds, tmp_path):
+    common = dict(steps=8, ckpt_every=3)
+    straight = worlds[2].run(run_training, common, tp=2)[0]["state"]
+    out = str(tmp_path / "run")
+    worlds[2].run(run_training, common | dict(out=out, stop_at=4), tp=2)  # checkpoints after steps 2 and 4
+    assert checkpoint.read_meta(out)["step"] == 4
+    for tp in (2, 1, 4):  # each resumes from the step-4 checkpoint, written at tp=2
+        shutil.copytree(out, f"{out}-{tp}")
+        resumed = worlds[tp].run(run_training, common | dict(out=f"{out}-{tp}", resume=True), tp=tp)[0]
+        assert min(resumed["losses"]) == 5, f"tp={tp} did not resume after step 4"
+        errors = compare_states(resumed["state"], straight)
+        assert max(errors.values()) <= (0.0 if tp == 2 else 1e-5), f"tp={tp}: {max(errors.values())}"
+
+
+def check_bad_checkpoints(out):
+    """Corrupt or mismatched checkpoints raise CheckpointError and change nothing."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=4, n_embd=32, bias=False)
+    model = GPT(cfg)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)).backward()
+    optimizer.step()
+    path = checkpoint.save(out, model, optimizer, step=3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    messages = {}
+    for name, other in {"n_embd": dataclasses.replace(cfg, n_embd=64),
+                        "vocab": dataclasses.replace(cfg, vocab_size=300)}.items():
+        try:
+            checkpoint.load(out, GPT(other))
+        except checkpoint.CheckpointError as e:
+            messages[name] = str(e)
+    if tensorpar.current_mesh().rank == 0:
+        data = (path / "model.safetensors").read_bytes()
+        (path / "model.safetensors").write_bytes(data[: len(data) // 2])  # a crash mid-copy, say
+    torch.distributed.barrier()
+    files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in path.iterdir()}
+    try:
+        checkpoint.load(out, model, optimizer)
+    except checkpoint.CheckpointError as e:
+        messages["truncated"] = str(e)
+    try:
+        checkpoint.load(Path(out) / "nowhere", model)
+    except checkpoint.CheckpointError as e:
+        messages["missing"] = str(e)
+    unchanged = all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    untouched = files == {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in path.iterdir()}
+    return messages, unchanged and untouched
+
+
+def test_broken_checkpoints_get_clear_errors_and_change_nothing(worlds, tmp_path):
+    messages, unchanged = worlds[2].run(check_bad_checkpoints, str(tmp_path))[0]
+    assert unchanged
+    assert messages["n_embd"] == ("the checkpoint's model config does not match the model's "
+                                  "(n_embd: checkpoint 32, model 64)")
+    assert messages["vocab"] == ("the checkpoint's model config does not match the model's "
+                                 "(vocab_size: checkpoint 256, model 300)")
+    assert messages["truncated"].endswith("model.safetensors is corrupt or truncated (SHA-256 does not match "
+                                          "meta.json)")
+    assert messages["missing"].startswith("no checkpoint at ")
+
+
+def test_export_loads_into_the_plain_model(worlds, tmp_path):
+    from reference_gpt import RefConfig, RefGPT
+
+    out = str(tmp_path / "run")
+    state = worlds[2].run(run_training, dict(steps=3, ckpt_every=3, out=out), tp=2)[0]["state"]
+    exported = checkpoint.export_state_dict(out)
+    plain = RefGPT(RefConfig(vocab_size=256, block_size=16, n_layer=2, n_head=4, n_embd=32, bias=False))
+    plain.load_state_dict(exported)
+    assert all(torch.equal(plain.state_dict()[k], v) for k, v in state.items())
+
+
+def _workers(parent: int) -> list[int]:
+    """Pids of the processes ``parent`` started (Linux /proc)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent:
+            pids.append(int(stat.parent.name))
+    return sorted(pids)
+
+
+def _logged_steps(out: Path) -> int:
+    log = out / "metrics.jsonl"
+    return len(log.read_text().splitlines()) if log.exists() else 0
+
+
+def test_a_killed_rank_stops_the_run_and_the_last_checkpoint_resumes(worlds, tmp_path):
+    """SIGKILL one rank mid-run: the launcher exits with an error naming it within seconds, the last
+    complete checkpoint is intact, and resuming from it ends where an uninterrupted run does."""
+    out = tmp_path / "run"
+    steps = dict(steps=60, ckpt_every=5)
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in (SMALL | steps).items()
+             if k not in ("out", "progress", "sample_tokens")]
+    command = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), *flags, f"--out={out}", "--no-progress",
+               "--sample-tokens=0"]
+    run = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while _logged_steps(out) < 12 and run.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    workers = [pid for pid in _workers(run.pid) if pid != run.pid]
+    assert run.poll() is None and len(workers) >= 2, "the run ended before it could be interrupted"
+    os.kill(workers[-1], signal.SIGKILL)
+    killed = time.monotonic()
+    _, stderr = run.communicate(timeout=60)
+    assert time.monotonic() - killed < 30
+    assert run.returncode != 0 and "was killed by signal 9" in stderr, stderr[-2000:]
+    meta = checkpoint.read_meta(out)  # verifies every file of the newest checkpoint
+    assert meta["step"] >= 9 and (meta["step"] + 1) % 5 == 0 and meta["step"] < 59
+
+    resumed = subprocess.run([*command, "--resume"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert checkpoint.read_meta(out)["step"] == 59
+    straight = worlds[2].run(run_training, steps, tp=2)[0]["state"]
+    assert max(compare_states(checkpoint.export_state_dict(out), straight).values()) <= 1e-6
