@@ -21,7 +21,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
-	$(PY) examples/demo.py
+	$(PY) examples/train_gpt.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/mlp.py

@@ -48,7 +48,7 @@ from tensorpar.random import mix_seed
 class TrainConfig:
     tp: int = 2
     dp: int = 1
-    steps: int = 300
+    steps: int = 500
     batch_size: int = 16  # sequences per optimizer step, over all dp ranks and micro-batches
     grad_accum: int = 1
     block_size: int = 64
@@ -105,7 +105,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     cuda = mesh.device.type == "cuda"
     if lead and out:
         out.mkdir(parents=True, exist_ok=True)
-    log = open(out / "metrics.jsonl", "a") if lead and out else None  # noqa: SIM115 - closed below
+    # a resumed run continues the log; a new one starts it afresh
+    log = open(out / "metrics.jsonl", "a" if start else "w") if lead and out else None  # noqa: SIM115
     bar = _progress(cfg, start) if lead else None
     losses: dict[int, float] = {}
     norms: dict[int, float] = {}
