@@ -1,0 +1,153 @@
+"""Functions the notebooks run on several processes with ``tensorpar.spawn``.
+
+``spawn`` starts fresh processes that import the function by module and name,
+so a function defined in a notebook cell cannot be sent; the ones here can.
+Each function calls ``tensorpar.init()`` (every spawned rank is a tp rank) and
+returns plain Python values and small tensors, which travel back to the notebook.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import tensorpar
+
+# --------------------------------------------------------------------------- 01: column and row parallel
+
+
+def dense_mlp(d: int, hidden: int) -> nn.Sequential:
+    """nn.Linear -> GELU -> nn.Linear, with submodules named "0", "1", "2"."""
+    return nn.Sequential(OrderedDict([("0", nn.Linear(d, hidden)), ("1", nn.GELU()), ("2", nn.Linear(hidden, d))]))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Norm-wise relative error ||a - b|| / ||b||."""
+    return ((a - b).norm() / b.norm()).item()
+
+
+def mlp_column_then_row(d: int, hidden: int, tokens: int, seed: int = 0) -> dict:
+    """Shard a dense MLP over the tp group two ways and compare both with the dense one.
+
+    1. By hand: slice the weights and join the pieces with ``f`` (``copy_to_tp``)
+       and ``g`` (``reduce_from_tp``).
+    2. With ``tensorpar.parallelize``: fc1 -> ``ColumnParallelLinear``, fc2 -> ``RowParallelLinear``.
+
+    Returns this rank's shard shapes, the relative errors of the output, the
+    input gradient and the weight gradients, and the collectives each version issued.
+    """
+    mesh = tensorpar.init()
+    torch.manual_seed(seed)  # the same dense model and input on every rank
+    dense = dense_mlp(d, hidden).double()
+    x = torch.randn(tokens, d, dtype=torch.float64)
+
+    # Reference: the dense MLP on one rank.
+    x_ref = x.clone().requires_grad_()
+    y_ref = dense(x_ref)
+    y_ref.square().sum().backward()
+
+    # 1. By hand. This rank's rows of W1 (and of b1) and the matching columns of W2.
+    lo = sum(tensorpar.partition_sizes(hidden, mesh.tp)[:mesh.tp_rank])
+    hi = lo + tensorpar.partition_sizes(hidden, mesh.tp)[mesh.tp_rank]
+    w1 = dense[0].weight.detach()[lo:hi].clone().requires_grad_()      # (hidden_r, d)
+    b1 = dense[0].bias.detach()[lo:hi].clone().requires_grad_()        # (hidden_r,)
+    w2 = dense[2].weight.detach()[:, lo:hi].clone().requires_grad_()   # (d, hidden_r)
+    x_hand = x.clone().requires_grad_()
+    with tensorpar.count_collectives() as hand_counts:
+        h = F.gelu(tensorpar.copy_to_tp(x_hand) @ w1.T + b1)            # f, then (tokens, hidden_r): no communication
+        y_hand = tensorpar.reduce_from_tp(h @ w2.T) + dense[2].bias     # partial sums (tokens, d), then g
+        y_hand.square().sum().backward()
+
+    # 2. With the layers: parallelize swaps the nn.Linears in place, keeping the weights.
+    sharded = tensorpar.parallelize(copy.deepcopy(dense), {"0": "column", "2": "row"})
+    x_tp = x.clone().requires_grad_()
+    with tensorpar.count_collectives() as tp_counts:
+        y_tp = sharded(x_tp)
+        y_tp.square().sum().backward()
+
+    return {
+        "rank": mesh.rank,
+        "fc1 weight": tuple(sharded[0].weight.shape), "fc1 bias": tuple(sharded[0].bias.shape),
+        "fc2 weight": tuple(sharded[2].weight.shape), "fc2 bias": tuple(sharded[2].bias.shape),
+        "rows of W1": (lo, hi),
+        "repr": [repr(sharded[0]), repr(sharded[2])],
+        "errors": {
+            "by hand: output": rel_err(y_hand, y_ref),
+            "by hand: input grad": rel_err(x_hand.grad, x_ref.grad),
+            "by hand: W1 grad": rel_err(w1.grad, dense[0].weight.grad[lo:hi]),
+            "by hand: W2 grad": rel_err(w2.grad, dense[2].weight.grad[:, lo:hi]),
+            "layers: output": rel_err(y_tp, y_ref),
+            "layers: input grad": rel_err(x_tp.grad, x_ref.grad),
+            "layers: W1 grad": rel_err(sharded[0].weight.grad, dense[0].weight.grad[lo:hi]),
+            "layers: W2 grad": rel_err(sharded[2].weight.grad, dense[2].weight.grad[:, lo:hi]),
+        },
+        "collectives": {
+            name: {phase: c.count("all_reduce", phase) for phase in ("forward", "backward")} | {"total": c.count()}
+            for name, c in (("by hand", hand_counts), ("layers", tp_counts))
+        },
+        "all-reduce elements": tp_counts.numel("all_reduce"),
+    }
+
+
+# --------------------------------------------------------------------------- 02: ring all-reduce
+
+
+def ring_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, int]:
+    """Sum ``x`` over every rank of ``group`` with a ring of point-to-point messages.
+
+    The tensor is cut into N chunks (``torch.tensor_split``: sizes differ by at
+    most one element, so N need not divide ``x.numel()``). Reduce-scatter: in
+    N - 1 steps each rank passes one chunk to its right-hand neighbour and adds
+    the chunk arriving from its left, until rank r holds the full sum of chunk
+    (r + 1) mod N. All-gather: in N - 1 more steps the finished chunks travel
+    once around the ring. Returns the sum (a new tensor) and the bytes this rank sent.
+    """
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    out = x.detach().clone().reshape(-1)
+    if n == 1:
+        return out.view_as(x), 0
+    chunks = list(torch.tensor_split(out, n))              # views into ``out``: writing them writes ``out``
+    right = dist.get_global_rank(group, (rank + 1) % n) if group is not None else (rank + 1) % n
+    left = dist.get_global_rank(group, (rank - 1) % n) if group is not None else (rank - 1) % n
+    sent = 0
+
+    def step(send_idx: int, recv_idx: int) -> torch.Tensor:
+        """Send chunk ``send_idx`` to the right while receiving chunk ``recv_idx`` from the left."""
+        nonlocal sent
+        incoming = torch.empty_like(chunks[recv_idx])
+        request = dist.isend(chunks[send_idx].contiguous(), right, group=group)  # isend: every rank sends at once
+        dist.recv(incoming, left, group=group)
+        request.wait()
+        sent += chunks[send_idx].numel() * chunks[send_idx].element_size()
+        return incoming
+
+    for s in range(n - 1):                                 # reduce-scatter
+        send_idx, recv_idx = (rank - s) % n, (rank - s - 1) % n
+        chunks[recv_idx] += step(send_idx, recv_idx)
+    for s in range(n - 1):                                 # all-gather: rank holds the sum of chunk (rank + 1) % n
+        send_idx, recv_idx = (rank + 1 - s) % n, (rank - s) % n
+        chunks[recv_idx].copy_(step(send_idx, recv_idx))
+    return out.view_as(x), sent
+
+
+def ring_vs_all_reduce(numel: int, seed: int = 0) -> dict:
+    """Run :func:`ring_all_reduce` on a per-rank random tensor and check it against ``dist.all_reduce``."""
+    tensorpar.init()
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(seed + rank)                         # every rank holds a different tensor
+    x = torch.randn(numel)
+    ring, sent = ring_all_reduce(x)
+    reference = x.clone()
+    dist.all_reduce(reference)
+    torch.testing.assert_close(ring, reference)            # float32 sums in a different order: default tolerances
+    return {
+        "rank": rank, "world size": n, "numel": numel,
+        "chunk sizes": [c.numel() for c in torch.tensor_split(x, n)],
+        "bytes sent": sent, "tensor bytes": x.numel() * x.element_size(),
+        "max abs diff": (ring - reference).abs().max().item(),
+    }
