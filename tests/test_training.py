@@ -201,3 +201,32 @@ def test_a_killed_rank_stops_the_run_and_the_last_checkpoint_resumes(worlds, tmp
     assert checkpoint.read_meta(out)["step"] == 59
     straight = worlds[2].run(run_training, steps, tp=2)[0]["state"]
     assert max(compare_states(checkpoint.export_state_dict(out), straight).values()) <= 1e-6
+
+
+@settings(max_examples=20)
+@given(step=st.integers(0, 10**6), accum=st.integers(1, 3), dp=st.integers(1, 4), rows=st.integers(1, 3),
+       block=st.integers(1, 32))
+def test_each_dp_rank_gets_its_own_part_of_the_same_step_batch(step, accum, dp, rows, block):
+    data = tensorpar.ByteData.from_text(tensorpar.default_corpus(5000), seed=7)
+    size = accum * dp * rows
+    (whole, whole_y), = [data.batch(step, 0, batch_size=size, block_size=block)]
+    parts = [data.batch(step, m, batch_size=size, block_size=block, accum=accum, dp=dp, dp_rank=r)
+             for m in range(accum) for r in range(dp)]
+    assert torch.equal(torch.cat([x for x, _ in parts]), whole) and torch.equal(torch.cat([y for _, y in parts]),
+                                                                                 whole_y)
+    assert torch.equal(whole[:, 1:], whole_y[:, :-1])  # targets are the next bytes
+    again, _ = data.batch(step, 0, batch_size=size, block_size=block)  # a function of (seed, step) alone
+    assert torch.equal(again, whole)
+
+
+def test_training_runs_under_torchrun(tmp_path):
+    """torchrun starts the ranks; the script builds tp=2 x dp=2 from them and checkpoints."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    done = subprocess.run([str(torchrun), "--nproc-per-node=4", str(ROOT / "examples" / "train_gpt.py"), "--tp=2",
+                           "--steps=4", "--n-layer=1", "--n-embd=32", "--block-size=16", f"--out={tmp_path}",
+                           "--no-progress", "--sample-tokens=8"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "(tp=2, dp=2)" in done.stdout and "sample:" in done.stdout
+    meta = checkpoint.read_meta(tmp_path)
+    assert (meta["step"], meta["tp"], meta["dp"]) == (3, 2, 2)
