@@ -1,0 +1,108 @@
+"""The scripts in examples/ run as a user runs them (a subprocess from the repository root) and report OK.
+
+    pytest -q tests/test_examples.py
+
+Sizes are kept small: each script starts its own ranks, which costs a few seconds.
+The GPT-2 example runs on a tiny random Hugging Face model saved to a temporary
+directory; its greedy output must equal Hugging Face's own greedy ``generate``.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 180  # seconds per script; each normally takes under 10
+
+
+def run_example(script: str, *args: Any) -> str:
+    """Run ``examples/<script>`` with ``args``; its stdout, after checking it exited 0."""
+    cmd = [sys.executable, str(ROOT / "examples" / script), *map(str, args)]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, (f"{' '.join(cmd[1:])} exited with {proc.returncode}\n"
+                                  f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+    return proc.stdout
+
+
+def line_starting(stdout: str, prefix: str) -> str:
+    lines = [line for line in stdout.splitlines() if line.startswith(prefix)]
+    assert len(lines) == 1, f"expected one line starting {prefix!r} in:\n{stdout}"
+    return lines[0]
+
+
+def test_swap_linear_matches_the_dense_model_with_a_shard_of_its_memory():
+    out = run_example("swap_linear.py", "--tp", 2, "--vocab", 37, "--d", 16, "--hidden", 45, "--layers", 1,
+                      "--batch", 2, "--seq", 5)
+    assert "OK: the parallelized model matches the dense one at tp=2" in line_starting(out, "OK")
+    # the memory table: one row per rank, the embedding and fc1 split unevenly (37 = 19 + 18, 45 = 23 + 22)
+    rows = [line for line in out.splitlines() if line.split()[:1] in (["0"], ["1"])]
+    assert len(rows) == 2 and "(19, 16)" in rows[0] and "(23, 16)" in rows[0], out
+    assert "(18, 16)" in rows[1] and "(22, 16)" in rows[1], out
+    ratios = [float(row.split()[-1]) for row in rows]  # parameter bytes vs the dense model's / tp
+    assert all(0.9 < r < 1.2 for r in ratios), out  # replicated LayerNorms and biases: a little over 1
+    assert "MISMATCH" not in out
+
+
+def test_gpt_block_matches_the_dense_block():
+    out = run_example("gpt_block.py", "--tp", 2, "--n-embd", 24, "--n-head", 3, "--batch", 2, "--seq", 5)
+    assert line_starting(out, "OK").startswith("OK: the sharded block matches the dense one at tp=2")
+    assert line_starting(out, "rank 0:").startswith("rank 0: 2 heads")  # 3 heads: 2 + 1
+    assert line_starting(out, "rank 1:").startswith("rank 1: 1 heads")
+    for name in ("output", "input grad", "grad attn.q_proj.weight", "grad mlp.c_proj.weight", "grad ln_1.weight"):
+        assert f"    {name} " in out, out
+
+
+# ---------------------------------------------------------------- Hugging Face GPT-2
+
+PROMPT_IDS = [1, 2, 3]
+TOKENS = ["<|endoftext|>", *"abcdefghijklmnopqrstuvwxyz", "Ġ", ",", ".", *"0123456789", *"ABCDEFGHIJ"]  # 50
+
+
+def save_tiny_gpt2(path: Path, *, tokenizer: bool = False) -> Any:
+    """A tiny random ``GPT2LMHeadModel`` saved to ``path`` (and a 50-token byte-level tokenizer); the model."""
+    transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=len(TOKENS), n_positions=16,
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    model.save_pretrained(path)
+    if tokenizer:  # byte-level BPE with single characters only: no merges
+        (path / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(TOKENS)}))
+        (path / "merges.txt").write_text("#version: 0.2\n")
+        transformers.GPT2Tokenizer(str(path / "vocab.json"), str(path / "merges.txt")).save_pretrained(path)
+    return model
+
+
+def test_hf_gpt2_greedy_generation_equals_hugging_face(tmp_path):
+    hf = save_tiny_gpt2(tmp_path)
+    new = 8
+    out = run_example("hf_gpt2_generate.py", "--model-dir", tmp_path, "--tp", 2, "--prompt-ids",
+                      ",".join(map(str, PROMPT_IDS)), "--max-new-tokens", new, "--temperature", 0)
+    assert line_starting(out, "OK") == f"OK: all 2 ranks generated the same {new} new tokens"
+    tokens = ast.literal_eval(line_starting(out, "tokens: ").removeprefix("tokens: "))
+
+    prompt = torch.tensor([PROMPT_IDS])
+    with torch.no_grad():  # eos_token_id=None: do not stop early at token 0, as GPT.generate does not
+        expected = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0].tolist()
+    assert len(expected) == len(PROMPT_IDS) + new
+    assert tokens == expected
+
+
+def test_hf_gpt2_samples_text_with_a_tokenizer(tmp_path):
+    save_tiny_gpt2(tmp_path, tokenizer=True)
+    out = run_example("hf_gpt2_generate.py", "--model-dir", tmp_path, "--tp", 2, "--prompt", "hello, world",
+                      "--max-new-tokens", 5, "--temperature", 0.8, "--top-k", 10, "--seed", 3)
+    assert line_starting(out, "OK") == "OK: all 2 ranks generated the same 5 new tokens"
+    prompt_ids = ast.literal_eval(line_starting(out, "prompt ids: ").removeprefix("prompt ids: "))
+    assert prompt_ids == [TOKENS.index(c if c != " " else "Ġ") for c in "hello, world"]
+    text = ast.literal_eval(line_starting(out, "text: ").removeprefix("text: "))
+    assert text.startswith("hello, world") and len(text) > len("hello, world")
