@@ -138,7 +138,7 @@ def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimiz
         tmp = Path(directory) / f".tmp-{final.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        st.save_file({k: v.contiguous() for k, v in model_state.items()}, str(tmp / FILES[0]))
+        st.save_file({k: v.detach().cpu().contiguous() for k, v in model_state.items()}, str(tmp / FILES[0]))
         st.save_file(optim_state, str(tmp / FILES[1]))
         st.save_file(rng, str(tmp / FILES[2]))
         meta = {"format": FORMAT, "step": step, "tp": mesh.tp, "dp": mesh.dp, "config": _config_dict(model),

@@ -30,11 +30,11 @@ def grad_norm(model: nn.Module, group: ProcessGroup | None = None) -> torch.Tens
     group = entries[0][2] if group is None and entries else tp_group(group)
     _, n = group_rank_size(group)
     split = {key for key, _, _ in entries}
-    total = torch.zeros((), dtype=torch.float32)
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            sq = p.grad.detach().float().pow(2).sum().cpu()
-            total += sq if name in split else sq / n  # a replica counts 1/n on each of the n ranks
+    grads = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
+    total = torch.zeros((), dtype=torch.float32, device=grads[0][1].device if grads else None)
+    for name, grad in grads:
+        sq = grad.detach().float().pow(2).sum()
+        total += sq if name in split else sq / n  # a replica counts 1/n on each of the n ranks
     return all_reduce_sum(total, group).sqrt()
 
 

@@ -64,3 +64,21 @@ def test_gpt_on_cuda(dtype, world, backend):
         assert err <= TOLERANCES[dtype] and stream_ok
     if world == 2:
         assert not torch.equal(results[0][3], results[1][3]), "both tp ranks drew the same attention-dropout stream"
+
+
+def test_training_on_cuda_in_bf16_with_a_checkpoint(tmp_path):
+    """train_gpt on one GPU (NCCL, bf16 autocast): the loss falls and the checkpoint reloads on CPU."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import train_gpt
+
+    from tensorpar import checkpoint
+
+    cfg = train_gpt.TrainConfig(tp=1, dp=1, steps=30, n_layer=2, n_embd=64, block_size=32, out=str(tmp_path),
+                                ckpt_every=30, sample_tokens=16, progress=False)
+    result = tensorpar.spawn(train_gpt.spawned, 1, cfg, backend="nccl")[0]
+    assert result["losses"][29] < result["losses"][0] - 1.0 and result["sample"]
+    assert checkpoint.read_meta(tmp_path)["step"] == 29
+    assert set(checkpoint.export_state_dict(tmp_path)) == set(result["state"])
