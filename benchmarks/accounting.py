@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import Any
 
 import torch
 from results import machine, write_section
@@ -27,7 +28,7 @@ GPT2_SMALL = dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_siz
 
 
 def count_bytes(b: int, t: int) -> dict[str, object]:
-    tensorpar.init()
+    """On every rank of the current mesh: the collectives of one block, and of a 2-layer GPT with its loss."""
     torch.manual_seed(0)
     config = GPTConfig(**(GPT2_SMALL | dict(n_layer=2)))
     model = GPT(config)
@@ -47,12 +48,22 @@ def count_bytes(b: int, t: int) -> dict[str, object]:
 
 def parameter_bytes() -> tuple[int, int]:
     """(this rank's parameter bytes, the unsharded model's) for GPT-2 small on the meta device."""
-    tensorpar.init()
     model = GPT(GPTConfig(**GPT2_SMALL), device="meta")
     geometry = tensorpar.shard_geometry(model)
     local = sum(p.numel() * p.element_size() for p in model.parameters())
     full = sum(math.prod(geometry[name]["full_shape"]) * p.element_size() for name, p in model.named_parameters())
     return local, full
+
+
+def _spawned(fn: Any, *args: Any) -> Any:
+    tensorpar.init()
+    return fn(*args)
+
+
+def spawned_parameter_bytes(tp: int) -> tuple[int, int]:
+    """(largest rank's parameter bytes, unsharded bytes) of GPT-2 small at ``tp`` local ranks."""
+    results = tensorpar.spawn(_spawned, tp, parameter_bytes)
+    return max(r[0] for r in results), results[0][1]
 
 
 def main() -> None:
@@ -62,7 +73,7 @@ def main() -> None:
     parser.add_argument("--write", action="store_true", help="record the figures in benchmarks/RESULTS.md")
     args = parser.parse_args()
 
-    comm = tensorpar.spawn(count_bytes, 2, args.batch, args.tokens)[0]
+    comm = tensorpar.spawn(_spawned, 2, count_bytes, args.batch, args.tokens)[0]
     rows = ["| what (tp=2, B=%d, T=%d, C=768, fp32) | collectives | bytes | Megatron's formula | ratio |" %
             (args.batch, args.tokens), "|---|---:|---:|---:|---:|"]
     for name, label in (("block", "one block, forward+backward"), ("whole", "2-layer GPT with loss")):
@@ -73,8 +84,7 @@ def main() -> None:
     mem = ["| tp | largest rank's parameter bytes | unsharded bytes / tp | ratio (target ≤ 1.003) |",
            "|---:|---:|---:|---:|"]
     for tp in (2, 4):
-        results = tensorpar.spawn(parameter_bytes, tp)
-        local, full = max(r[0] for r in results), results[0][1]
+        local, full = spawned_parameter_bytes(tp)
         mem.append(f"| {tp} | {local} | {full / tp:.0f} | {local / (full / tp):.4f} |")
 
     text = "\n".join(rows) + f"\n\nOne block: {detail}.\n\n" + "\n".join(mem)

@@ -5,6 +5,8 @@ role), so every rank can rebuild every other rank's tensors and compute the
 expected result locally with plain torch (cat, sum, narrow).
 """
 
+import hashlib
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -107,3 +109,29 @@ def test_gather_with_a_wrong_full_size_is_a_clear_error(worlds):
     # 4 elements over 2 ranks are 2 + 2, but each rank holds 3: every rank refuses before communicating.
     messages = worlds[2].run(check_gather_size_mismatch, 4)
     assert all(m and "holds 3 elements" in m and "split is [2, 2]" in m for m in messages), messages
+
+
+def check_all_reduce_paths(numel, op_name, seed):
+    """Small tensors go by direct exchange, large ones by gloo's ring: both give the reduction,
+    with the same bits on every rank."""
+    from tensorpar.collectives import start_all_reduce_
+
+    mesh = tensorpar.current_mesh()
+    g = torch.Generator().manual_seed(seed)
+    parts = [torch.randn(numel, generator=g, dtype=torch.float64) for _ in range(mesh.tp)]
+    op = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX}[op_name]
+    got = start_all_reduce_(parts[mesh.tp_rank].clone(), mesh.tp_group, op=op).wait()
+    expected = torch.stack(parts).sum(0) if op_name == "sum" else torch.stack(parts).amax(0)
+    return assert_close(got, expected), hashlib.sha256(got.numpy().tobytes()).hexdigest()
+
+
+@settings(max_examples=12)
+@given(tp=st.integers(2, 4), data=st.data())
+def test_all_reduce_by_exchange_and_by_ring_agree(worlds, tp, data):
+    from tensorpar.collectives import EXCHANGE_BYTES
+
+    boundary = EXCHANGE_BYTES // (8 * (tp - 1))  # float64 elements at the switch
+    numel = data.draw(st.sampled_from([1, 7, boundary, boundary + 1, 3 * boundary]))
+    results = worlds[tp].run(check_all_reduce_paths, numel, data.draw(st.sampled_from(["sum", "max"])),
+                             data.draw(st.integers(0, 2**31)))
+    assert all(err <= 1e-12 for err, _ in results) and len({digest for _, digest in results}) == 1

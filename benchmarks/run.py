@@ -1,0 +1,170 @@
+"""Every benchmark side by side in one run: MLP against peers, strong scaling, communication, memory.
+
+    python benchmarks/run.py [--rounds 7] [--write]        (make bench)
+
+One thread per rank. Each round times every contender once, in turn, so
+drift in the machine hits all alike; figures are medians over rounds. The
+tp=1 and dense models run in this process; tp=2 contenders run in a pool of
+two processes in one gloo group, and a tp=2 step lasts as long as its slower
+rank. ``--write`` records the tables in benchmarks/RESULTS.md.
+
+* MLP h -> 4h -> GELU -> h, fp32, forward+backward with input and weight
+  gradients, at h = 64 (64 tokens), 256 and 768 (1024 tokens): tensorpar at
+  tp=1 against the dense ``nn.Linear`` MLP; tensorpar at tp=2 against PyTorch
+  DTensor (``ColwiseParallel``/``RowwiseParallel``), fairscale and
+  Megatron-Core at tp=2 (the ``bench`` extra; a missing peer is reported).
+* Strong scaling, tp=2 (2 ranks x 1 thread) against tp=1 (1 thread): the MLP
+  at h=768 and a GPT block (n_embd 768, 12 heads, 4 x 256 tokens).
+* Communication: bytes one block moves forward+backward against Megatron's
+  formula, and the gloo all-reduce bandwidth measured in the same run.
+* Memory: per-rank parameter bytes of GPT-2 small against total / tp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import accounting  # noqa: E402
+import peers  # noqa: E402
+from results import machine, write_section  # noqa: E402
+
+import tensorpar  # noqa: E402
+from layers import Block, GPTConfig  # noqa: E402
+from tensorpar.testing import World  # noqa: E402
+
+SIZES = {64: (64, 300), 256: (1024, 12), 768: (1024, 3)}  # hidden: (tokens, steps per measurement)
+BLOCK = dict(n_embd=768, n_head=12, batch=4, seq=256, steps=2)
+
+
+def step_times(model: nn.Module, x: torch.Tensor, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` forward+backward passes (input and weight gradients), after a warm-up."""
+    g = torch.randn_like(x)
+    times = []
+    for i in range(steps + 1):
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        start = time.perf_counter()
+        model(x).backward(g)
+        if i:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+_CACHE: dict[tuple[str, int], nn.Module] = {}
+
+
+def time_mlp(lib: str, h: int, tokens: int, steps: int) -> list[float]:
+    """In a pool rank: ``lib``'s tp MLP at hidden ``h``, built once."""
+    if (lib, h) not in _CACHE:
+        torch.manual_seed(0)
+        _CACHE[(lib, h)] = peers.BUILDERS[lib](h)
+    return step_times(_CACHE[(lib, h)], torch.randn(tokens, h, requires_grad=True), steps)
+
+
+def time_block(n_embd: int, n_head: int, batch: int, seq: int, steps: int) -> list[float]:
+    if ("block", n_embd) not in _CACHE:
+        torch.manual_seed(0)
+        _CACHE[("block", n_embd)] = Block(GPTConfig(n_embd=n_embd, n_head=n_head, block_size=seq))
+    return step_times(_CACHE[("block", n_embd)], torch.randn(batch, seq, n_embd, requires_grad=True), steps)
+
+
+def all_reduce_bandwidth(numel: int, repeats: int) -> float:
+    """Bus bandwidth of a float32 all-reduce of ``numel`` elements, GB/s (2 (n-1)/n x bytes / time)."""
+    x = torch.ones(numel)
+    dist.all_reduce(x)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dist.all_reduce(x)
+        times.append(time.perf_counter() - start)
+    n = dist.get_world_size()
+    return 2 * (n - 1) / n * numel * 4 / statistics.median(times) / 1e9
+
+
+def slowest_rank(per_rank: list[list[float]]) -> list[float]:
+    return [max(ts) for ts in zip(*per_rank)]  # a step ends when its slower rank does
+
+
+def measure(pool: World, rounds: int, libs: list[str]) -> dict[str, Any]:
+    samples: dict[Any, list[float]] = {}
+    local = {h: peers.dense(h) for h in SIZES} | {("tp1", h): peers.ours(h) for h in SIZES}
+    torch.manual_seed(0)
+    block = Block(GPTConfig(n_embd=BLOCK["n_embd"], n_head=BLOCK["n_head"], block_size=BLOCK["seq"]))
+    for r in range(rounds):
+        for h, (tokens, steps) in SIZES.items():
+            x = torch.randn(tokens, h, requires_grad=True)
+            samples.setdefault(("dense", h), []).extend(step_times(local[h], x, steps))
+            samples.setdefault(("tp1", h), []).extend(step_times(local[("tp1", h)], x, steps))
+            for lib in libs:
+                per_rank = pool.run(time_mlp, lib, h, tokens, steps)
+                samples.setdefault((lib, h), []).extend(slowest_rank(per_rank))
+        xb = torch.randn(BLOCK["batch"], BLOCK["seq"], BLOCK["n_embd"], requires_grad=True)
+        samples.setdefault(("block", 1), []).extend(step_times(block, xb, BLOCK["steps"]))
+        samples.setdefault(("block", 2), []).extend(slowest_rank(pool.run(time_block, *BLOCK.values())))
+        print(f"round {r + 1}/{rounds} done", file=sys.stderr)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--write", action="store_true", help="record the tables in benchmarks/RESULTS.md")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    tensorpar.init(tp=1)  # a world of one for the tp=1 models in this process
+    missing = {lib: why for lib in peers.BUILDERS if (why := peers.available(lib))}
+    libs = [lib for lib in peers.BUILDERS if lib not in missing]
+    pool = World(2, timeout=900)
+    try:
+        pool.run(peers.available, "fairscale")  # start the pool outside the timings
+        m = measure(pool, args.rounds, libs)
+        bandwidth = statistics.median(pool.run(all_reduce_bandwidth, 4 << 20, 9))  # 16 MB
+        comm = pool.run(accounting.count_bytes, 2, 256)[0]
+    finally:
+        pool.close()
+    memory = {tp: accounting.spawned_parameter_bytes(tp) for tp in (2, 4)}
+
+    peer_libs = [lib for lib in libs if lib != "tensorpar"]
+    head = ("| h | tokens | dense ms | tp=1 ms | tp=1 / dense | " + " | ".join(f"{lib} tp=2 ms" for lib in libs)
+            + " | tensorpar / best peer | speed-up tp=1 / tp=2 |")
+    rows = [head, "|" + "---:|" * (head.count("|") - 1)]
+    for h, (tokens, _) in SIZES.items():
+        best = min((m[(lib, h)] for lib in peer_libs), default=float("nan"))
+        rows.append(f"| {h} | {tokens} | {m[('dense', h)] * 1e3:.3f} | {m[('tp1', h)] * 1e3:.3f} | "
+                    f"{m[('tp1', h)] / m[('dense', h)]:.3f} | "
+                    + " | ".join(f"{m[(lib, h)] * 1e3:.3f}" for lib in libs)
+                    + f" | {m[('tensorpar', h)] / best:.3f} | {m[('tp1', h)] / m[('tensorpar', h)]:.2f}× |")
+    n, sent, formula = comm["block"]
+    text = "\n".join([
+        "MLP h → 4h → GELU → h, fp32, forward+backward. Targets: tp=1 / dense ≤ 1.02 at h=768 and ≤ 1.10 at "
+        "h=64; tensorpar / best peer ≤ 0.80 at h=64 and ≤ 0.97 at h=768; speed-up ≥ 1.85× at h=768.", "",
+        *rows, "",
+        f"GPT block (n_embd {BLOCK['n_embd']}, {BLOCK['n_head']} heads, {BLOCK['batch']}×{BLOCK['seq']} tokens) "
+        f"forward+backward: tp=1 {m[('block', 1)] * 1e3:.1f} ms, tp=2 {m[('block', 2)] * 1e3:.1f} ms, speed-up "
+        f"{m[('block', 1)] / m[('block', 2)]:.2f}×.", "",
+        f"Communication of one block at tp=2 (B=2, T=256, C=768): {n} collectives, {sent} bytes; Megatron's formula "
+        f"{formula} bytes; ratio {sent / formula:.3f}. gloo all-reduce of 16 MB between the 2 ranks: "
+        f"{bandwidth:.2f} GB/s bus bandwidth.", "",
+        "Per-rank parameter bytes of GPT-2 small (largest rank) / (total / tp): "
+        + ", ".join(f"tp={tp}: {local / (full / tp):.4f}" for tp, (local, full) in memory.items())
+        + " (target ≤ 1.003).",
+    ] + ([f"Not measured: {lib} ({why})." for lib, why in missing.items()]))
+    print(text)
+    if args.write:
+        write_section("All benchmarks, side by side (benchmarks/run.py)",
+                      f"{machine()}, gloo, one thread per rank; medians of {args.rounds} interleaved rounds "
+                      f"(`python benchmarks/run.py --write`).\n\n{text}")
+
+
+if __name__ == "__main__":
+    main()
