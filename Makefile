@@ -24,7 +24,9 @@ demo: $(STAMP)
 	$(PY) examples/train_gpt.py
 
 bench: $(STAMP)
-	$(PY) benchmarks/mlp.py
+	$(PY) -m pip install -e ".[bench]"
+	$(PY) -m pip install --no-deps megatron-core==0.16.1
+	$(PY) benchmarks/run.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .hypothesis

@@ -2,8 +2,9 @@
 
     python benchmarks/run.py [--rounds 7] [--write]        (make bench)
 
-One thread per rank. Each round times every contender once, in turn, so
-drift in the machine hits all alike; figures are medians over rounds. The
+One thread per rank. Each round times every contender once, in turn (each
+round starting with another one), so drift in the machine hits all alike;
+figures are medians over rounds. The
 tp=1 and dense models run in this process; tp=2 contenders run in a pool of
 two processes in one gloo group, and a tp=2 step lasts as long as its slower
 rank. ``--write`` records the tables in benchmarks/RESULTS.md.
@@ -105,7 +106,7 @@ def measure(pool: World, rounds: int, libs: list[str]) -> dict[str, Any]:
             x = torch.randn(tokens, h, requires_grad=True)
             samples.setdefault(("dense", h), []).extend(step_times(local[h], x, steps))
             samples.setdefault(("tp1", h), []).extend(step_times(local[("tp1", h)], x, steps))
-            for lib in libs:
+            for lib in libs[r % len(libs):] + libs[:r % len(libs)]:  # each round starts with another contender
                 per_rank = pool.run(time_mlp, lib, h, tokens, steps)
                 samples.setdefault((lib, h), []).extend(slowest_rank(per_rank))
         xb = torch.randn(BLOCK["batch"], BLOCK["seq"], BLOCK["n_embd"], requires_grad=True)
