@@ -1,6 +1,9 @@
 """Out-of-place collectives along any dim, with uneven shard sizes.
 
-These are the plain (non-autograd) building blocks under ``comm``. They never
+These are the plain (non-autograd) building blocks under ``comm``. A CPU
+all-reduce among gloo ranks on one host goes through shared memory
+(:mod:`tensorpar.shm`); elsewhere small ones are a point-to-point exchange and
+large ones gloo's ring. They never
 write into their input, record themselves with the active collective counters,
 and turn a backend failure (a peer died, a timeout) into an error that names
 this rank. gloo cannot all-gather tensors of unequal sizes, so uneven shards
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
+from datetime import timedelta
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -25,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from . import shm
 from .counter import CollectiveCounter, record
 from .sharding import Shard
 
@@ -64,6 +70,32 @@ def _split_view(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
     pre, post = math.prod(x.shape[:dim]), math.prod(x.shape[dim + 1:])
     return x.reshape(pre, x.shape[dim], post), dim
 
+
+class _Channels:
+    """Each gloo group's shared-memory channel (or ``None`` where it cannot have one), opened on
+    first use. A per-process cache of an OS resource, keyed weakly by the group, like torch's own
+    registry of process groups."""
+
+    def __init__(self) -> None:
+        self._by_group: weakref.WeakKeyDictionary[ProcessGroup, shm.SharedMemoryChannel | None] = \
+            weakref.WeakKeyDictionary()
+
+    def get(self, group: ProcessGroup, nbytes: int) -> shm.SharedMemoryChannel | None:
+        if group not in self._by_group:
+            if not shm.supported(group):
+                self._by_group[group] = None
+                return None
+        else:
+            channel = self._by_group[group]
+            if channel is None or nbytes <= channel.capacity:
+                return channel
+        capacity = max(1 << 20, 1 << (nbytes - 1).bit_length())  # grows by powers of two
+        self._by_group[group] = shm.open_channel(group, capacity, SHM_TIMEOUT)
+        return self._by_group[group]
+
+
+_CHANNELS = _Channels()
+SHM_TIMEOUT = timedelta(minutes=10)
 
 #: Below this many bytes sent per rank, a CPU all-reduce on gloo is one exchange of point-to-point
 #: messages: every rank sends its tensor to every other and reduces the pieces in rank order (the
@@ -116,9 +148,12 @@ def start_all_reduce_(x: torch.Tensor, group: ProcessGroup,
         return PendingAllReduce(x, group)
     record("all_reduce", x.dtype, x.numel(), n, counters)
     with _tagged("all_reduce", x, group):
-        if (not x.is_cuda and x.is_contiguous() and op in _REDUCE and dist.get_backend(group) == "gloo"
-                and x.numel() * x.element_size() * (n - 1) <= EXCHANGE_BYTES):
-            return _exchange(x, group, op)
+        if not x.is_cuda and x.is_contiguous() and op in _REDUCE and dist.get_backend(group) == "gloo":
+            channel = _CHANNELS.get(group, x.numel() * x.element_size())
+            if channel is not None:  # ranks on one host: through shared memory, done at once
+                return PendingAllReduce(channel.all_reduce_(x, op), group)
+            if x.numel() * x.element_size() * (n - 1) <= EXCHANGE_BYTES:
+                return _exchange(x, group, op)
         return PendingAllReduce(x, group, work=dist.all_reduce(x, op=op, group=group, async_op=True))
 
 

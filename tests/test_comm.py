@@ -6,7 +6,11 @@ expected result locally with plain torch (cat, sum, narrow).
 """
 
 import hashlib
+import os
+import signal
+import time
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -111,27 +115,53 @@ def test_gather_with_a_wrong_full_size_is_a_clear_error(worlds):
     assert all(m and "holds 3 elements" in m and "split is [2, 2]" in m for m in messages), messages
 
 
-def check_all_reduce_paths(numel, op_name, seed):
-    """Small tensors go by direct exchange, large ones by gloo's ring: both give the reduction,
-    with the same bits on every rank."""
-    from tensorpar.collectives import start_all_reduce_
+def check_all_reduce_paths(numel, op_name, path, seed):
+    """Every route of an all-reduce (shared memory, point-to-point exchange, gloo's ring) gives the
+    reduction, with the same bits on every rank."""
+    from tensorpar import collectives
 
     mesh = tensorpar.current_mesh()
     g = torch.Generator().manual_seed(seed)
     parts = [torch.randn(numel, generator=g, dtype=torch.float64) for _ in range(mesh.tp)]
     op = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX}[op_name]
-    got = start_all_reduce_(parts[mesh.tp_rank].clone(), mesh.tp_group, op=op).wait()
+    channels, exchange = collectives._CHANNELS.get, collectives.EXCHANGE_BYTES
+    try:
+        if path != "shared memory":
+            collectives._CHANNELS.get = lambda group, nbytes: None
+        if path == "ring":
+            collectives.EXCHANGE_BYTES = 0
+        got = collectives.start_all_reduce_(parts[mesh.tp_rank].clone(), mesh.tp_group, op=op).wait()
+    finally:
+        collectives._CHANNELS.get, collectives.EXCHANGE_BYTES = channels, exchange
     expected = torch.stack(parts).sum(0) if op_name == "sum" else torch.stack(parts).amax(0)
     return assert_close(got, expected), hashlib.sha256(got.numpy().tobytes()).hexdigest()
 
 
-@settings(max_examples=12)
+@settings(max_examples=16)
 @given(tp=st.integers(2, 4), data=st.data())
-def test_all_reduce_by_exchange_and_by_ring_agree(worlds, tp, data):
-    from tensorpar.collectives import EXCHANGE_BYTES
-
-    boundary = EXCHANGE_BYTES // (8 * (tp - 1))  # float64 elements at the switch
-    numel = data.draw(st.sampled_from([1, 7, boundary, boundary + 1, 3 * boundary]))
-    results = worlds[tp].run(check_all_reduce_paths, numel, data.draw(st.sampled_from(["sum", "max"])),
+def test_every_all_reduce_route_agrees(worlds, tp, data):
+    path = data.draw(st.sampled_from(["shared memory", "exchange", "ring"]))
+    # sizes on both sides of the exchange's limit, and past the shared segment's first capacity (1 MiB)
+    numel = data.draw(st.sampled_from([1, 7, 4096, 40_000, 300_000]))
+    results = worlds[tp].run(check_all_reduce_paths, numel, data.draw(st.sampled_from(["sum", "max"])), path,
                              data.draw(st.integers(0, 2**31)))
     assert all(err <= 1e-12 for err, _ in results) and len({digest for _, digest in results}) == 1
+
+
+def die_inside_shared_memory_all_reduce():
+    from tensorpar.collectives import start_all_reduce_
+
+    mesh = tensorpar.init()
+    start_all_reduce_(torch.ones(8), mesh.tp_group).wait()  # the channel is open
+    if mesh.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start_all_reduce_(torch.ones(8), mesh.tp_group).wait()
+
+
+def test_a_dead_peer_ends_a_shared_memory_all_reduce_at_once():
+    start = time.monotonic()
+    with pytest.raises(tensorpar.RankError, match=r"rank 1: process was killed by signal 9 before returning; then "
+                                                   r"rank 0 failed: CollectiveError: rank 0: all_reduce .* rank 1 of "
+                                                   r"the group \(pid \d+\) exited during an all-reduce"):
+        tensorpar.spawn(die_inside_shared_memory_all_reduce, 2)
+    assert time.monotonic() - start < 30
