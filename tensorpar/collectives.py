@@ -1,12 +1,11 @@
 """Out-of-place collectives along any dim, with uneven shard sizes.
 
-These are the plain (non-autograd) building blocks under ``comm``. A CPU
-all-reduce among gloo ranks on one host goes through shared memory
-(:mod:`tensorpar.shm`); elsewhere small ones are a point-to-point exchange and
-large ones gloo's ring. They never
+These are the plain (non-autograd) building blocks under ``comm``. They never
 write into their input, record themselves with the active collective counters,
 and turn a backend failure (a peer died, a timeout) into an error that names
-this rank. gloo cannot all-gather tensors of unequal sizes, so uneven shards
+this rank. A CPU all-reduce among gloo ranks on one host goes through shared
+memory (:mod:`tensorpar.shm`); elsewhere small ones are a point-to-point
+exchange and large ones gloo's ring. gloo cannot all-gather tensors of unequal sizes, so uneven shards
 are padded to the largest and trimmed afterwards; counts exclude the padding.
 
 ``counters``, when given, marks the call as backward work for the collective
