@@ -17,7 +17,7 @@ rank. ``--write`` records the tables in benchmarks/RESULTS.md.
 * Strong scaling, tp=2 (2 ranks x 1 thread) against tp=1 (1 thread): the MLP
   at h=768 and a GPT block (n_embd 768, 12 heads, 4 x 256 tokens).
 * Communication: bytes one block moves forward+backward against Megatron's
-  formula, and the gloo all-reduce bandwidth measured in the same run.
+  formula, and the all-reduce bandwidth, gloo's and ours, measured in the same run.
 * Memory: per-rank parameter bytes of GPT-2 small against total / tp.
 """
 
@@ -41,6 +41,7 @@ from results import machine, write_section  # noqa: E402
 
 import tensorpar  # noqa: E402
 from layers import Block, GPTConfig  # noqa: E402
+from tensorpar.collectives import start_all_reduce_  # noqa: E402
 from tensorpar.testing import World  # noqa: E402
 
 SIZES = {64: (64, 300), 256: (1024, 12), 768: (1024, 3)}  # hidden: (tokens, steps per measurement)
@@ -79,14 +80,23 @@ def time_block(n_embd: int, n_head: int, batch: int, seq: int, steps: int) -> li
     return step_times(_CACHE[("block", n_embd)], torch.randn(batch, seq, n_embd, requires_grad=True), steps)
 
 
-def all_reduce_bandwidth(numel: int, repeats: int) -> float:
-    """Bus bandwidth of a float32 all-reduce of ``numel`` elements, GB/s (2 (n-1)/n x bytes / time)."""
+def all_reduce_bandwidth(numel: int, repeats: int, ours: bool) -> float:
+    """Bus bandwidth of a float32 all-reduce of ``numel`` elements, GB/s (2 (n-1)/n x bytes / time):
+    gloo's own, or tensorpar's (shared memory between ranks on one host)."""
     x = torch.ones(numel)
-    dist.all_reduce(x)
+    group = tensorpar.current_mesh().tp_group
+
+    def reduce() -> None:
+        if ours:
+            start_all_reduce_(x, group).wait()
+        else:
+            dist.all_reduce(x, group=group)
+
+    reduce()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        dist.all_reduce(x)
+        reduce()
         times.append(time.perf_counter() - start)
     n = dist.get_world_size()
     return 2 * (n - 1) / n * numel * 4 / statistics.median(times) / 1e9
@@ -129,7 +139,8 @@ def main() -> None:
     try:
         pool.run(peers.available, "fairscale")  # start the pool outside the timings
         m = measure(pool, args.rounds, libs)
-        bandwidth = statistics.median(pool.run(all_reduce_bandwidth, 4 << 20, 9))  # 16 MB
+        bandwidth = {ours: statistics.median(pool.run(all_reduce_bandwidth, 4 << 20, 9, ours))  # 16 MB
+                     for ours in (False, True)}
         comm = pool.run(accounting.count_bytes, 2, 256)[0]
     finally:
         pool.close()
@@ -154,8 +165,8 @@ def main() -> None:
         f"forward+backward: tp=1 {m[('block', 1)] * 1e3:.1f} ms, tp=2 {m[('block', 2)] * 1e3:.1f} ms, speed-up "
         f"{m[('block', 1)] / m[('block', 2)]:.2f}×.", "",
         f"Communication of one block at tp=2 (B=2, T=256, C=768): {n} collectives, {sent} bytes; Megatron's formula "
-        f"{formula} bytes; ratio {sent / formula:.3f}. gloo all-reduce of 16 MB between the 2 ranks: "
-        f"{bandwidth:.2f} GB/s bus bandwidth.", "",
+        f"{formula} bytes; ratio {sent / formula:.3f}. All-reduce of 16 MB between the 2 ranks, bus bandwidth: "
+        f"gloo {bandwidth[False]:.2f} GB/s, tensorpar (shared memory) {bandwidth[True]:.2f} GB/s.", "",
         "Per-rank parameter bytes of GPT-2 small (largest rank) / (total / tp): "
         + ", ".join(f"tp={tp}: {local / (full / tp):.4f}" for tp, (local, full) in memory.items())
         + " (target ≤ 1.003).",
