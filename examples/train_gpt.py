@@ -105,8 +105,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     cuda = mesh.device.type == "cuda"
     if lead and out:
         out.mkdir(parents=True, exist_ok=True)
-    # a resumed run continues the log; a new one starts it afresh
-    log = open(out / "metrics.jsonl", "a" if start else "w") if lead and out else None  # noqa: SIM115
+    log = _open_log(out, start) if lead and out else None
     bar = _progress(cfg, start) if lead else None
     losses: dict[int, float] = {}
     norms: dict[int, float] = {}
@@ -117,7 +116,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         lr = tensorpar.cosine_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup=cfg.warmup, total=cfg.steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        tensorpar.manual_seed(mix_seed(cfg.seed, step), mesh)  # dropout depends on the step alone
+        tensorpar.manual_seed(mix_seed(cfg.seed, step, 1), mesh)  # dropout depends on the step alone
         loss_sum = torch.zeros((), device=mesh.device)
         for micro in range(cfg.grad_accum):
             x, y = data.batch(step, micro, batch_size=cfg.batch_size, block_size=cfg.block_size,
@@ -137,7 +136,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             loss_sum /= mesh.dp
         losses[step], norms[step] = loss_sum.item(), norm.item()
         seconds = time.perf_counter() - began
-        if out and ((step + 1) % cfg.ckpt_every == 0 or step == last):
+        if out and ((cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0) or step == last):
             checkpoint.save(out, model, optimizer, step=step, mesh=mesh,
                             extra={"data_position": {"step": step + 1, "tokens": (step + 1) * tokens_per_step},
                                    "train_config": dataclasses.asdict(cfg)})
@@ -159,6 +158,17 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if out and losses:
         _plot(out)
     return {"losses": losses, "grad_norms": norms, "sample": sample, "state": full}
+
+
+def _open_log(out: Path, start: int) -> Any:
+    """The metrics log: a new run starts it afresh; a resumed one keeps the steps before ``start``."""
+    path = out / "metrics.jsonl"
+    kept = []
+    if start and path.exists():
+        kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < start]
+    log = open(path, "w")  # noqa: SIM115 - closed by train()
+    log.writelines(line + "\n" for line in kept)
+    return log
 
 
 def _progress(cfg: TrainConfig, start: int) -> Any:

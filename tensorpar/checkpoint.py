@@ -127,6 +127,7 @@ def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimiz
         tensorpar.checkpoint.save("out", model, optimizer, step=step, extra={"tokens": tokens})
     """
     mesh = mesh or current_mesh()
+    extra = json.loads(json.dumps(dict(extra or {})))  # not JSON-serialisable: fails on every rank, before any collective
     writer = mesh.rank == 0
     gathers = mesh.dp_rank == 0  # one tp group gathers the shards; dp replicas hold the same
     model_state = full_state_dict(model) if gathers else {}
@@ -142,7 +143,7 @@ def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimiz
         st.save_file(optim_state, str(tmp / FILES[1]))
         st.save_file(rng, str(tmp / FILES[2]))
         meta = {"format": FORMAT, "step": step, "tp": mesh.tp, "dp": mesh.dp, "config": _config_dict(model),
-                "param_groups": groups, "extra": dict(extra or {}),
+                "param_groups": groups, "extra": extra,
                 "sha256": {name: _sha256(tmp / name) for name in FILES}}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         for name in (*FILES, "meta.json"):
@@ -154,7 +155,9 @@ def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimiz
         pointer = Path(directory) / ".latest.tmp"
         pointer.write_text(final.name + "\n")
         os.replace(pointer, Path(directory) / "latest")
-        for old in sorted(Path(directory).glob("step-*"))[:-keep]:
+        older = sorted((p for p in Path(directory).glob("step-*") if p != final and p.name[5:].isdigit()),
+                       key=lambda p: int(p.name[5:]))
+        for old in older[:max(0, len(older) - (keep - 1))]:  # the newest keep - 1 others stay
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()  # the checkpoint is complete on disk when save returns on any rank
     return final
@@ -204,9 +207,11 @@ def _read_local(handle: Any, key: str, placement: Shard | None, group: Any, expe
             raise CheckpointError(f"{key}: the checkpoint holds shape {tuple(full)}, the model {tuple(expected)}")
         return handle.get_tensor(key)
     rank, n = dist.get_rank(group), dist.get_world_size(group)
-    if len(full) != len(expected) or full[placement.dim] != placement.size:
-        raise CheckpointError(f"{key}: the checkpoint holds shape {tuple(full)}, the model's full size along "
-                              f"dim {placement.dim} is {placement.size}")
+    want = list(expected)
+    want[placement.dim] = placement.size
+    if full != want:
+        raise CheckpointError(f"{key}: the checkpoint holds shape {tuple(full)}, the model's full shape is "
+                              f"{tuple(want)}")
     offset, length = placement.bounds(n, rank)
     index = [slice(None)] * len(full)
     index[placement.dim] = slice(offset, offset + length)
@@ -253,8 +258,8 @@ def _local_optimizer_state(path: Path, meta: Mapping[str, Any], model: nn.Module
                            optimizer: torch.optim.Optimizer, placements: Mapping[str, Any]) -> dict[str, Any]:
     names = _param_names(model)
     order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    saved = [name for group in meta["param_groups"] for name in group["params"]]
-    if saved != order:
+    ours = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    if [group["params"] for group in meta["param_groups"]] != ours:
         raise CheckpointError("the optimizer's parameters (or their grouping) differ from the checkpoint's")
     params = dict(model.named_parameters())
     state: dict[int, dict[str, torch.Tensor]] = {}

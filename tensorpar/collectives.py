@@ -86,8 +86,8 @@ class _Channels:
                 return None
         else:
             channel = self._by_group[group]
-            if channel is None or nbytes <= channel.capacity:
-                return channel
+            if channel is None or channel.broken or nbytes <= channel.capacity:
+                return None if channel is None or channel.broken else channel
         capacity = max(1 << 20, 1 << (nbytes - 1).bit_length())  # grows by powers of two
         self._by_group[group] = shm.open_channel(group, capacity, SHM_TIMEOUT)
         return self._by_group[group]
@@ -147,11 +147,11 @@ def start_all_reduce_(x: torch.Tensor, group: ProcessGroup,
         return PendingAllReduce(x, group)
     record("all_reduce", x.dtype, x.numel(), n, counters)
     with _tagged("all_reduce", x, group):
-        if not x.is_cuda and x.is_contiguous() and op in _REDUCE and dist.get_backend(group) == "gloo":
-            channel = _CHANNELS.get(group, x.numel() * x.element_size())
+        if not x.is_cuda and op in _REDUCE and dist.get_backend(group) == "gloo":
+            channel = _CHANNELS.get(group, x.numel() * x.element_size())  # the same choice on every rank
             if channel is not None:  # ranks on one host: through shared memory, done at once
                 return PendingAllReduce(channel.all_reduce_(x, op), group)
-            if x.numel() * x.element_size() * (n - 1) <= EXCHANGE_BYTES:
+            if x.numel() * x.element_size() * (n - 1) <= EXCHANGE_BYTES:  # by size alone: the same route everywhere
                 return _exchange(x, group, op)
         return PendingAllReduce(x, group, work=dist.all_reduce(x, op=op, group=group, async_op=True))
 

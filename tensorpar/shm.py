@@ -17,6 +17,7 @@ channel is used on x86-64 only (elsewhere gloo does the work).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import platform
@@ -29,8 +30,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-_HEADER = 4096  # per-rank words: [0] pid, [8] posted sequence, [16] done sequence, 64 bytes per rank
-_STRIDE = 8  # int64 words per rank (one cache line)
+_STRIDE = 8  # int64 words per rank, one cache line: [0] pid, [1] posted sequence, [2] done sequence, [3] token
+
+
+def _header(n: int) -> int:
+    return -(-n * _STRIDE * 8 // 4096) * 4096
 
 
 class PeerGone(RuntimeError):
@@ -40,21 +44,30 @@ class PeerGone(RuntimeError):
 class SharedMemoryChannel:
     """One group's shared segment: ``all_reduce_(x, op)`` for CPU tensors up to ``capacity`` bytes each."""
 
-    def __init__(self, group: ProcessGroup, path: str, capacity: int, timeout: timedelta) -> None:
+    def __init__(self, group: ProcessGroup, path: str, token: int, capacity: int, timeout: timedelta) -> None:
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.capacity, self.timeout = capacity, timeout.total_seconds()
-        length = _HEADER + self.size * capacity
+        header = _header(self.size)
         with open(path, "r+b") as f:
-            self._map = mmap.mmap(f.fileno(), length)
-        dist.barrier(group=group)
-        if self.rank == 0:
-            os.unlink(path)  # every rank holds a mapping: the name is no longer needed
-        self._words = torch.frombuffer(self._map, dtype=torch.int64, count=_HEADER // 8)
-        self._data = torch.frombuffer(self._map, dtype=torch.uint8, offset=_HEADER)
+            self._map = mmap.mmap(f.fileno(), header + self.size * capacity)
+        self._words = torch.frombuffer(self._map, dtype=torch.int64, count=header // 8)
+        self._data = torch.frombuffer(self._map, dtype=torch.uint8, offset=header)
         self._words[self.rank * _STRIDE] = os.getpid()
-        self._seq = 0
-        dist.barrier(group=group)
+        self._seq, self.broken = 0, False
+        self._token = token
+        self._pids: list[int] = []
+
+    def verify(self) -> bool:
+        """After every rank has mapped the segment: do they all see one memory and one another?"""
         self._pids = [int(self._words[r * _STRIDE]) for r in range(self.size)]
+        if int(self._words[3]) != self._token:  # rank 0 wrote it: not there means another /dev/shm
+            return False
+        try:
+            for pid in self._pids:
+                os.kill(pid, 0)  # every peer is a process this rank can see
+        except OSError:
+            return False
+        return True
 
     def _slot(self, rank: int, x: torch.Tensor) -> torch.Tensor:
         start = rank * self.capacity
@@ -73,49 +86,74 @@ class SharedMemoryChannel:
         for r, pid in enumerate(self._pids):
             try:
                 os.kill(pid, 0)
-            except ProcessLookupError:
+            except OSError:
                 raise PeerGone(f"rank {r} of the group (pid {pid}) exited during an all-reduce") from None
         if time.monotonic() > deadline:
             raise PeerGone(f"an all-reduce waited more than {self.timeout:.0f} s for its peers")
 
     def all_reduce_(self, x: torch.Tensor, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
-        """Reduce ``x`` (contiguous, CPU) over the group in place; every rank gets the same bits."""
-        self._seq += 1
-        self._wait_all(2, self._seq - 1)  # everyone has finished reading the previous round's slots
-        self._slot(self.rank, x).copy_(x)
-        self._words[self.rank * _STRIDE + 1] = self._seq  # posted: x86 keeps the copy before this store
-        self._wait_all(1, self._seq)
-        slots = [self._slot(r, x) for r in range(self.size)]
-        total = slots[0].clone()
-        for other in slots[1:]:
-            total.add_(other) if op == dist.ReduceOp.SUM else torch.maximum(total, other, out=total)
-        x.copy_(total)
-        self._words[self.rank * _STRIDE + 2] = self._seq  # done reading
+        """Reduce ``x`` (CPU) over the group in place; every rank gets the same bits."""
+        if os.getpid() != self._pids[self.rank]:
+            raise RuntimeError("a shared-memory channel cannot be used from a forked process")
+        try:
+            self._seq += 1
+            self._wait_all(2, self._seq - 1)  # everyone has finished reading the previous round's slots
+            self._slot(self.rank, x).copy_(x)
+            self._words[self.rank * _STRIDE + 1] = self._seq  # posted: x86 keeps the copy before this store
+            self._wait_all(1, self._seq)
+            slots = [self._slot(r, x) for r in range(self.size)]
+            total = slots[0].clone()
+            for other in slots[1:]:
+                total.add_(other) if op == dist.ReduceOp.SUM else torch.maximum(total, other, out=total)
+            x.copy_(total)
+            self._words[self.rank * _STRIDE + 2] = self._seq  # done reading
+        except BaseException:
+            self.broken = True  # the peers' view of the sequence is lost: never use this channel again
+            raise
         return x
 
 
 def open_channel(group: ProcessGroup, capacity: int, timeout: timedelta) -> SharedMemoryChannel | None:
-    """A channel with room for ``capacity`` bytes per rank, or ``None`` when ``/dev/shm`` lacks the space
-    (a collective: every rank of the group calls it, and all get a channel or all get ``None``)."""
+    """A channel with room for ``capacity`` bytes per rank, or ``None`` where the ranks cannot share one
+    (no space in ``/dev/shm``, or ranks that do not see the same ``/dev/shm`` or one another's processes).
+    A collective: every rank of the group calls it, and all get a channel or all get ``None``."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
-    name: list[str | None] = [None]
-    if rank == 0 and os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize > 2 * (_HEADER + n * capacity):
-        name[0] = f"/dev/shm/tensorpar-{uuid.uuid4().hex}"
-        with open(name[0], "wb") as f:
-            f.truncate(_HEADER + n * capacity)
-    dist.broadcast_object_list(name, dist.get_global_rank(group, 0), group=group)
-    if name[0] is None:
+    length = _header(n) + n * capacity
+    offer: list[tuple[str, int] | None] = [None]
+    if rank == 0:
+        path, token = f"/dev/shm/tensorpar-{uuid.uuid4().hex}", uuid.uuid4().int >> 65
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, length)  # the pages exist now: no SIGBUS later if /dev/shm fills
+                os.pwrite(fd, token.to_bytes(8, "little"), 3 * 8)
+            finally:
+                os.close(fd)
+            offer[0] = (path, token)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    dist.broadcast_object_list(offer, dist.get_global_rank(group, 0), group=group)
+    if offer[0] is None:
         return None
+    path, token = offer[0]
+    try:
+        channel: SharedMemoryChannel | None = SharedMemoryChannel(group, path, token, capacity, timeout)
+    except OSError:
+        channel = None
     dist.barrier(group=group)
-    return SharedMemoryChannel(group, name[0], capacity, timeout)
+    if rank == 0:
+        os.unlink(path)  # every rank that could has mapped it: the name is no longer needed
+    ok = torch.tensor([channel is not None and channel.verify()], dtype=torch.int64)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    return channel if ok.item() else None
 
 
 def supported(group: ProcessGroup) -> bool:
-    """Whether the group's ranks can share memory: gloo, x86-64, every rank on this host."""
-    if dist.get_backend(group) != "gloo" or platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
-    if not os.path.isdir("/dev/shm"):
-        return False
-    hosts: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    return len(set(hosts)) == 1
+    """Whether the group's ranks may share memory: gloo, x86-64, ``/dev/shm``, one host name (a collective;
+    :func:`open_channel` then checks that they really share the memory)."""
+    eligible = (dist.get_backend(group) == "gloo" and platform.machine().lower() in ("x86_64", "amd64")
+                and os.path.isdir("/dev/shm"))
+    hosts: list[tuple[str, bool] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, (socket.gethostname(), eligible), group=group)
+    return len({h for h, _ in hosts}) == 1 and all(e for _, e in hosts)

@@ -31,7 +31,8 @@ def grad_norm(model: nn.Module, group: ProcessGroup | None = None) -> torch.Tens
     _, n = group_rank_size(group)
     split = {key for key, _, _ in entries}
     grads = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
-    total = torch.zeros((), dtype=torch.float32, device=grads[0][1].device if grads else None)
+    device = grads[0][1].device if grads else next(model.parameters()).device
+    total = torch.zeros((), dtype=torch.float32, device=device)
     for name, grad in grads:
         sq = grad.detach().float().pow(2).sum()
         total += sq if name in split else sq / n  # a replica counts 1/n on each of the n ranks

@@ -230,3 +230,27 @@ def test_training_runs_under_torchrun(tmp_path):
     assert "(tp=2, dp=2)" in done.stdout and "sample:" in done.stdout
     meta = checkpoint.read_meta(tmp_path)
     assert (meta["step"], meta["tp"], meta["dp"]) == (3, 2, 2)
+
+
+def check_pruning(out):
+    """Older checkpoints go by step number, and the one just written always stays."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=16, block_size=4, n_layer=1, n_head=2, n_embd=8))
+    for step in (999_999, 1_000_000, 99):  # a stale run's checkpoints, then a new run's first
+        checkpoint.save(out, model, step=step, keep=2)
+    regrouped = torch.optim.AdamW([{"params": list(model.parameters())[:3]}, {"params": list(model.parameters())[3:]}])
+    checkpoint.save(out, model, torch.optim.AdamW(model.parameters()), step=100, keep=2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        checkpoint.load(out, model, regrouped)
+        message = None
+    except checkpoint.CheckpointError as e:
+        message = str(e)
+    unchanged = all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    return sorted(p.name for p in Path(out).glob("step-*")), checkpoint.read_meta(out)["step"], message, unchanged
+
+
+def test_pruning_keeps_the_newest_and_a_mismatched_optimizer_changes_nothing(worlds, tmp_path):
+    kept, latest, message, unchanged = worlds[1].run(check_pruning, str(tmp_path))[0]
+    assert kept == ["step-000100", "step-1000000"] and latest == 100
+    assert message == "the optimizer's parameters (or their grouping) differ from the checkpoint's" and unchanged
