@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tensorpar
+from tensorpar.testing import rel_error
 
 # --------------------------------------------------------------------------- 01: column and row parallel
 
@@ -24,11 +25,6 @@ import tensorpar
 def dense_mlp(d: int, hidden: int) -> nn.Sequential:
     """nn.Linear -> GELU -> nn.Linear, with submodules named "0", "1", "2"."""
     return nn.Sequential(OrderedDict([("0", nn.Linear(d, hidden)), ("1", nn.GELU()), ("2", nn.Linear(hidden, d))]))
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Norm-wise relative error ||a - b|| / ||b||."""
-    return ((a - b).norm() / b.norm()).item()
 
 
 def mlp_column_then_row(d: int, hidden: int, tokens: int, seed: int = 0) -> dict:
@@ -77,14 +73,14 @@ def mlp_column_then_row(d: int, hidden: int, tokens: int, seed: int = 0) -> dict
         "rows of W1": (lo, hi),
         "repr": [repr(sharded[0]), repr(sharded[2])],
         "errors": {
-            "by hand: output": rel_err(y_hand, y_ref),
-            "by hand: input grad": rel_err(x_hand.grad, x_ref.grad),
-            "by hand: W1 grad": rel_err(w1.grad, dense[0].weight.grad[lo:hi]),
-            "by hand: W2 grad": rel_err(w2.grad, dense[2].weight.grad[:, lo:hi]),
-            "layers: output": rel_err(y_tp, y_ref),
-            "layers: input grad": rel_err(x_tp.grad, x_ref.grad),
-            "layers: W1 grad": rel_err(sharded[0].weight.grad, dense[0].weight.grad[lo:hi]),
-            "layers: W2 grad": rel_err(sharded[2].weight.grad, dense[2].weight.grad[:, lo:hi]),
+            "by hand: output": rel_error(y_hand, y_ref),
+            "by hand: input grad": rel_error(x_hand.grad, x_ref.grad),
+            "by hand: W1 grad": rel_error(w1.grad, dense[0].weight.grad[lo:hi]),
+            "by hand: W2 grad": rel_error(w2.grad, dense[2].weight.grad[:, lo:hi]),
+            "layers: output": rel_error(y_tp, y_ref),
+            "layers: input grad": rel_error(x_tp.grad, x_ref.grad),
+            "layers: W1 grad": rel_error(sharded[0].weight.grad, dense[0].weight.grad[lo:hi]),
+            "layers: W2 grad": rel_error(sharded[2].weight.grad, dense[2].weight.grad[:, lo:hi]),
         },
         "collectives": {
             name: {phase: c.count("all_reduce", phase) for phase in ("forward", "backward")} | {"total": c.count()}
