@@ -40,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 import tensorpar
 from layers import GPT, GPTConfig
 from tensorpar import checkpoint
-from tensorpar.data import VOCAB_SIZE, ByteData, default_corpus
+from tensorpar.training import VOCAB_SIZE, ByteData, cosine_lr, default_corpus
 from tensorpar.random import mix_seed
 
 
@@ -113,7 +113,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     last = cfg.steps - 1 if cfg.stop_at is None else min(cfg.stop_at, cfg.steps - 1)
     for step in range(start, last + 1):
         began = time.perf_counter()
-        lr = tensorpar.cosine_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup=cfg.warmup, total=cfg.steps)
+        lr = cosine_lr(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup=cfg.warmup, total=cfg.steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
         tensorpar.manual_seed(mix_seed(cfg.seed, step, 1), mesh)  # dropout depends on the step alone

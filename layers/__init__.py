@@ -3,8 +3,11 @@
 from .attention import ParallelSelfAttention
 from .embedding import VocabParallelEmbedding
 from .gpt import GPT, Block, GPTConfig
-from .linear import ColumnParallelLinear, RowParallelLinear
+from .linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from .mlp import ParallelMLP
+from .parallelize import STYLES, parallelize
+from .regions import CopyToTP, ReduceFromTP
 
-__all__ = ["GPT", "Block", "ColumnParallelLinear", "GPTConfig", "ParallelMLP", "ParallelSelfAttention",
-           "RowParallelLinear", "VocabParallelEmbedding"]
+__all__ = ["GPT", "STYLES", "Block", "ColumnParallelLinear", "CopyToTP", "GPTConfig", "ParallelMLP",
+           "ParallelSelfAttention", "ReduceFromTP", "ReplicatedLinear", "RowParallelLinear",
+           "VocabParallelEmbedding", "parallelize"]

@@ -4,19 +4,19 @@ Attention is independent per head, so each rank owns whole heads: the Q, K and
 V projections are column-parallel in units of a head (``head_dim`` rows of the
 weight), attention runs locally on this rank's heads, and the output
 projection is row-parallel over the same heads, summed by ``g``. One ``f``
-enters the region (the three projections read the same replicated input, so
-one all-reduce of their summed input gradient serves all three) and one ``g``
-leaves it: one all-reduce of ``(B, T, C)`` forward, one backward.
+(``copy_in``) enters the region and the three projections are called on its
+output, so one all-reduce of their summed input gradient serves all three; one
+``g`` leaves it: one all-reduce of ``(B, T, C)`` forward, one backward.
 
 Grouped-query attention (``n_kv_head < n_head``, ``g = n_head / n_kv_head``
 query heads per KV head) shards by query *group* when there are at least
 ``tp`` KV heads: a rank owns whole KV heads and their ``g`` query heads each,
 so nothing changes in the communication. With fewer KV heads than ranks
 (multi-query attention at tp > 1, say), query heads are split alone and every
-rank holds all KV heads, using those its query heads read; the KV weights are
-then replicated, and their gradients (each rank's share of them) are summed by
-an ``f`` on the weights: one extra all-reduce of the KV weights and biases
-backward.
+rank holds all KV heads, using those its query heads read; the KV projections
+are then :class:`~layers.linear.ReplicatedLinear`, whose gradients (each rank's
+share of them) are summed by an ``f`` on the weights: one extra all-reduce of
+the weight and bias of K, and one of V, backward.
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ from torch.distributed import ProcessGroup
 from torch.nn.utils import skip_init
 
 import tensorpar
-from tensorpar.sharding import partition_sizes
+from tensorpar.sharding import partition_bounds
 
-from .linear import ColumnParallelLinear, RowParallelLinear
+from .linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from .regions import CopyToTP
 
 
 class ParallelSelfAttention(nn.Module):
@@ -75,25 +76,26 @@ class ParallelSelfAttention(nn.Module):
         g = n_head // n_kv_head
         device = torch.get_default_device() if device is None else torch.device(device)  # skip_init needs one
         factory = dict(group=group, device=device, dtype=dtype)
+        column = dict(factory, copy_input=False)  # behind copy_in's f
 
+        self.copy_in = CopyToTP(group=group)
         self.kv_replicated = n_kv_head < tp
         if self.kv_replicated:  # query heads split alone; every rank holds all KV heads
-            q_unit, sizes = d, partition_sizes(n_head, tp, name="n_head")
-            q_lo, self.local_heads = sum(sizes[:rank]), sizes[rank]
+            q_unit, (q_lo, self.local_heads) = d, partition_bounds(n_head, tp, rank, name="n_head")
             self.kv_lo, kv_hi = q_lo // g, (q_lo + self.local_heads - 1) // g + 1
-            self.k_proj = skip_init(nn.Linear, n_embd, n_kv_head * d, bias, device=device, dtype=dtype)
-            self.v_proj = skip_init(nn.Linear, n_embd, n_kv_head * d, bias, device=device, dtype=dtype)
+            self.k_proj = skip_init(ReplicatedLinear, n_embd, n_kv_head * d, bias, **factory)
+            self.v_proj = skip_init(ReplicatedLinear, n_embd, n_kv_head * d, bias, **factory)
         else:  # whole query groups per rank: a KV head and its g query heads stay together
-            q_unit, sizes = g * d, partition_sizes(n_kv_head, tp, name="n_kv_head")
-            q_lo, self.local_heads = g * sum(sizes[:rank]), g * sizes[rank]
-            self.kv_lo, kv_hi = 0, sizes[rank]  # local indices: this rank's KV weights are its own heads only
-            self.k_proj = skip_init(ColumnParallelLinear, n_embd, n_kv_head * d, bias, unit=d, **factory)
-            self.v_proj = skip_init(ColumnParallelLinear, n_embd, n_kv_head * d, bias, unit=d, **factory)
+            kv_lo, kv_heads = partition_bounds(n_kv_head, tp, rank, name="n_kv_head")
+            q_unit, q_lo, self.local_heads = g * d, g * kv_lo, g * kv_heads
+            self.kv_lo, kv_hi = 0, kv_heads  # local indices: this rank's KV weights are its own heads only
+            self.k_proj = skip_init(ColumnParallelLinear, n_embd, n_kv_head * d, bias, unit=d, **column)
+            self.v_proj = skip_init(ColumnParallelLinear, n_embd, n_kv_head * d, bias, unit=d, **column)
         self.local_kv_heads = kv_hi - self.kv_lo
         # local KV head read by each local query head (None: the trivial 1:1 map)
         kv_of_q = [(q_lo + i) // g - (q_lo // g) for i in range(self.local_heads)]
         self._kv_index = None if kv_of_q == list(range(self.local_kv_heads)) else kv_of_q
-        self.q_proj = skip_init(ColumnParallelLinear, n_embd, n_embd, bias, unit=q_unit, **factory)
+        self.q_proj = skip_init(ColumnParallelLinear, n_embd, n_embd, bias, unit=q_unit, **column)
         self.c_proj = skip_init(RowParallelLinear, n_embd, n_embd, bias, unit=q_unit, **factory)
         self.resid_dropout = nn.Dropout(dropout)
         self.reset_parameters()
@@ -105,24 +107,13 @@ class ParallelSelfAttention(nn.Module):
         for name, p in self.named_parameters():
             tensorpar.tiled_init.uniform_(p, -bound, bound, **geometry[name])
 
-    def _kv_params(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        """This rank's K and V weights and biases: its own heads or, with replicated KV heads, the
-        ones its query heads read, behind one ``f`` that sums their gradients over the ranks."""
-        k, v = self.k_proj, self.v_proj
-        params = [t for t in (k.weight, v.weight, k.bias, v.bias) if t is not None]
-        if self.kv_replicated:  # the same tensors on every rank; each rank's gradient covers its heads
-            flat = tensorpar.copy_to_tp(torch.cat([t.reshape(-1) for t in params]), self.tp_group)
-            used = slice(self.kv_lo * self.head_dim, (self.kv_lo + self.local_kv_heads) * self.head_dim)
-            params = [part.view_as(t)[used] for part, t in zip(flat.split([t.numel() for t in params]), params)]
-        return params[:2], (params[2:] or [None, None])
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 3 or x.shape[-1] != self.n_embd:
             raise ValueError(f"{type(self).__name__} expects (B, T, {self.n_embd}), got {tuple(x.shape)}")
-        kv_weights, kv_biases = self._kv_params()
-        weights, biases = [self.q_proj.weight, *kv_weights], [self.q_proj.bias, *kv_biases]
+        x = self.copy_in(x)  # f, shared by the three projections
+        kv_used = slice(self.kv_lo * self.head_dim, (self.kv_lo + self.local_kv_heads) * self.head_dim)
         q, k, v = (rearrange(t, "b t (h d) -> b h t d", d=self.head_dim)  # h: this rank's (query or KV) heads
-                   for t in tensorpar.column_parallel_linears(x, weights, biases, self.tp_group))
+                   for t in (self.q_proj(x), self.k_proj(x)[..., kv_used], self.v_proj(x)[..., kv_used]))
         if self._kv_index is not None:  # grouped-query: each query head reads its group's KV head
             k, v = k[:, self._kv_index], v[:, self._kv_index]  # (B, h, T, d)
         p = self.dropout if self.training else 0.0
@@ -142,8 +133,5 @@ class ParallelSelfAttention(nn.Module):
 
 def _rng_tracker(group: ProcessGroup, rank: int) -> tensorpar.RNGStatesTracker:
     """The default mesh's tp stream when the layer uses its group, else a stream of the layer's own."""
-    try:
-        mesh = tensorpar.current_mesh()
-    except RuntimeError:
-        mesh = None
+    mesh = tensorpar.mesh.current_mesh_or_none()
     return mesh.rng if mesh is not None and mesh.tp_group is group else tensorpar.RNGStatesTracker(rank)

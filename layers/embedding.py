@@ -8,9 +8,10 @@ table (a balanced split, no padding rows). A lookup is a sum over ranks::
 so each rank looks up the ids it owns, writes zeros for the others, and ``g``
 (:func:`reduce_from_tp`) all-reduces the partial results: one all-reduce of
 ``(*, embedding_dim)`` forward, nothing backward (each row's gradient stays on
-the rank that owns it). :meth:`VocabParallelEmbedding.partial` returns the
-unreduced part, so that several tables (token and position embeddings) can be
-summed first and reduced once.
+the rank that owns it). With ``reduce_output=False`` the module returns its
+unreduced term instead, so that several tables (token and position
+embeddings) can be summed first and reduced once (a
+:class:`~layers.regions.ReduceFromTP` after the sum).
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 import tensorpar
-from tensorpar.sharding import Shard, partition_sizes
+from tensorpar.sharding import Shard, partition_bounds
 
 
 class VocabParallelEmbedding(nn.Module):
-    """``nn.Embedding`` with its rows split across the tp group; output identical on every rank.
+    """``nn.Embedding`` with its rows split across the tp group; output identical on every rank
+    (or, with ``reduce_output=False``, this rank's term of it: the rows it owns, zeros elsewhere).
 
     Example::
 
@@ -34,17 +36,18 @@ class VocabParallelEmbedding(nn.Module):
         x = wte(idx)                               # (B, T) -> (B, T, 768)
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, group: ProcessGroup | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, reduce_output: bool = True,
+                 group: ProcessGroup | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"VocabParallelEmbedding: {name} must be a positive integer, got {value!r}")
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.num_embeddings, self.embedding_dim, self.reduce_output = num_embeddings, embedding_dim, reduce_output
         self.tp_group = tensorpar.tp_group(group)
         self.tp_rank, self.tp = tensorpar.group_rank_size(self.tp_group)
-        sizes = partition_sizes(num_embeddings, self.tp, name="num_embeddings")
-        self.local_offset, self.local_rows = sum(sizes[:self.tp_rank]), sizes[self.tp_rank]
+        self.local_offset, self.local_rows = partition_bounds(num_embeddings, self.tp, self.tp_rank,
+                                                              name="num_embeddings")
         self.weight = nn.Parameter(torch.empty(self.local_rows, embedding_dim, device=device, dtype=dtype))
         self.reset_parameters()
 
@@ -77,30 +80,25 @@ class VocabParallelEmbedding(nn.Module):
         embedding.load_state_dict(tensorpar.full_state_dict(self))
         return embedding
 
-    def partial(self, ids: torch.Tensor, *, check: bool = True) -> torch.Tensor:
-        """This rank's term of the lookup: rows it owns, zeros elsewhere. ``(*) -> (*, embedding_dim)``.
-
-        ``check=False`` skips the range check of ``ids`` (a host sync on GPUs) for ids known to be valid.
-        """
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """``(*)`` integer ids ``->`` ``(*, embedding_dim)``."""
         if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex \
                 or ids.dtype == torch.bool:
             raise TypeError(f"VocabParallelEmbedding expects a tensor of integer ids, got "
                             f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}")
-        bad = (ids < 0) | (ids >= self.num_embeddings) if check else None
-        if bad is not None and bad.any():
+        bad = (ids < 0) | (ids >= self.num_embeddings)
+        if bad.any():
             raise ValueError(f"token id {ids[bad][0].item()} is out of range for num_embeddings "
                              f"{self.num_embeddings} (ids must be in [0, {self.num_embeddings}))")
         if self.tp == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.local_offset
         foreign = (local < 0) | (local >= self.local_rows)  # (*) rows another rank owns
-        out = F.embedding(local.masked_fill(foreign, 0), self.weight)  # (*, C)
-        return out.masked_fill(foreign.unsqueeze(-1), 0.0)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return tensorpar.reduce_from_tp(self.partial(ids), self.tp_group)  # (*, C), the same on every rank
+        out = F.embedding(local.masked_fill(foreign, 0), self.weight)  # (*, C), this rank's term
+        out = out.masked_fill(foreign.unsqueeze(-1), 0.0)
+        return tensorpar.reduce_from_tp(out, self.tp_group) if self.reduce_output else out  # (*, C)
 
     def extra_repr(self) -> str:
         lo, hi = self.local_offset, self.local_offset + self.local_rows
         return (f"{self.num_embeddings}, {self.embedding_dim}, local rows={self.local_rows} [{lo}:{hi}] "
-                f"on tp rank {self.tp_rank} of {self.tp}")
+                f"on tp rank {self.tp_rank} of {self.tp}" + ("" if self.reduce_output else ", reduce_output=False"))

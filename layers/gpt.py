@@ -3,7 +3,8 @@
 Each rank holds ``1/tp`` of every weight matrix and embedding table:
 
 * token and position embeddings are vocab-parallel (rows split); their partial
-  lookups are summed and reduced once: one all-reduce of ``(B, T, C)``;
+  lookups are summed and reduced once (``transformer.reduce``, Megatron's ``g``):
+  one all-reduce of ``(B, T, C)``;
 * each block is pre-LayerNorm attention + MLP with residuals; attention and
   MLP each cost one all-reduce of ``(B, T, C)`` forward and one backward;
 * the LM head is tied to the token embedding, so it is column-parallel over
@@ -28,12 +29,14 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 import tensorpar
-from tensorpar.collectives import broadcast_from_first_
+from tensorpar.comm.collectives import broadcast_from_first_
 
+from . import hf
 from .attention import ParallelSelfAttention
 from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear
 from .mlp import ACTIVATIONS, ParallelMLP
+from .regions import ReduceFromTP
 
 
 @dataclass
@@ -123,8 +126,9 @@ class GPT(nn.Module):
             tensorpar.partition_sizes(getattr(c, name), tp, name=name)
         factory: dict[str, Any] = dict(device=device, dtype=dtype)
         self.transformer = nn.ModuleDict(dict(
-            wte=VocabParallelEmbedding(c.vocab_size, c.n_embd, group=group, **factory),
-            wpe=VocabParallelEmbedding(c.block_size, c.n_embd, group=group, **factory),
+            wte=VocabParallelEmbedding(c.vocab_size, c.n_embd, reduce_output=False, group=group, **factory),
+            wpe=VocabParallelEmbedding(c.block_size, c.n_embd, reduce_output=False, group=group, **factory),
+            reduce=ReduceFromTP(group=group),  # g over the sum of both partial lookups
             drop=nn.Dropout(c.dropout),
             h=nn.ModuleList([Block(c, group=group, **factory) for _ in range(c.n_layer)]),
             ln_f=nn.LayerNorm(c.n_embd, bias=c.bias, **factory),
@@ -163,9 +167,8 @@ class GPT(nn.Module):
         t = idx.shape[1]
         if t > self.config.block_size:
             raise ValueError(f"sequence length ({t}) is longer than block_size ({self.config.block_size})")
-        wte, wpe = self.transformer.wte, self.transformer.wpe
         pos = torch.arange(t, device=idx.device)
-        x = tensorpar.reduce_from_tp(wte.partial(idx) + wpe.partial(pos, check=False), self.tp_group)  # (B, T, C)
+        x = self.transformer.reduce(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         x = self.transformer.drop(x)
         for block in self.transformer.h:
             x = block(x)
@@ -222,5 +225,11 @@ class GPT(nn.Module):
             hf = GPT2LMHeadModel.from_pretrained("path/to/gpt2")
             gpt = GPT.from_hf(hf)   # 1/tp of its weights on each rank
         """
-        from .hf import gpt_from_hf
-        return gpt_from_hf(cls, model, group=group)
+        config = GPTConfig(**hf.gpt_config(getattr(model, "config", None)))
+        if not hasattr(model, "lm_head"):
+            raise TypeError(f"from_hf expects a GPT2LMHeadModel (with its LM head), got {type(model).__name__}")
+        weight = model.get_input_embeddings().weight
+        gpt = cls(config, device="meta", dtype=weight.dtype, group=group)
+        gpt.to_empty(device=weight.device)
+        gpt.load_full_state_dict(hf.gpt_state_dict(model.state_dict(), config.n_embd))
+        return gpt.train(model.training)

@@ -1,20 +1,17 @@
-"""Hugging Face GPT-2 weights into a sharded :class:`~layers.gpt.GPT` (optional extra ``hf``).
+"""Hugging Face GPT-2 configs and state dicts in our GPT's terms (optional extra ``hf``).
 
-``transformers`` is never imported here: the model is read through its config
-and state dict. GPT-2 stores its projections as ``Conv1D`` with weights of
+This module maps configs and keys; :meth:`layers.gpt.GPT.from_hf` builds the
+model from them. ``transformers`` is never imported here: the model is read
+through its config and state dict. GPT-2 stores its projections as ``Conv1D`` with weights of
 shape ``(in, out)`` (transposed against ``nn.Linear``), and Q, K and V fused in
 one ``c_attn``; both are undone on the way in.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from torch import nn
-
-if TYPE_CHECKING:
-    from .gpt import GPT
 
 _TRANSPOSED = ("attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -39,7 +36,14 @@ def _check_supported(hf: Any) -> None:
         raise ValueError("from_hf: unsupported GPT-2 settings: " + "; ".join(unsupported))
 
 
-def hf_state_dict_to_gpt(state: dict[str, torch.Tensor], n_embd: int) -> dict[str, torch.Tensor]:
+def gpt_config(hf: Any) -> dict[str, Any]:
+    """The ``GPTConfig`` fields of a Hugging Face ``GPT2Config``; raises for settings our GPT lacks."""
+    _check_supported(hf)
+    return dict(block_size=hf.n_positions, vocab_size=hf.vocab_size, n_layer=hf.n_layer, n_head=hf.n_head,
+                n_embd=hf.n_embd, dropout=hf.resid_pdrop, bias=True)
+
+
+def gpt_state_dict(state: dict[str, torch.Tensor], n_embd: int) -> dict[str, torch.Tensor]:
     """A GPT-2 state dict in our key layout: Q/K/V split, Conv1D weights transposed."""
     out = {}
     for key, value in state.items():
@@ -54,20 +58,3 @@ def hf_state_dict_to_gpt(state: dict[str, torch.Tensor], n_embd: int) -> dict[st
             out[key] = value.t() if key.endswith(_TRANSPOSED) else value
     out.setdefault("lm_head.weight", out["transformer.wte.weight"])
     return out
-
-
-def gpt_from_hf(cls: type[GPT], model: nn.Module, *, group: Any = None) -> GPT:
-    """See :meth:`layers.gpt.GPT.from_hf`."""
-    from .gpt import GPTConfig
-
-    hf = getattr(model, "config", None)
-    _check_supported(hf)
-    if not hasattr(model, "lm_head"):
-        raise TypeError(f"from_hf expects a GPT2LMHeadModel (with its LM head), got {type(model).__name__}")
-    config = GPTConfig(block_size=hf.n_positions, vocab_size=hf.vocab_size, n_layer=hf.n_layer, n_head=hf.n_head,
-                       n_embd=hf.n_embd, dropout=hf.resid_pdrop, bias=True)
-    weight = model.get_input_embeddings().weight
-    gpt = cls(config, device="meta", dtype=weight.dtype, group=group)
-    gpt.to_empty(device=weight.device)
-    gpt.load_full_state_dict(hf_state_dict_to_gpt(model.state_dict(), hf.n_embd))
-    return gpt.train(model.training)

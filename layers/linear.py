@@ -11,12 +11,15 @@ A linear layer ``Y = X Wᵀ + b`` with ``W`` of shape ``(out, in)`` splits two w
   ``W = [W_1, ..., W_tp]`` and ``X = [X_1, ..., X_tp]`` so ``Y = Σ_r X_r W_rᵀ``.
   Each rank computes a partial sum and ``g`` (:func:`reduce_from_tp`) all-reduces
   it in forward; the bias is added once, after the sum. Both layers fuse their
-  collective with the matmul (:mod:`tensorpar.functional`), which lets it work
+  collective with the matmul (:mod:`tensorpar.comm.linear`), which lets it work
   in place on buffers the op owns and overlap the backward all-reduce with the
   weight-gradient computation.
 
 Column then row (an MLP) needs no communication in between: the column layer's
-sharded output is exactly the row layer's sharded input. ``unit=k`` keeps
+sharded output is exactly the row layer's sharded input. Several column layers
+reading one input (Q, K and V) share one ``f`` instead of applying their own:
+the module owning them calls a :class:`~layers.regions.CopyToTP` once and
+builds them with ``copy_input=False``. ``unit=k`` keeps
 whole groups of ``k`` features together (``unit=head_dim``: whole attention
 heads per rank). Shards are balanced
 and need not divide evenly; weights are initialised identically at every tp.
@@ -28,11 +31,12 @@ import math
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
 import tensorpar
-from tensorpar.sharding import Shard, partition_sizes
+from tensorpar.sharding import Shard, partition_bounds
 
 
 class _ParallelLinear(nn.Module):
@@ -51,9 +55,9 @@ class _ParallelLinear(nn.Module):
         self.tp_rank, self.tp = tensorpar.group_rank_size(self.tp_group)
         full = (out_features, in_features)
         name = ("out_features", "in_features")[self.split_dim]
-        sizes = partition_sizes(full[self.split_dim], self.tp, unit=unit,
-                                name=name if unit == 1 else f"{name} in units of {unit}")
-        self.local_offset, self.local_features = sum(sizes[:self.tp_rank]), sizes[self.tp_rank]
+        name = name if unit == 1 else f"{name} in units of {unit}"
+        self.local_offset, self.local_features = partition_bounds(full[self.split_dim], self.tp, self.tp_rank,
+                                                                  unit=unit, name=name)
         local = list(full)
         local[self.split_dim] = self.local_features
         self.weight = nn.Parameter(torch.empty(local, device=device, dtype=dtype))
@@ -125,6 +129,9 @@ class ColumnParallelLinear(_ParallelLinear):
     Input ``(*, in_features)``, replicated on every rank. Output
     ``(*, out_features / tp)`` (this rank's balanced slice), or the full
     ``(*, out_features)`` on every rank with ``gather_output=True``.
+    ``copy_input=False`` leaves ``f`` out: the input has already entered the
+    tensor-parallel region through a :class:`~layers.regions.CopyToTP` shared
+    with other layers reading it, whose backward sums the input gradient.
 
     Example::
 
@@ -136,20 +143,23 @@ class ColumnParallelLinear(_ParallelLinear):
     split_dim = 0
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, gather_output: bool = False,
-                 unit: int = 1, group: ProcessGroup | None = None, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 copy_input: bool = True, unit: int = 1, group: ProcessGroup | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__(in_features, out_features, bias, unit, group, device, dtype)
-        self.gather_output = gather_output
+        self.gather_output, self.copy_input = gather_output, copy_input
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x, self.in_features, "an input")
-        y = tensorpar.column_parallel_linear(x, self.weight, self.bias, self.tp_group)  # (*, out / tp)
+        if self.copy_input:
+            y = tensorpar.column_parallel_linear(x, self.weight, self.bias, self.tp_group)  # (*, out / tp)
+        else:  # f was applied by the caller
+            y = F.linear(x, self.weight, self.bias)
         if self.gather_output:
             y = tensorpar.gather_from_tp(y, -1, self.out_features, self.tp_group)  # (*, out)
         return y
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, gather_output={self.gather_output}"
+        return f"{super().extra_repr()}, gather_output={self.gather_output}, copy_input={self.copy_input}"
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -187,3 +197,25 @@ class RowParallelLinear(_ParallelLinear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, input_is_parallel={self.input_is_parallel}"
+
+
+class ReplicatedLinear(nn.Linear):
+    """``nn.Linear`` held whole on every rank of the tp group, each rank using the part of its
+    output that its own sharded computation needs (e.g. the key/value heads its query heads
+    read). Every rank's weight gradient then covers its part only, so backward sums them over
+    the group (``f`` on the weights): one all-reduce of the weight and bias together.
+
+    The input must already be inside the tensor-parallel region (after a
+    :class:`~layers.regions.CopyToTP`), like a ``ColumnParallelLinear(copy_input=False)``'s.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group: ProcessGroup | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.tp_group = tensorpar.tp_group(group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        params = [p for p in (self.weight, self.bias) if p is not None]
+        flat = tensorpar.copy_to_tp(torch.cat([p.reshape(-1) for p in params]), self.tp_group)  # one f for all
+        weight, *bias = [part.view_as(p) for part, p in zip(flat.split([p.numel() for p in params]), params)]
+        return F.linear(x, weight, bias[0] if bias else None)

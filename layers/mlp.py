@@ -3,8 +3,8 @@
 The hidden features are split across ranks: ``c_fc`` (and SwiGLU's gate,
 ``c_gate``) are column-parallel, the activation is elementwise, so it runs on
 each rank's slice, and ``c_proj`` is row-parallel over the same slice. One
-``f`` enters (the up and gate projections share it: one backward all-reduce)
-and one ``g`` leaves: one all-reduce of ``(*, C)`` each way.
+``f`` (``copy_in``) enters, shared by the up and gate projections (one
+backward all-reduce), and one ``g`` leaves: one all-reduce of ``(*, C)`` each way.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-import tensorpar
-
 from .linear import ColumnParallelLinear, RowParallelLinear
+from .regions import CopyToTP
 
 ACTIVATIONS = ("gelu", "swiglu")
 
@@ -43,19 +42,19 @@ class ParallelMLP(nn.Module):
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         self.activation = activation
         factory = dict(group=group, device=device, dtype=dtype)
-        self.c_fc = ColumnParallelLinear(n_embd, hidden, bias, **factory)
-        self.c_gate = ColumnParallelLinear(n_embd, hidden, bias, **factory) if activation == "swiglu" else None
+        self.copy_in = CopyToTP(group=group)
+        self.c_fc = ColumnParallelLinear(n_embd, hidden, bias, copy_input=False, **factory)
+        gated = activation == "swiglu"
+        self.c_gate = ColumnParallelLinear(n_embd, hidden, bias, copy_input=False, **factory) if gated else None
         self.c_proj = RowParallelLinear(hidden, n_embd, bias, **factory)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fc, gate = self.c_fc, self.c_gate
-        fc._check_input(x, fc.in_features, "an input")
-        if gate is None:
-            h = F.gelu(tensorpar.column_parallel_linear(x, fc.weight, fc.bias, fc.tp_group), approximate="tanh")
-        else:  # up and gate behind one f: (*, H / tp) each
-            up, g = tensorpar.column_parallel_linears(x, [fc.weight, gate.weight], [fc.bias, gate.bias], fc.tp_group)
-            h = F.silu(g) * up
+        x = self.copy_in(x)  # f, shared by the up and gate projections
+        if self.c_gate is None:
+            h = F.gelu(self.c_fc(x), approximate="tanh")  # (*, H / tp)
+        else:
+            h = F.silu(self.c_gate(x)) * self.c_fc(x)
         return self.dropout(self.c_proj(h))  # (*, C), summed over ranks
 
     def extra_repr(self) -> str:

@@ -1,30 +1,33 @@
 """tensorpar: Megatron-style tensor parallelism for PyTorch.
 
-The runtime core: the (dp, tp) process mesh, autograd collectives, balanced
-sharding, tp-invariant initialisation, per-rank random streams, vocab-parallel
-cross-entropy, a local launcher, and whole-model helpers. The layers built on
-it live in the ``layers`` package; ``tensorpar.testing`` holds the
-multi-process test harness.
+The runtime core: the (dp, tp) process mesh, Megatron's ``f`` and ``g`` and the
+other autograd collectives (:mod:`tensorpar.comm`), balanced sharding and full
+views of sharded models, tp-invariant initialisation, per-rank random streams,
+vocab-parallel cross-entropy, gradient clipping, checkpoints and a local
+launcher. ``tensorpar.testing`` is the multi-process test kit;
+``tensorpar.training`` holds helpers for training loops (data, LR schedule)
+outside the core. The ``nn.Module``\\ s built on this core live in a package of
+their own.
 """
 
 from . import checkpoint, tiled_init
-from .collectives import CollectiveError
+from .clipping import clip_grad_norm_, grad_norm
 from .comm import (
+    CollectiveCounter,
+    CollectiveError,
+    CollectiveRecord,
     all_gather,
+    column_parallel_linear,
     copy_to_tp,
+    count_collectives,
     gather_from_tp,
     reduce_from_tp,
     reduce_scatter,
+    row_parallel_linear,
     scatter_to_tp,
 )
-from .counter import CollectiveCounter, CollectiveRecord, count_collectives
 from .cross_entropy import vocab_parallel_cross_entropy
-from .data import ByteData, default_corpus
-from .functional import (
-    column_parallel_linear,
-    column_parallel_linears,
-    row_parallel_linear,
-)
+from .full import full_grads, full_state_dict, load_full_state_dict, shard_geometry, unshard
 from .launch import RankError, spawn
 from .mesh import (
     Mesh,
@@ -36,14 +39,10 @@ from .mesh import (
     tp_group,
     use_mesh,
 )
-from .parallelize import parallelize
 from .random import RNGStatesTracker
-from .sharding import Shard, partition_offsets, partition_sizes, shard
-from .state import full_grads, full_state_dict, load_full_state_dict, shard_geometry
-from .training import clip_grad_norm_, cosine_lr, grad_norm
+from .sharding import Shard, partition_bounds, partition_offsets, partition_sizes, shard
 
 __all__ = [
-    "ByteData",
     "CollectiveCounter",
     "CollectiveError",
     "CollectiveRecord",
@@ -55,12 +54,9 @@ __all__ = [
     "checkpoint",
     "clip_grad_norm_",
     "column_parallel_linear",
-    "column_parallel_linears",
     "copy_to_tp",
-    "cosine_lr",
     "count_collectives",
     "current_mesh",
-    "default_corpus",
     "full_grads",
     "full_state_dict",
     "gather_from_tp",
@@ -69,7 +65,7 @@ __all__ = [
     "init",
     "load_full_state_dict",
     "manual_seed",
-    "parallelize",
+    "partition_bounds",
     "partition_offsets",
     "partition_sizes",
     "reduce_from_tp",
@@ -82,6 +78,7 @@ __all__ = [
     "spawn",
     "tiled_init",
     "tp_group",
+    "unshard",
     "use_mesh",
     "vocab_parallel_cross_entropy",
 ]

@@ -34,10 +34,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import unshard
+from .full import Placements, full_shape, full_state_dict, placements, unshard
 from .mesh import Mesh, current_mesh
 from .sharding import Shard
-from .state import full_state_dict, sharded_entries
 
 FORMAT = "tensorpar-checkpoint/1"
 FILES = ("model.safetensors", "optimizer.safetensors", "rng.safetensors")
@@ -72,10 +71,6 @@ def _param_names(model: nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in model.named_parameters()}
 
 
-def _placements(model: nn.Module) -> dict[str, tuple[Shard, Any]]:
-    return {key: (placement, group) for key, placement, group in sharded_entries(model)}
-
-
 def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh,
                      gather: bool) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
     """Every parameter's optimizer state, unsharded (on the ranks that ``gather``), and the groups."""
@@ -84,15 +79,14 @@ def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: M
     if not gather:
         return {}, []
     state = optimizer.state_dict()
-    names, placements = _param_names(model), _placements(model)
+    names, where = _param_names(model), placements(model)
     order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     tensors = {}
     for index, name in enumerate(order):
         for key, value in state["state"].get(index, {}).items():
             value = torch.as_tensor(value)
-            if name in placements and value.dim() > 0:  # shaped like the shard: gather like it
-                placement, group = placements[name]
-                value = unshard(value.to(mesh.device), placement, group)
+            if name in where and value.dim() > 0:  # shaped like the shard: gather like it
+                value = unshard(value.to(mesh.device), *where[name])
             tensors[f"{name}/{key}"] = value.detach().cpu().contiguous()
     groups, start = [], 0
     for group in state["param_groups"]:
@@ -201,21 +195,12 @@ def _check_config(meta: Mapping[str, Any], model: nn.Module) -> None:
 def _read_local(handle: Any, key: str, placement: Shard | None, group: Any, expected: torch.Size) -> torch.Tensor:
     """This rank's part of tensor ``key``: a slice along the placement's dim, or all of it."""
     view = handle.get_slice(key)
-    full = list(view.get_shape())
-    if placement is None:
-        if full != list(expected):
-            raise CheckpointError(f"{key}: the checkpoint holds shape {tuple(full)}, the model {tuple(expected)}")
-        return handle.get_tensor(key)
-    rank, n = dist.get_rank(group), dist.get_world_size(group)
-    want = list(expected)
-    want[placement.dim] = placement.size
+    full, want = tuple(view.get_shape()), full_shape(expected, placement)
     if full != want:
-        raise CheckpointError(f"{key}: the checkpoint holds shape {tuple(full)}, the model's full shape is "
-                              f"{tuple(want)}")
-    offset, length = placement.bounds(n, rank)
-    index = [slice(None)] * len(full)
-    index[placement.dim] = slice(offset, offset + length)
-    return view[tuple(index)]
+        raise CheckpointError(f"{key}: the checkpoint holds shape {full}, the model's full shape is {want}")
+    if placement is None:
+        return handle.get_tensor(key)
+    return view[placement.index(len(full), dist.get_world_size(group), dist.get_rank(group))]
 
 
 def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -236,16 +221,16 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     meta = read_meta(path)
     _check_config(meta, model)
     path, st = Path(meta["path"]), _safetensors()
-    placements = _placements(model)
+    where = placements(model)
     with st.safe_open(str(path / FILES[0]), framework="pt") as handle:
         missing = sorted(set(model.state_dict()) - set(handle.keys()))
         if missing:
             raise CheckpointError(f"the checkpoint lacks {missing}")
-        local = {key: _read_local(handle, key, *placements.get(key, (None, None)), value.shape)
+        local = {key: _read_local(handle, key, *where.get(key, (None, None)), value.shape)
                  for key, value in model.state_dict().items()}
     optim = None
     if optimizer is not None:
-        optim = _local_optimizer_state(path, meta, model, optimizer, placements)
+        optim = _local_optimizer_state(path, meta, model, optimizer, where)
     model.load_state_dict(local)
     if optim is not None:
         optimizer.load_state_dict(optim)
@@ -255,7 +240,7 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
 
 
 def _local_optimizer_state(path: Path, meta: Mapping[str, Any], model: nn.Module,
-                           optimizer: torch.optim.Optimizer, placements: Mapping[str, Any]) -> dict[str, Any]:
+                           optimizer: torch.optim.Optimizer, where: Placements) -> dict[str, Any]:
     names = _param_names(model)
     order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     ours = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
@@ -267,7 +252,7 @@ def _local_optimizer_state(path: Path, meta: Mapping[str, Any], model: nn.Module
         for key in handle.keys():
             name, _, field = key.rpartition("/")
             value = handle.get_tensor(key) if handle.get_slice(key).get_shape() == [] else \
-                _read_local(handle, key, *placements.get(name, (None, None)), params[name].shape)
+                _read_local(handle, key, *where.get(name, (None, None)), params[name].shape)
             state.setdefault(order.index(name), {})[field] = value
     groups, start = [], 0
     for group in meta["param_groups"]:

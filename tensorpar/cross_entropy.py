@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup, ReduceOp
 
-from .collectives import start_all_reduce_
+from .comm.collectives import start_all_reduce_
 from .mesh import group_rank_size, tp_group
-from .sharding import partition_sizes
+from .sharding import partition_bounds
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -97,10 +97,10 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
         raise TypeError(f"targets must be integer token ids, got {targets.dtype}")
-    sizes = partition_sizes(vocab_size, n, name="vocab_size")
-    if logits.dim() == 0 or logits.shape[:-1] != targets.shape or logits.shape[-1] != sizes[rank]:
+    lo, rows = partition_bounds(vocab_size, n, rank, name="vocab_size")
+    if logits.dim() == 0 or logits.shape[:-1] != targets.shape or logits.shape[-1] != rows:
         raise ValueError(f"logits of shape {tuple(logits.shape)} do not match targets of shape "
-                         f"{tuple(targets.shape)} and this rank's {sizes[rank]} of {vocab_size} vocabulary rows")
+                         f"{tuple(targets.shape)} and this rank's {rows} of {vocab_size} vocabulary rows")
     bad = ((targets < 0) | (targets >= vocab_size)) & (targets != ignore_index)
     if bad.any():
         raise ValueError(f"target id {targets[bad][0].item()} is out of range for vocab_size {vocab_size} "
@@ -110,4 +110,4 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
                                reduction=reduction)
         return (loss.reshape(targets.shape) if reduction == "none" else loss).to(_loss_dtype(logits))
     targets = targets.long()
-    return _VocabParallelCrossEntropy.apply(logits, targets, sum(sizes[:rank]), ignore_index, reduction, group)
+    return _VocabParallelCrossEntropy.apply(logits, targets, lo, ignore_index, reduction, group)

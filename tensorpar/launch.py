@@ -1,15 +1,20 @@
-"""Run a function on several local processes joined in one process group.
+"""Start local ranks joined in one process group: :func:`spawn`, and the test pool's workers.
 
 Processes are started fresh (the ``spawn`` start method) and meet through a
-TCP store that the parent hosts on loopback, so no port is guessed. Results and
-errors travel back as plain pickles (tensors by value). The parent watches
-every child: the first rank that raises or dies ends the run, the others are
-stopped, and the error is re-raised naming that rank, so a failure never
+TCP store that the parent hosts on loopback, so no port is guessed. Each rank
+talks to the parent over a pipe: results and errors travel back as plain
+pickles (tensors by value). The parent watches every child: the first rank
+that raises or dies ends the wait, the others are stopped, and the error is
+re-raised naming the rank most likely to be the root cause, so a failure never
 leaves the caller waiting on ranks blocked in a collective.
+
+:class:`LocalRanks` is that machinery; :func:`spawn` runs a function once on
+its ranks, and :class:`tensorpar.testing.World` keeps them serving tasks.
 """
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -24,9 +29,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .mesh import DEFAULT_TIMEOUT, shutdown
+from .mesh import DEFAULT_TIMEOUT, default_backend, shutdown
 
 _LOOPBACK = "127.0.0.1"
+
+#: What a rank runs once it has joined the group: it is given the pipe to the parent.
+RankMain = Callable[[multiprocessing.connection.Connection], None]
 
 
 class RankError(RuntimeError):
@@ -45,7 +53,7 @@ class RankError(RuntimeError):
 
 
 def error_payload(error: BaseException) -> tuple[bytes | None, str, str]:
-    """What a worker sends back for ``error``: the pickled exception if it pickles, its text, its traceback."""
+    """What a rank sends back for ``error``: the pickled exception if it pickles, its text, its traceback."""
     try:
         blob: bytes | None = pickle.dumps(error)
         pickle.loads(blob)
@@ -55,42 +63,167 @@ def error_payload(error: BaseException) -> tuple[bytes | None, str, str]:
     return blob, text, "".join(traceback.format_exception(type(error), error, error.__traceback__))
 
 
-def raise_rank_error(rank: int, payload: tuple[bytes | None, str, str]) -> None:
-    blob, text, remote_tb = payload
-    cause = pickle.loads(blob) if blob is not None else None
-    raise RankError(rank, text, remote_tb) from cause
+def reply(conn: multiprocessing.connection.Connection, work: Callable[[], Any]) -> bool:
+    """Send the parent ``(True, work())``, or ``(False, error)`` if it raises; say whether it succeeded."""
+    try:
+        message = (True, work())
+    except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent, which stops the rest
+        message = (False, error_payload(e))
+    conn.send_bytes(pickle.dumps(message))
+    return message[0]
 
 
-def host_store() -> dist.TCPStore:
-    """A TCP store on a free loopback port, hosted by this process, for children to meet at."""
-    return dist.TCPStore(_LOOPBACK, 0, is_master=True, wait_for_workers=False)
-
-
-def join_group(rank: int, world_size: int, port: int, backend: str, timeout: timedelta) -> None:
+def _join_group(rank: int, world_size: int, port: int, backend: str, timeout: timedelta, threads: int) -> None:
     """In a child: set torchrun's variables and join the group through the parent's store."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=_LOOPBACK, MASTER_PORT=str(port))
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    else:  # share the cores instead of oversubscribing them
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    torch.set_num_threads(threads)
     store = dist.TCPStore(_LOOPBACK, port, is_master=False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
-def _worker(fn: Callable[..., Any], args: Sequence[Any], rank: int, world_size: int, port: int, backend: str,
-            timeout: timedelta, conn: multiprocessing.connection.Connection) -> None:
+def _rank_process(main: RankMain, rank: int, world_size: int, port: int, backend: str, timeout: timedelta,
+                  threads: int, conn: multiprocessing.connection.Connection) -> None:
     try:
-        join_group(rank, world_size, port, backend, timeout)
-        conn.send_bytes(pickle.dumps((True, fn(*args))))
-    except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent, which stops the rest
+        _join_group(rank, world_size, port, backend, timeout, threads)
+    except BaseException as e:  # noqa: BLE001 - the parent reports it
         conn.send_bytes(pickle.dumps((False, error_payload(e))))
         return
-    shutdown(timeout)
+    main(conn)
 
 
-def default_backend_for(nprocs: int) -> str:
-    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "gloo"
+class RanksTimedOut(TimeoutError):
+    """Ranks (``ranks``) did not reply in time."""
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
+@dataclass
+class Replies:
+    """What :meth:`LocalRanks.collect` heard: results and errors by rank, ranks that died
+    (with exit codes), and ranks still silent when it stopped waiting."""
+
+    results: dict[int, Any] = field(default_factory=dict)
+    errors: dict[int, tuple[bytes | None, str, str]] = field(default_factory=dict)
+    dead: dict[int, int | None] = field(default_factory=dict)
+    silent: list[int] = field(default_factory=list)
+
+    def raise_first_error(self, what: str) -> None:
+        """Raise for the likeliest root cause: a rank that died, else a rank whose error is
+        not a failed collective (peers of a failed rank see those), else the first to fail."""
+        if self.dead:
+            rank = min(self.dead)
+            code = self.dead[rank]
+            how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+            seen = "".join(f"; then rank {r} failed: {self.errors[r][1].splitlines()[0]}" for r in sorted(self.errors))
+            raise RankError(rank, f"{what} {how} before returning{seen}")
+        if self.errors:  # errors are in arrival order: the root cause usually reports first
+            arrival = {r: i for i, r in enumerate(self.errors)}
+            rank = min(self.errors, key=lambda r: (self.errors[r][1].startswith("CollectiveError"), arrival[r]))
+            blob, text, remote_tb = self.errors[rank]
+            raise RankError(rank, text, remote_tb) from (pickle.loads(blob) if blob is not None else None)
+
+
+class LocalRanks:
+    """``nprocs`` fresh local processes joined in one process group, each running ``main(conn)``
+    once it has joined (one that fails to join replies with its error).
+
+    ``threads`` is each rank's intra-op thread count (default: the cores shared out).
+    """
+
+    def __init__(self, main: RankMain, nprocs: int, *, backend: str | None = None,
+                 collective_timeout: timedelta = DEFAULT_TIMEOUT, threads: int | None = None) -> None:
+        if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
+            raise ValueError(f"nprocs must be a positive integer, got {nprocs!r}")
+        backend = backend or default_backend(nprocs)
+        threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
+        ctx = multiprocessing.get_context("spawn")
+        self.size = nprocs
+        self._store = dist.TCPStore(_LOOPBACK, 0, is_master=True, wait_for_workers=False)  # outlives the joining
+        self.procs: list[Any] = []
+        self.conns: list[multiprocessing.connection.Connection] = []
+        for rank in range(nprocs):
+            parent_end, child_end = ctx.Pipe()
+            p = ctx.Process(target=_rank_process, args=(main, rank, nprocs, self._store.port, backend,
+                                                        collective_timeout, threads, child_end), daemon=True)
+            p.start()
+            child_end.close()
+            self.procs.append(p)
+            self.conns.append(parent_end)
+
+    def send(self, message: Any) -> None:
+        """Pickle ``message`` once and send it to every rank."""
+        blob = pickle.dumps(message)
+        for conn in self.conns:
+            conn.send_bytes(blob)
+
+    def collect(self, what: str, timeout: float | None, grace: float = 0.0) -> list[Any]:
+        """One reply per rank, in rank order; raise :class:`RankError` for a rank that raised or died
+        (after ``grace`` more seconds for its peers to report what they saw), and
+        :class:`RanksTimedOut` when ranks are still silent after ``timeout`` seconds. Ranks that died or stayed silent
+        are killed: the group is unusable."""
+        replies = self._read(timeout, grace)
+        if replies.silent or replies.dead:
+            self.kill()
+        replies.raise_first_error(what)
+        if replies.silent:
+            raise RanksTimedOut(f"{what} did not finish within {timeout} s on ranks {replies.silent} of "
+                                f"{self.size}", replies.silent)
+        return [replies.results[r] for r in range(self.size)]
+
+    def _read(self, timeout: float | None, grace: float) -> Replies:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        replies = Replies()
+        waiting = set(range(self.size))
+        owner = {c: r for r, c in enumerate(self.conns)} | {p.sentinel: r for r, p in enumerate(self.procs)}
+        while waiting:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = multiprocessing.connection.wait(
+                [self.conns[r] for r in waiting] + [self.procs[r].sentinel for r in waiting], timeout=left)
+            if not ready:
+                break
+            for rank in sorted({owner[item] for item in ready} & waiting):
+                if self.conns[rank].poll():
+                    try:
+                        ok, value = pickle.loads(self.conns[rank].recv_bytes())
+                    except EOFError:  # the pipe closed without a reply
+                        self.procs[rank].join(5)
+                        replies.dead[rank] = self.procs[rank].exitcode
+                    else:
+                        (replies.results if ok else replies.errors)[rank] = value
+                elif not self.procs[rank].is_alive():
+                    replies.dead[rank] = self.procs[rank].exitcode
+                else:
+                    continue
+                waiting.discard(rank)
+                if rank in replies.dead or rank in replies.errors:
+                    soon = time.monotonic() + grace
+                    deadline = soon if deadline is None else min(deadline, soon)
+        replies.silent = sorted(waiting)
+        return replies
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds in all for the ranks to exit, then kill the rest."""
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        self.kill()
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+
+
+def _run_once(fn: Callable[..., Any], args: Sequence[Any], timeout: timedelta,
+              conn: multiprocessing.connection.Connection) -> None:
+    if reply(conn, lambda: fn(*args)):
+        shutdown(timeout)  # leave the group together with the other ranks
 
 
 def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None = None,
@@ -111,96 +244,16 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None =
 
         tensorpar.spawn(work, 2)   # [torch.Size([2, 8]), torch.Size([2, 8])]
     """
-    if not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs must be a positive integer, got {nprocs!r}")
-    backend = backend or default_backend_for(nprocs)
-    ctx = multiprocessing.get_context("spawn")
-    store = host_store()
-    procs, conns = [], []
-    for rank in range(nprocs):
-        parent_end, child_end = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_worker, args=(fn, args, rank, nprocs, store.port, backend,
-                                              collective_timeout, child_end), daemon=True)
-        p.start()
-        child_end.close()
-        procs.append(p)
-        conns.append(parent_end)
+    ranks = LocalRanks(functools.partial(_run_once, fn, args, collective_timeout), nprocs, backend=backend,
+                       collective_timeout=collective_timeout)
     clean_exit = 0.0
     try:
-        replies = collect_replies(procs, conns, timeout, grace=5.0)  # time for peers of a failed rank to say so
-        replies.raise_first_error("process")
-        if replies.silent:
-            raise RankError(replies.silent[0], f"timed out after {timeout} s; ranks {replies.silent} had not finished")
+        try:  # grace: time for the peers of a failed rank to say what they saw
+            results = ranks.collect("process", timeout, grace=5.0)
+        except RanksTimedOut as e:
+            raise RankError(e.ranks[0], f"timed out after {timeout} s; ranks {e.ranks} had not finished") from None
         clean_exit = collective_timeout.total_seconds()  # let the ranks leave the group together
-        return [replies.results[r] for r in range(nprocs)]
+        return results
     finally:
-        deadline = time.monotonic() + clean_exit
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join()
+        ranks.join(clean_exit)
 
-
-@dataclass
-class Replies:
-    """What :func:`collect_replies` heard: results and errors by rank, ranks that died
-    (with exit codes), and ranks still silent when it stopped waiting."""
-
-    results: dict[int, Any] = field(default_factory=dict)
-    errors: dict[int, tuple[bytes | None, str, str]] = field(default_factory=dict)
-    dead: dict[int, int | None] = field(default_factory=dict)
-    silent: list[int] = field(default_factory=list)
-
-    def raise_first_error(self, what: str) -> None:
-        """Raise for the likeliest root cause: a rank that died, else a rank whose error is
-        not a failed collective (peers of a failed rank see those), else the first to fail."""
-        if self.dead:
-            rank = min(self.dead)
-            code = self.dead[rank]
-            how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-            seen = "".join(f"; then rank {r} failed: {self.errors[r][1].splitlines()[0]}" for r in sorted(self.errors))
-            raise RankError(rank, f"{what} {how} before returning{seen}")
-        if self.errors:  # errors are in arrival order: the root cause usually reports first
-            arrival = {r: i for i, r in enumerate(self.errors)}
-            rank = min(self.errors, key=lambda r: (self.errors[r][1].startswith("CollectiveError"), arrival[r]))
-            raise_rank_error(rank, self.errors[rank])
-
-
-def collect_replies(procs: Sequence[Any], conns: Sequence[multiprocessing.connection.Connection],
-                    timeout: float | None, grace: float = 0.0) -> Replies:
-    """Read one pickled ``(ok, value)`` reply per rank.
-
-    Stops waiting ``grace`` seconds after the first error or death (the other
-    ranks may be blocked in a collective the failed rank never joined), or
-    after ``timeout`` seconds.
-    """
-    deadline = None if timeout is None else time.monotonic() + timeout
-    replies = Replies()
-    waiting = set(range(len(procs)))
-    owner = {c: r for r, c in enumerate(conns)} | {p.sentinel: r for r, p in enumerate(procs)}
-    while waiting:
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        ready = multiprocessing.connection.wait([conns[r] for r in waiting] + [procs[r].sentinel for r in waiting],
-                                                timeout=left)
-        if not ready:
-            break
-        for rank in sorted({owner[item] for item in ready} & waiting):
-            if conns[rank].poll():
-                try:
-                    ok, value = pickle.loads(conns[rank].recv_bytes())
-                except EOFError:  # the pipe closed without a reply
-                    procs[rank].join(5)
-                    replies.dead[rank] = procs[rank].exitcode
-                else:
-                    (replies.results if ok else replies.errors)[rank] = value
-            elif not procs[rank].is_alive():
-                replies.dead[rank] = procs[rank].exitcode
-            else:
-                continue
-            waiting.discard(rank)
-            if rank in replies.dead or rank in replies.errors:
-                soon = time.monotonic() + grace
-                deadline = soon if deadline is None else min(deadline, soon)
-    replies.silent = sorted(waiting)
-    return replies

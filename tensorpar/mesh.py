@@ -14,9 +14,11 @@ import contextlib
 import contextvars
 import os
 import sys
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,7 +34,9 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 class Mesh:
     """A 2-D ``("dp", "tp")`` mesh over the world, with its groups, ranks and sizes.
 
-    ``rng`` is this rank's random stream for sharded regions (see :mod:`tensorpar.random`).
+    ``rng`` is this rank's random stream for sharded regions (see :mod:`tensorpar.random`);
+    ``channels`` holds the shared-memory channels that :mod:`tensorpar.comm` opens for groups
+    used while this mesh is the default (they close when the mesh is dropped).
     """
 
     device_mesh: DeviceMesh
@@ -46,24 +50,27 @@ class Mesh:
     world_size: int
     device: torch.device
     rng: RNGStatesTracker = field(compare=False)
+    channels: weakref.WeakKeyDictionary[ProcessGroup, Any] = field(
+        default_factory=weakref.WeakKeyDictionary, compare=False, repr=False)
 
     def __repr__(self) -> str:
         return (f"Mesh(tp={self.tp}, dp={self.dp}, rank={self.rank}, tp_rank={self.tp_rank}, "
                 f"dp_rank={self.dp_rank}, device={self.device})")
 
 
-# The mesh that layers built without an explicit ``group`` use. A context
+# The mesh that modules built without an explicit ``group`` use. A context
 # variable rather than a global: ``use_mesh`` scopes it, and it is per-thread.
 _current: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("tensorpar_mesh", default=None)
 
 
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def default_backend(nprocs: int = 1) -> str:
+    """NCCL when this host has a GPU for each of its ``nprocs`` ranks, else gloo."""
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "gloo"
 
 
 def _init_process_group(backend: str | None, timeout: timedelta) -> None:
     """Join the world described by torchrun's environment, or a world of one."""
-    backend = backend or default_backend()
+    backend = backend or default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if "WORLD_SIZE" not in os.environ:  # plain `python`, a notebook: a single-process world
@@ -148,6 +155,11 @@ def init(tp: int | None = None, dp: int | None = None, *, backend: str | None = 
     )
     _current.set(mesh)
     return mesh
+
+
+def current_mesh_or_none() -> Mesh | None:
+    """The default mesh, or ``None`` when there is none."""
+    return _current.get()
 
 
 def current_mesh() -> Mesh:

@@ -6,12 +6,16 @@ ranks so that shard sizes differ by at most one unit: the first
 ``units % parts`` ranks get one unit more. For 10 features over 4 ranks the
 shards are 3, 3, 2, 2 at offsets 0, 3, 6, 8. Nothing is padded, so a sharded
 computation sees exactly the elements the unsharded one does.
+
+Every shard offset in tensorpar comes from :func:`partition_bounds` (directly
+or through :meth:`Shard.bounds`); gathering shards back into a full tensor is
+a collective and lives in :mod:`tensorpar.full`.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-
 import torch
 
 
@@ -38,11 +42,13 @@ def partition_sizes(size: int, parts: int, *, unit: int = 1, name: str = "size")
 
 def partition_offsets(size: int, parts: int, *, unit: int = 1, name: str = "size") -> list[int]:
     """Start offsets of the shards given by :func:`partition_sizes`."""
-    offsets, start = [], 0
-    for s in partition_sizes(size, parts, unit=unit, name=name):
-        offsets.append(start)
-        start += s
-    return offsets
+    return [0, *itertools.accumulate(partition_sizes(size, parts, unit=unit, name=name)[:-1])]
+
+
+def partition_bounds(size: int, parts: int, index: int, *, unit: int = 1, name: str = "size") -> tuple[int, int]:
+    """``(offset, length)`` of shard ``index`` of ``parts`` (see :func:`partition_sizes`)."""
+    sizes = partition_sizes(size, parts, unit=unit, name=name)
+    return sum(sizes[:index]), sizes[index]
 
 
 @dataclass(frozen=True)
@@ -62,15 +68,20 @@ class Shard:
 
     def bounds(self, parts: int, index: int) -> tuple[int, int]:
         """``(offset, length)`` of shard ``index`` of ``parts``."""
-        sizes = self.sizes(parts)
-        return sum(sizes[:index]), sizes[index]
+        return partition_bounds(self.size, parts, index, unit=self.unit)
+
+    def index(self, ndim: int, parts: int, index: int) -> tuple[slice, ...]:
+        """The subscript that takes shard ``index`` out of a full ``ndim``-dimensional tensor
+        (or out of anything indexed like one, such as a lazily read checkpoint tensor)."""
+        offset, length = self.bounds(parts, index)
+        subscript = [slice(None)] * ndim
+        subscript[self.dim] = slice(offset, offset + length)
+        return tuple(subscript)
 
 
 def shard(tensor: torch.Tensor, placement: Shard, parts: int, index: int) -> torch.Tensor:
     """Shard ``index`` of ``parts`` of a full tensor (a view; clone before writing in place)."""
-    if tensor.shape[placement.dim] != placement.size:
-        raise ValueError(
-            f"expected size {placement.size} in dim {placement.dim}, got tensor of shape {tuple(tensor.shape)}"
-        )
-    offset, length = placement.bounds(parts, index)
-    return tensor.narrow(placement.dim, offset, length)
+    shape = tuple(tensor.shape)
+    if not -len(shape) <= placement.dim < len(shape) or shape[placement.dim] != placement.size:
+        raise ValueError(f"expected size {placement.size} in dim {placement.dim}, got a tensor of shape {shape}")
+    return tensor[placement.index(len(shape), parts, index)]

@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tensorpar
-from layers import Block, ColumnParallelLinear, GPTConfig, ParallelMLP, ParallelSelfAttention
-from tensorpar.testing import TOLERANCES, assert_all_close, assert_sharded_equivalent, dtypes, tp_sizes
+from layers import Block, ColumnParallelLinear, CopyToTP, GPTConfig, ParallelMLP, ParallelSelfAttention
+from tensorpar.testing import TOLERANCES, assert_all_close, assert_sharded_equivalent
+from tensorpar.testing.strategies import dtypes, tp_sizes
 
 
 def sharded_twin(kind, cfg, dtype):
@@ -70,14 +71,15 @@ def test_heads_are_split_whole_and_balanced(worlds):
 
 
 def check_linears(n_in, outs, used, seed):
-    """Several column-parallel maps behind one f, some outputs unused, against nn.Linear."""
+    """Several column-parallel layers behind one shared f, some outputs unused, against nn.Linear."""
     torch.manual_seed(seed)
     dense = [torch.nn.Linear(n_in, o, dtype=torch.float64) for o in outs]
-    sharded = [ColumnParallelLinear.from_linear(d) for d in dense]
+    sharded = [ColumnParallelLinear.from_linear(d, copy_input=False) for d in dense]
     x = torch.randn(2, 3, n_in, dtype=torch.float64)
     x_dense, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
     with tensorpar.count_collectives() as counts:
-        ys = tensorpar.column_parallel_linears(x_ours, [s.weight for s in sharded], [s.bias for s in sharded])
+        shared = CopyToTP()(x_ours)
+        ys = [s(shared) for s in sharded]
         full = [tensorpar.gather_from_tp(y, -1, o) for y, o in zip(ys, outs)]
         sum(f.pow(2).sum() * (i + 1) for i, f in enumerate(full) if used[i]).backward()
     sum(d(x_dense).pow(2).sum() * (i + 1) for i, d in enumerate(dense) if used[i]).backward()
@@ -93,7 +95,7 @@ def check_linears(n_in, outs, used, seed):
 
 @settings(max_examples=12)
 @given(tp=tp_sizes(), data=st.data())
-def test_column_parallel_linears_share_one_f(worlds, tp, data):
+def test_column_parallel_layers_share_one_f(worlds, tp, data):
     n = data.draw(st.integers(1, 3))
     outs = [data.draw(st.integers(tp, 12)) for _ in range(n)]
     used = data.draw(st.lists(st.booleans(), min_size=n, max_size=n).filter(any))

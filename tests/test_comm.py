@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tensorpar
-from tensorpar.testing import assert_close, tp_sizes
+from tensorpar.testing import assert_close
+from tensorpar.testing.strategies import tp_sizes
 
 OPS = ["copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp", "reduce_scatter", "all_gather"]
 # Which ops take a full tensor (the split happens inside) and which take a shard.
@@ -118,21 +119,23 @@ def test_gather_with_a_wrong_full_size_is_a_clear_error(worlds):
 def check_all_reduce_paths(numel, op_name, path, seed):
     """Every route of an all-reduce (shared memory, point-to-point exchange, gloo's ring) gives the
     reduction, with the same bits on every rank."""
-    from tensorpar import collectives
+    from tensorpar.comm import collectives
 
     mesh = tensorpar.current_mesh()
     g = torch.Generator().manual_seed(seed)
     parts = [torch.randn(numel, generator=g, dtype=torch.float64) for _ in range(mesh.tp)]
     op = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX}[op_name]
-    channels, exchange = collectives._CHANNELS.get, collectives.EXCHANGE_BYTES
+    exchange = collectives.EXCHANGE_BYTES
     try:
-        if path != "shared memory":
-            collectives._CHANNELS.get = lambda group, nbytes: None
         if path == "ring":
             collectives.EXCHANGE_BYTES = 0
-        got = collectives.start_all_reduce_(parts[mesh.tp_rank].clone(), mesh.tp_group, op=op).wait()
+        # the channels belong to the current mesh: without one, gloo's routes are taken
+        with tensorpar.use_mesh(mesh if path == "shared memory" else None):
+            got = collectives.start_all_reduce_(parts[mesh.tp_rank].clone(), mesh.tp_group, op=op).wait()
     finally:
-        collectives._CHANNELS.get, collectives.EXCHANGE_BYTES = channels, exchange
+        collectives.EXCHANGE_BYTES = exchange
+    if path == "shared memory" and mesh.channels.get(mesh.tp_group) is None:
+        raise AssertionError("the mesh opened no shared-memory channel")
     expected = torch.stack(parts).sum(0) if op_name == "sum" else torch.stack(parts).amax(0)
     return assert_close(got, expected), hashlib.sha256(got.numpy().tobytes()).hexdigest()
 
@@ -149,7 +152,7 @@ def test_every_all_reduce_route_agrees(worlds, tp, data):
 
 
 def die_inside_shared_memory_all_reduce():
-    from tensorpar.collectives import start_all_reduce_
+    from tensorpar.comm.collectives import start_all_reduce_
 
     mesh = tensorpar.init()
     start_all_reduce_(torch.ones(8), mesh.tp_group).wait()  # the channel is open

@@ -21,7 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tensorpar
-from tensorpar.testing import assert_all_close, tp_sizes
+from tensorpar.testing import assert_all_close
+from tensorpar.testing.strategies import tp_sizes
 
 
 @contextlib.contextmanager

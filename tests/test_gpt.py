@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 import tensorpar
 from layers import GPT, GPTConfig
-from tensorpar.testing import TOLERANCES, assert_all_close, tp_sizes
+from tensorpar.testing import TOLERANCES, assert_all_close
+from tensorpar.testing.strategies import tp_sizes
 
 
 def train_twins(cfg, b, t, dtype, seed, steps=3):

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import tensorpar
 from layers import GPT, GPTConfig
-from tensorpar.testing import tp_sizes
+from tensorpar.testing.strategies import tp_sizes
 
 
 def count_gpt(cfg, b, t):
@@ -37,9 +37,9 @@ def expected_counts(cfg, b, t, tp):
         return Counter(), Counter()
     f32, act, tokens = torch.float32, b * t * cfg["n_embd"], b * t
     block = Counter({("forward", "all_reduce", f32, act): 2, ("backward", "all_reduce", f32, act): 2})
-    if cfg["n_kv_head"] < tp:  # replicated K/V: one all-reduce sums their weight and bias gradients
-        kv = 2 * cfg["n_kv_head"] * (cfg["n_embd"] // cfg["n_head"])  # K and V rows
-        block[("backward", "all_reduce", f32, kv * (cfg["n_embd"] + cfg["bias"]))] += 1
+    if cfg["n_kv_head"] < tp:  # replicated K/V: one all-reduce each sums its weight and bias gradients
+        kv = cfg["n_kv_head"] * (cfg["n_embd"] // cfg["n_head"])  # rows of K (and of V)
+        block[("backward", "all_reduce", f32, kv * (cfg["n_embd"] + cfg["bias"]))] += 2
     whole = Counter({k: v * cfg["n_layer"] for k, v in block.items()})
     whole[("forward", "all_reduce", f32, act)] += 1  # token + position embedding
     whole[("backward", "all_reduce", f32, act)] += 1  # LM head (f)

@@ -13,7 +13,8 @@ from reference import DenseMLP
 
 import tensorpar
 from layers import ColumnParallelLinear, RowParallelLinear
-from tensorpar.testing import World, assert_sharded_equivalent, tp_sizes
+from tensorpar.testing import World, assert_sharded_equivalent
+from tensorpar.testing.strategies import tp_sizes
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from layers import GPT
-from tensorpar.testing import TOLERANCES, assert_all_close, tp_sizes
+from tensorpar.testing import TOLERANCES, assert_all_close
+from tensorpar.testing.strategies import tp_sizes
 
 pytest.importorskip("transformers", reason="the hf extra is not installed")
 

@@ -9,17 +9,10 @@ from reference import DenseMLP
 from torch import nn
 
 import tensorpar
-from layers import ColumnParallelLinear, RowParallelLinear
+from layers import ColumnParallelLinear, RowParallelLinear, parallelize
 from tensorpar import Shard
-from tensorpar.testing import (
-    TOLERANCES,
-    assert_close,
-    assert_sharded_equivalent,
-    batch_shapes,
-    dtypes,
-    features,
-    tp_sizes,
-)
+from tensorpar.testing import TOLERANCES, assert_close, assert_sharded_equivalent
+from tensorpar.testing.strategies import batch_shapes, dtypes, features, tp_sizes
 
 
 def check_linear(kind, in_f, out_f, batch, dtype, bias, option, seed, device="cpu"):
@@ -98,7 +91,7 @@ def check_optimizer_steps(d, hidden, optimizer, seed):
     torch.manual_seed(seed)
     dense = DenseMLP(d, hidden, dtype=torch.float64)
     sharded = copy.deepcopy(dense)
-    tensorpar.parallelize(sharded, {"fc1": "column", "fc2": "row"})
+    parallelize(sharded, {"fc1": "column", "fc2": "row"})
     make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
             "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)}[optimizer]
     opt_dense, opt_sharded = make(dense.parameters()), make(sharded.parameters())
@@ -166,7 +159,7 @@ def check_autocast(tp_kind, d, hidden, seed):
     torch.manual_seed(seed)
     dense = DenseMLP(d, hidden)
     sharded = copy.deepcopy(dense)
-    tensorpar.parallelize(sharded, {"fc1": "column", "fc2": "row"})
+    parallelize(sharded, {"fc1": "column", "fc2": "row"})
     x = torch.randn(16, d)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         errors = assert_sharded_equivalent(sharded, dense, x, rtol=TOLERANCES[torch.bfloat16], seed=seed)

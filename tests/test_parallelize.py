@@ -11,8 +11,9 @@ from torch import nn
 
 import tensorpar
 import tensorpar.testing
-from layers import ColumnParallelLinear, RowParallelLinear
-from tensorpar.testing import assert_sharded_equivalent, tp_sizes
+from layers import ColumnParallelLinear, RowParallelLinear, parallelize
+from tensorpar.testing import assert_sharded_equivalent
+from tensorpar.testing.strategies import tp_sizes
 
 
 class Toy(nn.Module):
@@ -34,7 +35,7 @@ class Toy(nn.Module):
 def check_parallelized_toy(d, hidden, n_blocks, seed):
     torch.manual_seed(seed)
     dense = Toy(5, d, hidden, n_blocks).double()
-    model = tensorpar.parallelize(copy.deepcopy(dense), {"blocks.*.fc1": "column", "blocks.*.fc2": RowParallelLinear})
+    model = parallelize(copy.deepcopy(dense), {"blocks.*.fc1": "column", "blocks.*.fc2": RowParallelLinear})
     kinds = [type(m).__name__ for m in model.modules()]
     errors = assert_sharded_equivalent(model, dense, torch.randn(3, 4, 5, dtype=torch.float64), seed=seed)
     return kinds.count("ColumnParallelLinear"), kinds.count("RowParallelLinear"), kinds.count("Linear"), errors
@@ -55,7 +56,7 @@ def check_plan_errors():
     for plan in ({"blocks.*.nope": "column"}, {"head": "diagonal"}, {"blocks.0": "column"},
                  {"blocks.*.fc1": "column", "blocks.0.*": "row"}, {"head": 42}):
         try:
-            tensorpar.parallelize(model, plan)
+            parallelize(model, plan)
         except (ValueError, TypeError) as e:
             messages.append(f"{type(e).__name__}: {e}")
     return messages
@@ -73,7 +74,7 @@ def test_bad_plans_get_clear_errors(worlds):
 
 def check_custom_converter():
     model = DenseMLP(4, 6)
-    tensorpar.parallelize(model, {"fc1": lambda m: ColumnParallelLinear.from_linear(m, gather_output=True)})
+    parallelize(model, {"fc1": lambda m: ColumnParallelLinear.from_linear(m, gather_output=True)})
     return model.fc1.gather_output, tuple(model.fc1(torch.randn(2, 4)).shape)
 
 
@@ -89,7 +90,7 @@ def test_from_linear_rejects_other_modules(worlds):
 def check_parallelized_embedding(vocab, d, seed):
     torch.manual_seed(seed)
     dense = nn.Sequential(nn.Embedding(vocab, d, dtype=torch.float64), DenseMLP(d, 2 * d, dtype=torch.float64))
-    model = tensorpar.parallelize(copy.deepcopy(dense), {"0": "embedding", "1.fc1": "column", "1.fc2": "row"})
+    model = parallelize(copy.deepcopy(dense), {"0": "embedding", "1.fc1": "column", "1.fc2": "row"})
     ids = torch.randint(0, vocab, (3, 4))
     y, y_dense = model(ids), dense(ids)
     y.sum().backward()

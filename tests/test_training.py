@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 import tensorpar
 from layers import GPT, GPTConfig
 from tensorpar import checkpoint
-from tensorpar.testing import assert_all_close, tp_sizes
+from tensorpar.testing import assert_all_close
+from tensorpar.testing.strategies import tp_sizes
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))

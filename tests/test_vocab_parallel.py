@@ -8,7 +8,8 @@ from torch import nn
 
 import tensorpar
 from layers import VocabParallelEmbedding
-from tensorpar.testing import TOLERANCES, assert_all_close, dtypes, tp_sizes
+from tensorpar.testing import TOLERANCES, assert_all_close
+from tensorpar.testing.strategies import dtypes, tp_sizes
 
 
 def check_embedding(vocab, dim, shape, dtype, seed):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .random import mix_seed
+from ..random import mix_seed
 
 VOCAB_SIZE = 256
 

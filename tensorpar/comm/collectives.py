@@ -1,15 +1,16 @@
 """Out-of-place collectives along any dim, with uneven shard sizes.
 
-These are the plain (non-autograd) building blocks under ``comm``. They never
+These are the plain (non-autograd) building blocks of :mod:`tensorpar.comm`. They never
 write into their input, record themselves with the active collective counters,
 and turn a backend failure (a peer died, a timeout) into an error that names
 this rank. A CPU all-reduce among gloo ranks on one host goes through shared
-memory (:mod:`tensorpar.shm`); elsewhere small ones are a point-to-point
+memory (:mod:`tensorpar.comm.shm`, through the channels the current mesh owns);
+elsewhere small ones are a point-to-point
 exchange and large ones gloo's ring. gloo cannot all-gather tensors of unequal sizes, so uneven shards
 are padded to the largest and trimmed afterwards; counts exclude the padding.
 
 ``counters``, when given, marks the call as backward work for the collective
-counters captured by the matching forward (see :mod:`tensorpar.counter`).
+counters captured by the matching forward (see :mod:`tensorpar.comm.counter`).
 
 A tensor is viewed as ``(pre, n, post)`` around the split dim, so that shard
 ``r`` of every rank is one contiguous block of a ``(world, pre, n_max, post)``
@@ -20,8 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import weakref
-from datetime import timedelta
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -29,9 +28,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from ..mesh import current_mesh_or_none
 from . import shm
 from .counter import CollectiveCounter, record
-from .sharding import Shard
 
 # torch >= 2.12 renamed the tensor-in/tensor-out collectives.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -70,31 +69,11 @@ def _split_view(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
     return x.reshape(pre, x.shape[dim], post), dim
 
 
-class _Channels:
-    """Each gloo group's shared-memory channel (or ``None`` where it cannot have one), opened on
-    first use. A per-process cache of an OS resource, keyed weakly by the group, like torch's own
-    registry of process groups."""
+def _channel(group: ProcessGroup, nbytes: int) -> shm.SharedMemoryChannel | None:
+    """The group's shared-memory channel, kept by the current mesh (none without a mesh)."""
+    mesh = current_mesh_or_none()
+    return None if mesh is None else shm.channel_for(mesh.channels, group, nbytes)
 
-    def __init__(self) -> None:
-        self._by_group: weakref.WeakKeyDictionary[ProcessGroup, shm.SharedMemoryChannel | None] = \
-            weakref.WeakKeyDictionary()
-
-    def get(self, group: ProcessGroup, nbytes: int) -> shm.SharedMemoryChannel | None:
-        if group not in self._by_group:
-            if not shm.supported(group):
-                self._by_group[group] = None
-                return None
-        else:
-            channel = self._by_group[group]
-            if channel is None or channel.broken or nbytes <= channel.capacity:
-                return None if channel is None or channel.broken else channel
-        capacity = max(1 << 20, 1 << (nbytes - 1).bit_length())  # grows by powers of two
-        self._by_group[group] = shm.open_channel(group, capacity, SHM_TIMEOUT)
-        return self._by_group[group]
-
-
-_CHANNELS = _Channels()
-SHM_TIMEOUT = timedelta(minutes=10)
 
 #: Below this many bytes sent per rank, a CPU all-reduce on gloo is one exchange of point-to-point
 #: messages: every rank sends its tensor to every other and reduces the pieces in rank order (the
@@ -148,7 +127,7 @@ def start_all_reduce_(x: torch.Tensor, group: ProcessGroup,
     record("all_reduce", x.dtype, x.numel(), n, counters)
     with _tagged("all_reduce", x, group):
         if not x.is_cuda and op in _REDUCE and dist.get_backend(group) == "gloo":
-            channel = _CHANNELS.get(group, x.numel() * x.element_size())  # the same choice on every rank
+            channel = _channel(group, x.numel() * x.element_size())  # the same choice on every rank
             if channel is not None:  # ranks on one host: through shared memory, done at once
                 return PendingAllReduce(channel.all_reduce_(x, op), group)
             if x.numel() * x.element_size() * (n - 1) <= EXCHANGE_BYTES:  # by size alone: the same route everywhere
@@ -222,9 +201,3 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, sizes: Sequence[int], group:
     with _tagged("reduce_scatter", x, group):
         _flat_collective(_REDUCE_SCATTER, out.view(-1), send.view(-1), group)
     return out[:, :sizes[rank]].reshape(*x.shape[:dim], sizes[rank], *x.shape[dim + 1:])
-
-
-def unshard(x: torch.Tensor, placement: Shard, group: ProcessGroup) -> torch.Tensor:
-    """The full tensor from every rank's shard (no autograd; every rank gets it)."""
-    with torch.no_grad():
-        return all_gather_along(x.detach(), placement.dim, placement.sizes(dist.get_world_size(group)), group)

@@ -1,36 +1,41 @@
-"""Convert a dense model to tensor parallelism by a plan, in place."""
+"""Convert a dense model to tensor parallelism by a plan, in place.
+
+A plan maps submodule names (glob patterns allowed) to styles: a name from
+:data:`STYLES`, any class with ``from_linear``/``from_embedding``, or any
+callable that takes the dense module and returns its replacement. Nothing is
+registered anywhere: a style of your own is just passed in the plan.
+"""
 
 from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Mapping
-from importlib.metadata import entry_points
-from typing import Any, Union
+from types import MappingProxyType
+from typing import Union
 
 from torch import nn
 from torch.distributed import ProcessGroup
 
-#: A plan value: a style name ("column", "row", "embedding"), a class with ``from_linear``, or a converter.
+from .embedding import VocabParallelEmbedding
+from .linear import ColumnParallelLinear, RowParallelLinear
+
+#: A plan value: a style name (a key of ``STYLES``), a class with ``from_linear``, or a converter.
 Style = Union[str, type, Callable[[nn.Module], nn.Module]]
 
-STYLE_GROUP = "tensorpar.styles"
+#: The named styles.
+STYLES: Mapping[str, type] = MappingProxyType(
+    {"column": ColumnParallelLinear, "row": RowParallelLinear, "embedding": VocabParallelEmbedding})
 
 #: How a style class converts each kind of dense module.
 _FROM = ((nn.Linear, "from_linear"), (nn.Embedding, "from_embedding"))
 
 
-def _style_class(name: str) -> Any:
-    """The sharded module class registered under ``name`` by an installed package."""
-    found = {ep.name: ep for ep in entry_points(group=STYLE_GROUP)}
-    if name not in found:
-        known = ", ".join(sorted(found)) or "none: is tensorpar installed (pip install -e .)?"
-        raise ValueError(f"unknown parallel style {name!r}; known styles: {known}")
-    return found[name].load()
-
-
 def _converter(style: Style, group: ProcessGroup | None) -> Callable[[nn.Module], nn.Module]:
     if isinstance(style, str):
-        style = _style_class(style)
+        if style not in STYLES:
+            raise ValueError(f"unknown parallel style {style!r}; known styles: {', '.join(sorted(STYLES))} "
+                             "(or pass a class with from_linear/from_embedding, or a callable)")
+        style = STYLES[style]
     if isinstance(style, type) and any(hasattr(style, method) for _, method in _FROM):
         cls = style
 
@@ -59,7 +64,8 @@ def parallelize(model: nn.Module, plan: Mapping[str, Style], *, group: ProcessGr
     Example::
 
         tensorpar.init(tp=2)
-        tensorpar.parallelize(model, {"blocks.*.mlp.fc1": "column", "blocks.*.mlp.fc2": "row"})
+        layers.parallelize(model, {"blocks.*.mlp.fc1": "column", "blocks.*.mlp.fc2": "row"})
+        layers.parallelize(model, {"head": lambda linear: MyShardedHead(linear)})   # a style of your own
     """
     names = [name for name, _ in model.named_modules() if name]
     chosen: dict[str, str] = {}

@@ -1,4 +1,4 @@
-"""Pieces of a tensor-parallel training loop: the global gradient norm and the LR schedule.
+"""The gradient norm of a tensor-parallel model, and clipping by it.
 
 The gradient norm of a sharded model is the norm of the *unsharded* model's
 gradient: each split parameter contributes its shard on every tp rank (summed
@@ -13,23 +13,20 @@ same (averaged) gradients and need nothing more.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from .collectives import all_reduce_sum
+from .comm.collectives import all_reduce_sum
+from .full import placements
 from .mesh import group_rank_size, tp_group
-from .state import sharded_entries
 
 
 def grad_norm(model: nn.Module, group: ProcessGroup | None = None) -> torch.Tensor:
     """The 2-norm of the unsharded model's gradient, the same on every rank (float32)."""
-    entries = list(sharded_entries(model))
-    group = entries[0][2] if group is None and entries else tp_group(group)
+    split = placements(model)
+    group = next(iter(split.values()))[1] if group is None and split else tp_group(group)
     _, n = group_rank_size(group)
-    split = {key for key, _, _ in entries}
     grads = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
     device = grads[0][1].device if grads else next(model.parameters()).device
     total = torch.zeros((), dtype=torch.float32, device=device)
@@ -55,13 +52,3 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, group: ProcessGroup | Non
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         torch._foreach_mul_(grads, coef)
     return norm
-
-
-def cosine_lr(step: int, *, lr: float, min_lr: float, warmup: int, total: int) -> float:
-    """Linear warmup over ``warmup`` steps, then cosine decay to ``min_lr`` at step ``total`` (nanoGPT's)."""
-    if step < warmup:
-        return lr * (step + 1) / (warmup + 1)
-    if step >= total:
-        return min_lr
-    ratio = (step - warmup) / max(1, total - warmup)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)

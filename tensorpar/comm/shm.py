@@ -24,11 +24,15 @@ import platform
 import socket
 import time
 import uuid
+from collections.abc import MutableMapping
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+#: How long an all-reduce waits for its peers before it gives up.
+TIMEOUT = timedelta(minutes=10)
 
 _STRIDE = 8  # int64 words per rank, one cache line: [0] pid, [1] posted sequence, [2] done sequence, [3] token
 
@@ -157,3 +161,23 @@ def supported(group: ProcessGroup) -> bool:
     hosts: list[tuple[str, bool] | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(hosts, (socket.gethostname(), eligible), group=group)
     return len({h for h, _ in hosts}) == 1 and all(e for _, e in hosts)
+
+
+def channel_for(channels: MutableMapping[ProcessGroup, SharedMemoryChannel | None], group: ProcessGroup,
+                nbytes: int) -> SharedMemoryChannel | None:
+    """``group``'s channel in ``channels`` (a mesh's own, see :class:`tensorpar.Mesh`), opened on first
+    use and reopened twice as large when ``nbytes`` per rank no longer fits; ``None`` where the ranks
+    cannot share memory or the channel broke. A collective whenever it opens one: every rank of the
+    group calls it with the same ``nbytes`` (so every rank makes the same choice)."""
+    if group in channels:
+        channel = channels[group]
+        if channel is None or channel.broken:
+            return None
+        if nbytes <= channel.capacity:
+            return channel
+    elif not supported(group):
+        channels[group] = None
+        return None
+    capacity = max(1 << 20, 1 << (nbytes - 1).bit_length())  # grows by powers of two
+    channels[group] = open_channel(group, capacity, TIMEOUT)
+    return channels[group]

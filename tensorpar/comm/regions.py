@@ -1,4 +1,4 @@
-"""Autograd collectives over the tensor-parallel group.
+"""Megatron's regions: the autograd collectives over the tensor-parallel group.
 
 Megatron-LM (Shoeybi et al., 2019) names two conjugate operators:
 
@@ -13,6 +13,7 @@ The split/gather pairs move a tensor between "replicated" and "sharded along
 parallelism, where the replicated side holds partial sums. Every function takes
 ``group=None`` (the default mesh's tp group) and is the identity at tp = 1.
 Shards are balanced (see :mod:`tensorpar.sharding`), so sizes need not divide.
+Parallel linear modules fuse ``f`` and ``g`` with their matmuls (:mod:`tensorpar.comm.linear`).
 Backward is first-order only: a double backward raises instead of silently
 missing the collectives.
 """
@@ -25,10 +26,10 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
+from ..mesh import group_rank_size, tp_group
+from ..sharding import partition_bounds, partition_sizes
 from .collectives import all_gather_along, all_reduce_sum, reduce_scatter_along
 from .counter import active_counters
-from .mesh import group_rank_size, tp_group
-from .sharding import partition_sizes
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -64,9 +65,10 @@ class _ScatterToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, unit: int, group: ProcessGroup) -> torch.Tensor:
         rank, n = group_rank_size(group)
-        sizes = partition_sizes(x.shape[dim], n, unit=unit, name=f"size of dim {dim}")
-        ctx.dim, ctx.sizes, ctx.group, ctx.counters = dim, sizes, group, active_counters()
-        return x.narrow(dim, sum(sizes[:rank]), sizes[rank]).clone(memory_format=torch.contiguous_format)
+        ctx.dim, ctx.group, ctx.counters = dim, group, active_counters()
+        ctx.sizes = partition_sizes(x.shape[dim], n, unit=unit, name=f"size of dim {dim}")
+        offset, length = partition_bounds(x.shape[dim], n, rank, unit=unit, name=f"size of dim {dim}")
+        return x.narrow(dim, offset, length).clone(memory_format=torch.contiguous_format)
 
     @staticmethod
     @once_differentiable
@@ -79,8 +81,9 @@ class _GatherFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, sizes: list[int], group: ProcessGroup) -> torch.Tensor:
-        rank, _ = group_rank_size(group)
-        ctx.dim, ctx.offset, ctx.size = dim, sum(sizes[:rank]), sizes[rank]
+        rank, n = group_rank_size(group)
+        ctx.dim = dim
+        ctx.offset, ctx.size = partition_bounds(sum(sizes), n, rank)
         return all_gather_along(x, dim, sizes, group)
 
     @staticmethod

@@ -6,13 +6,17 @@ gradient is computed, and the row-parallel forward reduces its freshly
 computed partial product in place and adds the bias once, after the sum. No
 autograd input is ever written to. Both equal the unfused compositions
 ``F.linear(copy_to_tp(x), W, b)`` and ``reduce_from_tp(F.linear(x, W)) + b``.
-Several column-parallel maps of one input (Q, K and V) share one ``f``: their
-input gradients are summed locally and all-reduced once.
+
+Several column-parallel maps of one input (Q, K and V) share one ``f``
+instead: the module that owns them applies :func:`~tensorpar.copy_to_tp` once
+and calls each projection on its result, so autograd sums their input
+gradients (and those of any adapter wrapped around them) before the single
+all-reduce. That all-reduce cannot overlap their weight gradients, which
+autograd has computed by the time it runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -20,9 +24,9 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
+from ..mesh import group_rank_size, tp_group
 from .collectives import start_all_reduce_
 from .counter import active_counters
-from .mesh import group_rank_size, tp_group
 
 Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]
 
@@ -46,40 +50,28 @@ def _weight_grads(grad: torch.Tensor, x2: torch.Tensor, needs_weight: bool,
     return grad_w, grad_b
 
 
-class _ColumnParallelLinears(torch.autograd.Function):
-    """``f`` + linear maps of one input: identity-input forward; backward, one all-reduce of
-    the summed input gradient, overlapped with the weight gradients."""
+class _ColumnParallelLinear(torch.autograd.Function):
+    """``f`` + linear: identity-input forward; backward, the all-reduce of the input gradient,
+    overlapped with the weight gradient."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup, n: int, *params: torch.Tensor | None) -> Any:
-        x, *params = _autocast(x, *params)
-        weights, biases = params[:n], params[n:]
-        ctx.save_for_backward(x, *weights)
-        ctx.group, ctx.counters, ctx.n = group, active_counters(), n
-        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no work for it
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                group: ProcessGroup) -> torch.Tensor:
+        x, weight, bias = _autocast(x, weight, bias)
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.counters, ctx.has_bias = group, active_counters(), bias is not None
         with torch.autocast(x.device.type, enabled=False):
-            return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))  # each (*, out_i / tp)
+            return F.linear(x, weight, bias)  # (*, out / tp)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        x, *weights = ctx.saved_tensors
-        n, needs = ctx.n, ctx.needs_input_grad
-        used = [(g.reshape(-1, g.shape[-1]), w) for g, w in zip(grads, weights) if g is not None]
-        pending = None
-        if needs[0] and used:
-            grad_x = used[0][0] @ used[0][1]  # (N, in)
-            for g2, w in used[1:]:
-                grad_x.addmm_(g2, w)
-            pending = start_all_reduce_(grad_x, ctx.group, ctx.counters)
-        x2 = x.reshape(-1, x.shape[-1])
-        grad_ws, grad_bs = [], []
-        for i, g in enumerate(grads):  # while the input gradient is summed
-            grad_w, grad_b = (None, None) if g is None else _weight_grads(g, x2, needs[3 + i], needs[3 + n + i])
-            grad_ws.append(grad_w)
-            grad_bs.append(grad_b)
-        grad_x = pending.wait().view(x.shape) if pending else None
-        return (grad_x, None, None, *grad_ws, *grad_bs)
+    def backward(ctx: Any, grad: torch.Tensor) -> Grads:
+        x, weight = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        pending = start_all_reduce_(grad @ weight, ctx.group, ctx.counters) if needs[0] else None  # (*, in)
+        # while the input gradient is summed
+        grad_w, grad_b = _weight_grads(grad, x.reshape(-1, x.shape[-1]), needs[1], ctx.has_bias and needs[2])
+        return (pending.wait() if pending else None), grad_w, grad_b, None
 
 
 class _RowParallelLinear(torch.autograd.Function):
@@ -115,29 +107,7 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     group = tp_group(group)
     if group_rank_size(group)[1] == 1:
         return F.linear(x, weight, bias)
-    return _ColumnParallelLinears.apply(x, group, 1, weight, bias)[0]
-
-
-def column_parallel_linears(x: torch.Tensor, weights: Sequence[torch.Tensor],
-                            biases: Sequence[torch.Tensor | None] | None = None,
-                            group: ProcessGroup | None = None) -> tuple[torch.Tensor, ...]:
-    """Several column-parallel maps of one replicated input ``x`` (*, in), behind one ``f``.
-
-    ``F.linear(copy_to_tp(x), w_i, b_i)`` for each weight (e.g. Q, K and V, or
-    an MLP's up and gate projections), with no copy of the weights: one
-    all-reduce of the summed input gradient backward instead of one per map.
-
-    Example::
-
-        q, k, v = tensorpar.column_parallel_linears(x, [wq, wk, wv], [bq, bk, bv])
-    """
-    biases = [None] * len(weights) if biases is None else list(biases)
-    if len(biases) != len(weights):
-        raise ValueError(f"{len(weights)} weights but {len(biases)} biases")
-    group = tp_group(group)
-    if group_rank_size(group)[1] == 1:
-        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
-    return _ColumnParallelLinears.apply(x, group, len(weights), *weights, *biases)
+    return _ColumnParallelLinear.apply(x, weight, bias, group)
 
 
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

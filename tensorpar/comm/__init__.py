@@ -1,0 +1,32 @@
+"""Everything Megatron's ``f`` and ``g`` are made of, one job per module.
+
+* :mod:`~tensorpar.comm.regions`: the paper's operators as autograd functions:
+  ``f`` (:func:`copy_to_tp`), ``g`` (:func:`reduce_from_tp`), scatter/gather and
+  reduce-scatter/all-gather along any dim;
+* :mod:`~tensorpar.comm.linear`: the column- and row-parallel linear maps fused
+  with their ``f`` and ``g``;
+* :mod:`~tensorpar.comm.collectives`: the plain out-of-place collectives over
+  uneven shards, and the choice of route for each all-reduce;
+* :mod:`~tensorpar.comm.shm`: the shared-memory transport for ranks on one host;
+* :mod:`~tensorpar.comm.counter`: collective accounting.
+"""
+
+from .collectives import CollectiveError
+from .counter import CollectiveCounter, CollectiveRecord, count_collectives
+from .linear import column_parallel_linear, row_parallel_linear
+from .regions import all_gather, copy_to_tp, gather_from_tp, reduce_from_tp, reduce_scatter, scatter_to_tp
+
+__all__ = [
+    "CollectiveCounter",
+    "CollectiveError",
+    "CollectiveRecord",
+    "all_gather",
+    "column_parallel_linear",
+    "copy_to_tp",
+    "count_collectives",
+    "gather_from_tp",
+    "reduce_from_tp",
+    "reduce_scatter",
+    "row_parallel_linear",
+    "scatter_to_tp",
+]

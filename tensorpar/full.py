@@ -1,0 +1,107 @@
+"""Full (unsharded) views of sharded tensors and of models built from sharded modules.
+
+A sharded module describes its parameters with two members: ``tp_group`` (the
+group it is split over) and ``sharding()`` returning ``{param_name: Shard}`` for
+its split parameters (the others are replicated). :func:`placements` walks a
+model by that description, so everything here works for any model built from
+such modules; it is the one place where shards are gathered into full tensors
+(:func:`unshard`) or full tensors are cut into this rank's shards
+(:func:`shard_of`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from .comm.collectives import all_gather_along
+from .mesh import group_rank_size
+from .sharding import Shard, shard
+
+#: ``{state-dict key: (placement, group)}`` for the split tensors of a model.
+Placements = Mapping[str, tuple[Shard, ProcessGroup]]
+
+
+def placements(model: nn.Module) -> dict[str, tuple[Shard, ProcessGroup]]:
+    """``{state-dict key: (placement, group)}`` for every split tensor of ``model``."""
+    found = {}
+    for prefix, module in model.named_modules():
+        sharding = getattr(module, "sharding", None)
+        if callable(sharding):
+            for name, placement in sharding().items():
+                found[f"{prefix}.{name}" if prefix else name] = (placement, module.tp_group)
+    return found
+
+
+def unshard(x: torch.Tensor, placement: Shard, group: ProcessGroup) -> torch.Tensor:
+    """The full tensor from every rank's shard (a collective, no autograd; every rank gets it)."""
+    with torch.no_grad():
+        return all_gather_along(x.detach(), placement.dim, placement.sizes(group_rank_size(group)[1]), group)
+
+
+def shard_of(x: torch.Tensor, placement: Shard, group: ProcessGroup) -> torch.Tensor:
+    """This rank's shard of the full tensor ``x`` (a view)."""
+    rank, n = group_rank_size(group)
+    return shard(x, placement, n, rank)
+
+
+def gather(tensors: Mapping[str, torch.Tensor], where: Placements) -> dict[str, torch.Tensor]:
+    """``tensors`` with every split one (a key of ``where``) gathered to full size (a collective)."""
+    return {k: unshard(v, *where[k]) if k in where else v.detach().clone() for k, v in tensors.items()}
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict of the unsharded model, on every rank (a collective)."""
+    return gather(model.state_dict(), placements(model))
+
+
+def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Gradients of the unsharded model's parameters, on every rank (a collective)."""
+    return gather({k: p.grad for k, p in model.named_parameters() if p.grad is not None}, placements(model))
+
+
+def full_shape(shape: torch.Size | tuple[int, ...], placement: Shard | None) -> tuple[int, ...]:
+    """The full shape of a tensor whose local shard has ``shape`` (itself when replicated)."""
+    full = list(shape)
+    if placement is not None:
+        full[placement.dim] = placement.size
+    return tuple(full)
+
+
+def shard_geometry(model: nn.Module) -> dict[str, dict[str, tuple[int, ...]]]:
+    """``{name: {"full_shape": ..., "offset": ...}}`` for every parameter of ``model``:
+    where this rank's block sits in the full tensor (replicated: the whole of it).
+
+    The values are the keyword arguments of :mod:`tensorpar.tiled_init`'s fills,
+    so a model initialises tp-invariantly with, e.g.::
+
+        geometry = tensorpar.shard_geometry(model)
+        for name, p in model.named_parameters():
+            tensorpar.tiled_init.normal_(p, 0.0, 0.02, **geometry[name])
+    """
+    where = placements(model)
+    geometry = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        offset = [0] * p.dim()
+        placement, group = where.get(name, (None, None))
+        if placement is not None:
+            rank, n = group_rank_size(group)
+            offset[placement.dim] = placement.bounds(n, rank)[0]
+        geometry[name] = {"full_shape": full_shape(p.shape, placement), "offset": tuple(offset)}
+    return geometry
+
+
+def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Load an unsharded state dict, keeping each rank's shard of the split tensors."""
+    local = dict(state_dict)
+    for key, (placement, group) in placements(model).items():
+        if key not in local:
+            continue  # load_state_dict reports the missing key
+        try:
+            local[key] = shard_of(local[key], placement, group)
+        except ValueError as e:
+            raise ValueError(f"{key}: {e}") from None
+    model.load_state_dict(local)
