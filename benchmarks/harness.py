@@ -8,17 +8,12 @@ already started pool, as a hypothesis test does.
 """
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-import torch
+from checks import check_column
 from results import machine, write_section
 
 from tensorpar.testing import World
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from test_linear import check_linear
 
 
 def main() -> None:
@@ -29,10 +24,10 @@ def main() -> None:
     args = parser.parse_args()
     world = World(args.world)
     try:
-        world.run(check_linear, "column", 8, 12, (4,), torch.float32, True, False, 0)  # start-up, not timed
+        world.run(check_column, 8, 12, 0)  # start-up, not timed
         start = time.perf_counter()
         for seed in range(args.examples):
-            world.run(check_linear, "column", 8, 12, (4,), torch.float32, True, False, seed)
+            world.run(check_column, 8, 12, seed)
         elapsed = time.perf_counter() - start
     finally:
         world.close()

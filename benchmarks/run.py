@@ -27,22 +27,20 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import accounting  # noqa: E402
-import peers  # noqa: E402
-from results import machine, write_section  # noqa: E402
+import accounting
+import peers
+from results import machine, write_section
 
-import tensorpar  # noqa: E402
-from layers import Block, GPTConfig  # noqa: E402
-from tensorpar.collectives import start_all_reduce_  # noqa: E402
-from tensorpar.testing import World  # noqa: E402
+import tensorpar
+from layers import Block, GPTConfig
+from tensorpar.comm.collectives import start_all_reduce_
+from tensorpar.testing import World
 
 SIZES = {64: (64, 300), 256: (1024, 12), 768: (1024, 3)}  # hidden: (tokens, steps per measurement)
 BLOCK = dict(n_embd=768, n_head=12, batch=4, seq=256, steps=2)

@@ -5,7 +5,7 @@
 
 The model is an ordinary ``torch.nn`` language model: a token embedding, a stack
 of residual MLP blocks (LayerNorm, fc1, GELU, fc2) and a linear head. One call
-to ``tensorpar.parallelize`` swaps its layers for their sharded twins, keeping
+to ``layers.parallelize`` swaps its layers for their sharded twins, keeping
 the weights:
 
 * ``embed``          -> ``VocabParallelEmbedding`` (rows of the table split),
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tensorpar
-from layers import ColumnParallelLinear
+from layers import ColumnParallelLinear, parallelize
 from tensorpar.testing import TOLERANCES, rel_error
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -88,7 +88,7 @@ def run(vocab: int, d: int, hidden: int, n_layer: int, batch: int, seq: int, dty
     dtype = DTYPES[dtype_name]
     torch.manual_seed(0)  # the same dense model and data on every rank
     dense = TinyLM(vocab, d, hidden, n_layer).to(mesh.device, dtype)
-    sharded = tensorpar.parallelize(copy.deepcopy(dense), PLAN)
+    sharded = parallelize(copy.deepcopy(dense), PLAN)
 
     idx = torch.randint(0, vocab, (batch, seq)).to(mesh.device)
     grad_out = torch.randn(batch, seq, vocab, dtype=dtype).to(mesh.device)  # fed to both backward passes

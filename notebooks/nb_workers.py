@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+import layers
 import tensorpar
 from tensorpar.testing import rel_error
 
@@ -32,7 +33,7 @@ def mlp_column_then_row(d: int, hidden: int, tokens: int, seed: int = 0) -> dict
 
     1. By hand: slice the weights and join the pieces with ``f`` (``copy_to_tp``)
        and ``g`` (``reduce_from_tp``).
-    2. With ``tensorpar.parallelize``: fc1 -> ``ColumnParallelLinear``, fc2 -> ``RowParallelLinear``.
+    2. With ``layers.parallelize``: fc1 -> ``ColumnParallelLinear``, fc2 -> ``RowParallelLinear``.
 
     Returns this rank's shard shapes, the relative errors of the output, the
     input gradient and the weight gradients, and the collectives each version issued.
@@ -60,7 +61,7 @@ def mlp_column_then_row(d: int, hidden: int, tokens: int, seed: int = 0) -> dict
         y_hand.square().sum().backward()
 
     # 2. With the layers: parallelize swaps the nn.Linears in place, keeping the weights.
-    sharded = tensorpar.parallelize(copy.deepcopy(dense), {"0": "column", "2": "row"})
+    sharded = layers.parallelize(copy.deepcopy(dense), {"0": "column", "2": "row"})
     x_tp = x.clone().requires_grad_()
     with tensorpar.count_collectives() as tp_counts:
         y_tp = sharded(x_tp)

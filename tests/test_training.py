@@ -1,9 +1,13 @@
 """Training with tensor x data parallelism: the same trajectory at every layout, the true
 gradient norm, checkpoints that resume (at any tp) to the same parameters, and clear errors
-for broken checkpoints."""
+for broken checkpoints.
+
+The training script runs on the pool's ranks as torchrun would run it (``run_script``), and
+is judged by what it writes: ``metrics.jsonl`` and its checkpoints."""
 
 import dataclasses
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -21,21 +25,35 @@ from hypothesis import strategies as st
 import tensorpar
 from layers import GPT, GPTConfig
 from tensorpar import checkpoint
-from tensorpar.testing import assert_all_close
+from tensorpar.testing import assert_all_close, run_script
 from tensorpar.testing.strategies import tp_sizes
+from tensorpar.training import ByteData, default_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-import train_gpt  # noqa: E402
+SCRIPT = ROOT / "examples" / "train_gpt.py"
 
 #: a small run: 5 steps, gradient accumulation over 2 micro-batches, clipping below the gradient norm
 SMALL = dict(steps=5, batch_size=8, grad_accum=2, block_size=16, n_layer=2, n_head=4, n_embd=32, warmup=2,
-             clip=0.5, out=None, sample_tokens=0, progress=False)
+             clip=0.5, sample_tokens=0, progress=False)
 
 
-def run_training(overrides):
-    result = train_gpt.train(train_gpt.TrainConfig(**(SMALL | overrides)))
-    return result and {k: result[k] for k in ("losses", "grad_norms", "state")}
+def flags(options):
+    """Command-line flags of the training script for ``options``."""
+    return [(f"--{k}" if v else f"--no-{k}") if isinstance(v, bool) else f"--{k}={v}"
+            for k, v in ((k.replace("_", "-"), v) for k, v in options.items())]
+
+
+def metrics(out):
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_training(worlds, out, tp=1, dp=1, **options):
+    """Run the training script on the ranks of a pool of tp x dp; the logged losses and gradient
+    norms by step, and the final checkpoint's unsharded weights."""
+    worlds[tp * dp].run(run_script, str(SCRIPT), *flags(SMALL | options | dict(tp=tp, dp=dp, out=out)))
+    rows = metrics(out)
+    return {"losses": {r["step"]: r["loss"] for r in rows}, "grad_norms": {r["step"]: r["grad_norm"] for r in rows},
+            "state": checkpoint.export_state_dict(out)}
 
 
 def compare_states(state, reference):
@@ -46,14 +64,14 @@ def compare_states(state, reference):
 
 
 @pytest.fixture(scope="module")
-def reference_run(worlds):
+def reference_run(worlds, tmp_path_factory):
     """tp=1, dp=1, the whole batch of each step in one process."""
-    return worlds[1].run(run_training, {}, tp=1)[0]
+    return run_training(worlds, tmp_path_factory.mktemp("reference"))
 
 
 @pytest.mark.parametrize("tp, dp, zero", [(2, 2, False), (2, 2, True), (4, 1, False), (1, 4, True)])
-def test_every_layout_follows_the_same_trajectory(worlds, reference_run, tp, dp, zero):
-    result = worlds[tp * dp].run(run_training, {"zero": zero}, tp=tp, dp=dp)[0]
+def test_every_layout_follows_the_same_trajectory(worlds, reference_run, tmp_path, tp, dp, zero):
+    result = run_training(worlds, tmp_path, tp, dp, zero=zero)
     assert max(reference_run["grad_norms"].values()) > SMALL["clip"], "clipping was not active"
     for step, loss in reference_run["losses"].items():
         assert abs(result["losses"][step] - loss) <= 1e-5 * abs(loss), f"step {step}: loss differs"
@@ -86,14 +104,17 @@ def test_clipping_uses_the_unsharded_gradient_norm(worlds, tp, data):
 
 def test_resume_reaches_the_uninterrupted_parameters_at_any_tp(worlds, tmp_path):
     common = dict(steps=8, ckpt_every=3)
-    straight = worlds[2].run(run_training, common, tp=2)[0]["state"]
-    out = str(tmp_path / "run")
-    worlds[2].run(run_training, common | dict(out=out, stop_at=4), tp=2)  # checkpoints after steps 2 and 4
+    straight = run_training(worlds, tmp_path / "straight", 2, **common)["state"]
+    out = tmp_path / "run"
+    run_training(worlds, out, 2, **common, stop_at=4)  # checkpoints after steps 2 and 4
     assert checkpoint.read_meta(out)["step"] == 4
+    logged = (out / "metrics.jsonl").read_text().splitlines()
     for tp in (2, 1, 4):  # each resumes from the step-4 checkpoint, written at tp=2
         shutil.copytree(out, f"{out}-{tp}")
-        resumed = worlds[tp].run(run_training, common | dict(out=f"{out}-{tp}", resume=True), tp=tp)[0]
-        assert min(resumed["losses"]) == 5, f"tp={tp} did not resume after step 4"
+        resumed = run_training(worlds, Path(f"{out}-{tp}"), tp, **common, resume=True)
+        lines = Path(f"{out}-{tp}", "metrics.jsonl").read_text().splitlines()
+        assert lines[:5] == logged and sorted(resumed["losses"]) == list(range(8)), \
+            f"tp={tp} did not resume after step 4"  # steps 0-4 kept as logged (timings included), not re-run
         errors = compare_states(resumed["state"], straight)
         assert max(errors.values()) <= (0.0 if tp == 2 else 1e-5), f"tp={tp}: {max(errors.values())}"
 
@@ -145,15 +166,23 @@ def test_broken_checkpoints_get_clear_errors_and_change_nothing(worlds, tmp_path
     assert messages["missing"].startswith("no checkpoint at ")
 
 
-def test_export_loads_into_the_plain_model(worlds, tmp_path):
+def check_exported_checkpoint(out):
+    """The exported checkpoint in the plain model, and the checkpoint loaded into a sharded GPT at this
+    tp, give the same logits."""
     from reference_gpt import RefConfig, RefGPT
 
-    out = str(tmp_path / "run")
-    state = worlds[2].run(run_training, dict(steps=3, ckpt_every=3, out=out), tp=2)[0]["state"]
-    exported = checkpoint.export_state_dict(out)
-    plain = RefGPT(RefConfig(vocab_size=256, block_size=16, n_layer=2, n_head=4, n_embd=32, bias=False))
-    plain.load_state_dict(exported)
-    assert all(torch.equal(plain.state_dict()[k], v) for k, v in state.items())
+    cfg = dict(vocab_size=256, block_size=16, n_layer=2, n_head=4, n_embd=32, bias=False)
+    plain = RefGPT(RefConfig(**cfg))
+    plain.load_state_dict(checkpoint.export_state_dict(out))  # strict: exactly the plain model's keys
+    model = GPT(GPTConfig(**cfg))
+    checkpoint.load(out, model)
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    return assert_all_close({"logits": (model(idx), plain(idx))})["logits"]
+
+
+def test_export_loads_into_the_plain_model(worlds, tmp_path):
+    run_training(worlds, tmp_path, 2, steps=3, ckpt_every=3)
+    assert max(worlds[2].run(check_exported_checkpoint, str(tmp_path))) <= 1e-5
 
 
 def _workers(parent: int) -> list[int]:
@@ -179,10 +208,7 @@ def test_a_killed_rank_stops_the_run_and_the_last_checkpoint_resumes(worlds, tmp
     complete checkpoint is intact, and resuming from it ends where an uninterrupted run does."""
     out = tmp_path / "run"
     steps = dict(steps=60, ckpt_every=5)
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in (SMALL | steps).items()
-             if k not in ("out", "progress", "sample_tokens")]
-    command = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), *flags, f"--out={out}", "--no-progress",
-               "--sample-tokens=0"]
+    command = [sys.executable, str(SCRIPT), *flags(SMALL | steps | dict(tp=2, out=out))]
     run = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while _logged_steps(out) < 12 and run.poll() is None and time.monotonic() < deadline:
@@ -200,7 +226,7 @@ def test_a_killed_rank_stops_the_run_and_the_last_checkpoint_resumes(worlds, tmp
     resumed = subprocess.run([*command, "--resume"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert checkpoint.read_meta(out)["step"] == 59
-    straight = worlds[2].run(run_training, steps, tp=2)[0]["state"]
+    straight = run_training(worlds, tmp_path / "straight", 2, **steps)["state"]
     assert max(compare_states(checkpoint.export_state_dict(out), straight).values()) <= 1e-6
 
 
@@ -208,7 +234,7 @@ def test_a_killed_rank_stops_the_run_and_the_last_checkpoint_resumes(worlds, tmp
 @given(step=st.integers(0, 10**6), accum=st.integers(1, 3), dp=st.integers(1, 4), rows=st.integers(1, 3),
        block=st.integers(1, 32))
 def test_each_dp_rank_gets_its_own_part_of_the_same_step_batch(step, accum, dp, rows, block):
-    data = tensorpar.ByteData.from_text(tensorpar.default_corpus(5000), seed=7)
+    data = ByteData.from_text(default_corpus(5000), seed=7)
     size = accum * dp * rows
     (whole, whole_y), = [data.batch(step, 0, batch_size=size, block_size=block)]
     parts = [data.batch(step, m, batch_size=size, block_size=block, accum=accum, dp=dp, dp_rank=r)
@@ -223,7 +249,7 @@ def test_each_dp_rank_gets_its_own_part_of_the_same_step_batch(step, accum, dp, 
 def test_training_runs_under_torchrun(tmp_path):
     """torchrun starts the ranks; the script builds tp=2 x dp=2 from them and checkpoints."""
     torchrun = Path(sys.executable).with_name("torchrun")
-    done = subprocess.run([str(torchrun), "--nproc-per-node=4", str(ROOT / "examples" / "train_gpt.py"), "--tp=2",
+    done = subprocess.run([str(torchrun), "--nproc-per-node=4", str(SCRIPT), "--tp=2",
                            "--steps=4", "--n-layer=1", "--n-embd=32", "--block-size=16", f"--out={tmp_path}",
                            "--no-progress", "--sample-tokens=8"], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
