@@ -31,6 +31,7 @@ from torch.distributed import ProcessGroup
 from torch.nn.utils import skip_init
 
 import tensorpar
+from tensorpar.mesh import current_mesh_or_none
 from tensorpar.sharding import partition_bounds
 
 from .linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -133,5 +134,5 @@ class ParallelSelfAttention(nn.Module):
 
 def _rng_tracker(group: ProcessGroup, rank: int) -> tensorpar.RNGStatesTracker:
     """The default mesh's tp stream when the layer uses its group, else a stream of the layer's own."""
-    mesh = tensorpar.mesh.current_mesh_or_none()
+    mesh = current_mesh_or_none()
     return mesh.rng if mesh is not None and mesh.tp_group is group else tensorpar.RNGStatesTracker(rank)

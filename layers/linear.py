@@ -66,7 +66,7 @@ class _ParallelLinear(nn.Module):
         self.reset_parameters()
 
     def sharding(self) -> dict[str, Shard]:
-        """Placements of the split parameters (see :mod:`tensorpar.state`)."""
+        """Placements of the split parameters (see :mod:`tensorpar.full`)."""
         split = {"weight": Shard(self.split_dim, (self.out_features, self.in_features)[self.split_dim], self.unit)}
         if self.bias is not None and self.split_dim == 0:
             split["bias"] = Shard(0, self.out_features, self.unit)

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -82,7 +83,8 @@ def _channel(group: ProcessGroup, nbytes: int) -> shm.SharedMemoryChannel | None
 #: 256 KiB, and slower from about 1 MiB.
 EXCHANGE_BYTES = 256 * 1024
 
-_REDUCE = {dist.ReduceOp.SUM: lambda t: t.sum(0), dist.ReduceOp.MAX: lambda t: t.amax(0)}
+_REDUCE: Mapping[Any, Callable[[torch.Tensor], torch.Tensor]] = MappingProxyType(
+    {dist.ReduceOp.SUM: lambda t: t.sum(0), dist.ReduceOp.MAX: lambda t: t.amax(0)})
 
 
 class PendingAllReduce:
