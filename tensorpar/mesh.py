@@ -14,6 +14,7 @@ import contextlib
 import contextvars
 import os
 import sys
+import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -90,6 +91,43 @@ def _shutdown_at_exit(timeout: timedelta) -> None:
     # blocked in a collective would only hide the failure from the launcher.
     if getattr(sys, "last_value", None) is None:
         shutdown(timeout)
+    wait_for_idle_gloo_workers()
+
+
+def wait_for_idle_gloo_workers(limit: float = 5.0) -> None:
+    """Let gloo's worker threads finish their last task before the interpreter shuts down.
+
+    A gloo process group runs its collectives on worker threads, which drop each
+    finished task afterwards. When the task held a tensor whose Python object
+    is already gone (a temporary of the caller), dropping it takes the GIL. The
+    groups, and so their threads, live as long as Python objects refer to them
+    (a mesh, a layer's ``tp_group``), which for a script's globals is until the
+    interpreter shuts down; a worker that the scheduler delays until then finds
+    the interpreter finalizing, is ended by CPython while in C++ code, and the
+    process aborts (``terminate called without an active exception``) after the
+    script has succeeded. So, at exit, the GIL is left free until every worker
+    has been seen asleep waiting for work three times in a row (Linux: the
+    threads' states in ``/proc``), or ``limit`` seconds have passed.
+    """
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return
+    deadline, quiet = time.monotonic() + limit, 0
+    while quiet < 3 and time.monotonic() < deadline:
+        time.sleep(0.002)  # the GIL is free meanwhile
+        quiet = quiet + 1 if all(state == "S" for state in _gloo_worker_states(tasks)) else 0
+
+
+def _gloo_worker_states(tasks: str) -> Iterator[str]:
+    for tid in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{tid}/comm") as f:
+                if f.read().strip() != "pt_gloo_runloop":
+                    continue
+            with open(f"{tasks}/{tid}/stat") as f:
+                yield f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:  # the thread has exited
+            continue
 
 
 def shutdown(timeout: timedelta = DEFAULT_TIMEOUT) -> None:
@@ -154,6 +192,8 @@ def init(tp: int | None = None, dp: int | None = None, *, backend: str | None = 
         rank=rank, world_size=world, device=device, rng=RNGStatesTracker(rank % tp),
     )
     _current.set(mesh)
+    atexit.unregister(wait_for_idle_gloo_workers)  # once per process, whoever created the group
+    atexit.register(wait_for_idle_gloo_workers)
     return mesh
 
 
