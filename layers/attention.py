@@ -32,9 +32,9 @@ from torch.nn.utils import skip_init
 
 import tensorpar
 from tensorpar.mesh import current_mesh_or_none
-from tensorpar.sharding import partition_bounds
+from tensorpar.sharding import check_int, partition_bounds
 
-from .linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from .linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, check_activation
 from .regions import CopyToTP
 
 
@@ -60,8 +60,7 @@ class ParallelSelfAttention(nn.Module):
         super().__init__()
         n_kv_head = n_head if n_kv_head is None else n_kv_head
         for name, value in (("n_embd", n_embd), ("n_head", n_head), ("n_kv_head", n_kv_head)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{type(self).__name__}: {name} must be a positive integer, got {value!r}")
+            check_int(value, f"{type(self).__name__}: {name}")
         if n_embd % n_head:
             raise ValueError(f"n_embd ({n_embd}) is not divisible by n_head ({n_head})")
         if n_head % n_kv_head:
@@ -109,6 +108,7 @@ class ParallelSelfAttention(nn.Module):
             tensorpar.tiled_init.uniform_(p, -bound, bound, **geometry[name])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_activation(x, type(self).__name__)
         if x.dim() != 3 or x.shape[-1] != self.n_embd:
             raise ValueError(f"{type(self).__name__} expects (B, T, {self.n_embd}), got {tuple(x.shape)}")
         x = self.copy_in(x)  # f, shared by the three projections

@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 import tensorpar
-from tensorpar.sharding import Shard, partition_bounds
+from tensorpar.sharding import Shard, check_int, partition_bounds
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -41,8 +41,7 @@ class VocabParallelEmbedding(nn.Module):
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"VocabParallelEmbedding: {name} must be a positive integer, got {value!r}")
+            check_int(value, f"VocabParallelEmbedding: {name}")
         self.num_embeddings, self.embedding_dim, self.reduce_output = num_embeddings, embedding_dim, reduce_output
         self.tp_group = tensorpar.tp_group(group)
         self.tp_rank, self.tp = tensorpar.group_rank_size(self.tp_group)

@@ -30,11 +30,12 @@ from torch.distributed import ProcessGroup
 
 import tensorpar
 from tensorpar.comm.collectives import broadcast_from_first_
+from tensorpar.sharding import check_int
 
 from . import hf
 from .attention import ParallelSelfAttention
 from .embedding import VocabParallelEmbedding
-from .linear import ColumnParallelLinear
+from .linear import ColumnParallelLinear, check_activation
 from .mlp import ACTIVATIONS, ParallelMLP
 from .regions import ReduceFromTP
 
@@ -59,10 +60,8 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {getattr(self, name)!r}")
-        if self.n_kv_head is not None and (not isinstance(self.n_kv_head, int) or self.n_kv_head < 1):
-            raise ValueError(f"GPTConfig.n_kv_head must be a positive integer or None, got {self.n_kv_head!r}")
+            check_int(getattr(self, name), f"GPTConfig.{name}")
+        check_int(self.n_kv_head, "GPTConfig.n_kv_head", optional=True)
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) is not divisible by n_head ({self.n_head})")
         if self.n_head % self.kv_heads:
@@ -94,6 +93,7 @@ class Block(nn.Module):
                                group=group, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_activation(x, type(self).__name__)
         x = x + self.attn(self.ln_1(x))  # (B, T, C)
         return x + self.mlp(self.ln_2(x))
 
@@ -159,11 +159,18 @@ class GPT(nn.Module):
                 else:
                     p.fill_(0.0 if name.endswith("bias") else 1.0)
 
+    @staticmethod
+    def _check_ids(ids: torch.Tensor, name: str = "token ids") -> None:
+        """Raise unless ``ids`` is a ``(B, T)`` integer tensor (alike on every rank, before any collective)."""
+        if not isinstance(ids, torch.Tensor):
+            raise TypeError(f"GPT expects a tensor of {name}, got {type(ids).__name__}")
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise TypeError(f"GPT expects integer {name}, got {ids.dtype}")
+        if ids.dim() != 2:
+            raise ValueError(f"GPT expects {name} of shape (B, T), got {tuple(ids.shape)}")
+
     def _hidden(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids ``(B, T)`` -> final hidden states ``(B, T, C)``, replicated."""
-        if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
-            raise ValueError(f"GPT expects token ids of shape (B, T), got "
-                             f"{tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__}")
+        """Token ids ``(B, T)`` (checked) -> final hidden states ``(B, T, C)``, replicated."""
         t = idx.shape[1]
         if t > self.config.block_size:
             raise ValueError(f"sequence length ({t}) is longer than block_size ({self.config.block_size})")
@@ -175,11 +182,15 @@ class GPT(nn.Module):
         return self.transformer.ln_f(x)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        self._check_ids(idx)
+        if targets is not None:
+            self._check_ids(targets, "targets")
+            if targets.shape != idx.shape:
+                raise ValueError(f"targets of shape {tuple(targets.shape)} do not match idx of shape "
+                                 f"{tuple(idx.shape)}")
         logits = self.lm_head(self._hidden(idx))  # (B, T, V / tp)
         if targets is None:
             return tensorpar.gather_from_tp(logits, -1, self.config.vocab_size, self.tp_group)  # (B, T, V)
-        if targets.shape != idx.shape:
-            raise ValueError(f"targets of shape {tuple(targets.shape)} do not match idx of shape {tuple(idx.shape)}")
         return tensorpar.vocab_parallel_cross_entropy(logits, targets, self.config.vocab_size, ignore_index=-1,
                                                       group=self.tp_group)
 
@@ -191,7 +202,15 @@ class GPT(nn.Module):
         ``temperature=0`` picks the most likely token. Every rank returns the
         same tokens: the group's first rank's samples are broadcast.
         """
-        if temperature < 0:
+        self._check_ids(idx)
+        if idx.shape[1] == 0:
+            raise ValueError(f"generate needs at least one token of context, got idx of shape {tuple(idx.shape)}")
+        check_int(max_new_tokens, "max_new_tokens", minimum=0)
+        if top_k is not None:
+            check_int(top_k, "top_k")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+            raise TypeError(f"temperature must be a number, got {temperature!r}")
+        if not temperature >= 0:  # nan included
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         for _ in range(max_new_tokens):
             h = self._hidden(idx[:, -self.config.block_size:])[:, -1]  # (B, C)

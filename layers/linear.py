@@ -36,7 +36,15 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 import tensorpar
-from tensorpar.sharding import Shard, partition_bounds
+from tensorpar.sharding import Shard, check_int, partition_bounds
+
+
+def check_activation(x: object, name: str) -> None:
+    """Raise a ``TypeError`` naming ``name`` unless ``x`` is a floating-point tensor (activations are)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} expects a tensor, got {type(x).__name__}")
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"{name}: input dtype {x.dtype} is not a floating-point dtype")
 
 
 class _ParallelLinear(nn.Module):
@@ -47,9 +55,8 @@ class _ParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, unit: int, group: ProcessGroup | None,
                  device: torch.device | str | None, dtype: torch.dtype | None) -> None:
         super().__init__()
-        for name, value in (("in_features", in_features), ("out_features", out_features)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{type(self).__name__}: {name} must be a positive integer, got {value!r}")
+        for name, value in (("in_features", in_features), ("out_features", out_features), ("unit", unit)):
+            check_int(value, f"{type(self).__name__}: {name}")
         self.in_features, self.out_features, self.unit = in_features, out_features, unit
         self.tp_group = tensorpar.tp_group(group)
         self.tp_rank, self.tp = tensorpar.group_rank_size(self.tp_group)
@@ -105,8 +112,7 @@ class _ParallelLinear(nn.Module):
 
     def _check_input(self, x: torch.Tensor, width: int, what: str) -> None:
         name = type(self).__name__
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} expects a tensor, got {type(x).__name__}")
+        check_activation(x, name)
         if x.dim() == 0 or x.shape[-1] != width:
             raise ValueError(f"{name} expects {what} with {width} features in its last dim, "
                              f"got shape {tuple(x.shape)}")
@@ -211,10 +217,13 @@ class ReplicatedLinear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group: ProcessGroup | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        for name, value in (("in_features", in_features), ("out_features", out_features)):
+            check_int(value, f"{type(self).__name__}: {name}")
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.tp_group = tensorpar.tp_group(group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_activation(x, type(self).__name__)
         params = [p for p in (self.weight, self.bias) if p is not None]
         flat = tensorpar.copy_to_tp(torch.cat([p.reshape(-1) for p in params]), self.tp_group)  # one f for all
         weight, *bias = [part.view_as(p) for part, p in zip(flat.split([p.numel() for p in params]), params)]

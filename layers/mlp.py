@@ -14,7 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from .linear import ColumnParallelLinear, RowParallelLinear
+from tensorpar.sharding import check_int
+
+from .linear import ColumnParallelLinear, RowParallelLinear, check_activation
 from .regions import CopyToTP
 
 ACTIVATIONS = ("gelu", "swiglu")
@@ -38,6 +40,8 @@ class ParallelMLP(nn.Module):
                  dropout: float = 0.0, group: ProcessGroup | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
+        for name, value in (("n_embd", n_embd), ("hidden", hidden)):
+            check_int(value, f"{type(self).__name__}: {name}")
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         self.activation = activation
@@ -50,6 +54,7 @@ class ParallelMLP(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_activation(x, type(self).__name__)
         x = self.copy_in(x)  # f, shared by the up and gate projections
         if self.c_gate is None:
             h = F.gelu(self.c_fc(x), approximate="tanh")  # (*, H / tp)

@@ -78,11 +78,11 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
                                  group: ProcessGroup | None = None) -> torch.Tensor:
     """``F.cross_entropy`` of vocab-sharded ``logits`` (*, vocab_size / tp) against full ``targets`` (*).
 
-    ``targets`` holds token ids in ``[0, vocab_size)``, the same on every rank;
+    ``targets`` holds token ids in ``[0, vocab_size)`` (any integer dtype), the same on every rank;
     positions equal to ``ignore_index`` add nothing (and ``"mean"`` averages
     over the others). The loss is the same on every rank; three all-reduces of
     ``targets.numel()`` elements, no gathered logits. The loss is float32 for
-    16-bit logits (they are reduced in float32), else in the logits' dtype;
+    16-bit logits (reduced in float32 at every tp, 1 included), else in the logits' dtype;
     the logits' gradient comes back in their own dtype. Backward reuses the
     saved softmax in place, so it runs once (no ``retain_graph`` second pass).
 
@@ -91,23 +91,28 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
         logits = lm_head(h)                                     # (B, T, V / tp)
         loss = tensorpar.vocab_parallel_cross_entropy(logits, targets, V)
     """
-    group = tp_group(group)
-    rank, n = group_rank_size(group)
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    for name, tensor in (("logits", logits), ("targets", targets)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"vocab_parallel_cross_entropy expects {name} as a tensor, got {type(tensor).__name__}")
+    if not logits.dtype.is_floating_point:
+        raise TypeError(f"logits must be floating point, got {logits.dtype}")
     if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
         raise TypeError(f"targets must be integer token ids, got {targets.dtype}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    group = tp_group(group)
+    rank, n = group_rank_size(group)
     lo, rows = partition_bounds(vocab_size, n, rank, name="vocab_size")
     if logits.dim() == 0 or logits.shape[:-1] != targets.shape or logits.shape[-1] != rows:
         raise ValueError(f"logits of shape {tuple(logits.shape)} do not match targets of shape "
                          f"{tuple(targets.shape)} and this rank's {rows} of {vocab_size} vocabulary rows")
+    targets = targets.long()  # any integer width; int64 is what indexing and F.cross_entropy take
     bad = ((targets < 0) | (targets >= vocab_size)) & (targets != ignore_index)
     if bad.any():
         raise ValueError(f"target id {targets[bad][0].item()} is out of range for vocab_size {vocab_size} "
                          f"(and is not ignore_index {ignore_index})")
-    if n == 1:  # the whole vocabulary is here
-        loss = F.cross_entropy(logits.reshape(-1, vocab_size), targets.reshape(-1), ignore_index=ignore_index,
-                               reduction=reduction)
-        return (loss.reshape(targets.shape) if reduction == "none" else loss).to(_loss_dtype(logits))
-    targets = targets.long()
+    if n == 1:  # the whole vocabulary is here; 16-bit logits are reduced in float32, as at tp > 1
+        loss = F.cross_entropy(logits.reshape(-1, vocab_size).to(_loss_dtype(logits)), targets.reshape(-1),
+                               ignore_index=ignore_index, reduction=reduction)
+        return loss.reshape(targets.shape) if reduction == "none" else loss
     return _VocabParallelCrossEntropy.apply(logits, targets, lo, ignore_index, reduction, group)

@@ -16,7 +16,30 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+
 import torch
+
+
+def check_int(value: object, name: str, *, minimum: int = 1, optional: bool = False) -> None:
+    """Raise unless ``value`` is an ``int`` of at least ``minimum`` (or ``None`` when ``optional``).
+
+    A ``bool`` is no size or count, though Python makes it an ``int``: ``True``
+    raises a ``TypeError``, as any other non-integer does; an integer below
+    ``minimum`` raises a ``ValueError``. The message names ``name`` and the value.
+
+    Example::
+
+        >>> check_int(0, "n_head")
+        Traceback (most recent call last):
+        ValueError: n_head must be a positive integer, got 0
+    """
+    if optional and value is None:
+        return
+    is_int = isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)
+    if is_int and value >= minimum:  # type: ignore[operator]
+        return
+    kind = {0: "a non-negative integer", 1: "a positive integer"}.get(minimum, f"an integer >= {minimum}")
+    raise (ValueError if is_int else TypeError)(f"{name} must be {kind}{' or None' * optional}, got {value!r}")
 
 
 def partition_sizes(size: int, parts: int, *, unit: int = 1, name: str = "size") -> list[int]:
@@ -29,9 +52,10 @@ def partition_sizes(size: int, parts: int, *, unit: int = 1, name: str = "size")
         >>> partition_sizes(12 * 64, 5, unit=64)  # 12 heads of 64 over 5 ranks
         [192, 192, 128, 128, 128]
     """
-    if parts < 1:
-        raise ValueError(f"cannot split {name} into {parts} parts")
-    if unit < 1 or size % unit:
+    check_int(size, name)
+    check_int(parts, "parts")
+    check_int(unit, "unit")
+    if size % unit:
         raise ValueError(f"{name} ({size}) is not a whole number of units of {unit}")
     units = size // unit
     if units < parts:  # ``name`` counts units: "out_features", or "n_head" for heads
@@ -48,6 +72,9 @@ def partition_offsets(size: int, parts: int, *, unit: int = 1, name: str = "size
 def partition_bounds(size: int, parts: int, index: int, *, unit: int = 1, name: str = "size") -> tuple[int, int]:
     """``(offset, length)`` of shard ``index`` of ``parts`` (see :func:`partition_sizes`)."""
     sizes = partition_sizes(size, parts, unit=unit, name=name)
+    check_int(index, "shard index", minimum=0)
+    if index >= parts:
+        raise ValueError(f"shard index {index} is out of range for {parts} parts")
     return sum(sizes[:index]), sizes[index]
 
 

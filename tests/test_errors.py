@@ -6,9 +6,12 @@ from torch import nn
 import tensorpar
 from layers import (
     GPT,
+    Block,
     ColumnParallelLinear,
     GPTConfig,
+    ParallelMLP,
     ParallelSelfAttention,
+    ReplicatedLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
@@ -37,6 +40,17 @@ def check_bad_inputs():
         "dtype mix": lambda: column(torch.randn(2, 8, dtype=torch.float64)),
         "device mix": lambda: column(torch.randn(2, 8, device="meta")),
         "not a tensor": lambda: column([1.0] * 8),
+        "bool as a size": lambda: ColumnParallelLinear(True, 8),
+        "bool embedding size": lambda: VocabParallelEmbedding(8, True),
+        "bool head count": lambda: ParallelSelfAttention(16, True),
+        "bool mlp width": lambda: ParallelMLP(True, 8),
+        "bool replicated size": lambda: ReplicatedLinear(8, True),
+        "float unit": lambda: RowParallelLinear(8, 6, unit=2.5),
+        "integer input to attention": lambda: ParallelSelfAttention(16, 4)(torch.ones(2, 3, 16, dtype=torch.long)),
+        "integer input to an mlp": lambda: ParallelMLP(16, 32)(torch.ones(2, 3, 16, dtype=torch.int32)),
+        "bool input to a block": lambda: Block(GPTConfig(n_embd=16, n_head=4))(torch.ones(2, 3, 16, dtype=torch.bool)),
+        "integer input to a column": lambda: column(torch.ones(2, 8, dtype=torch.int64)),
+        "integer input to a row": lambda: row(torch.ones(2, 3, dtype=torch.int16)),
     }
     return {name: _message(fn) for name, fn in cases.items()}
 
@@ -59,6 +73,18 @@ def test_bad_input_gets_a_clear_error(worlds):
                               "the weight dtype torch.float32")
     assert m["device mix"] == "TypeError: ColumnParallelLinear: input is on meta but the weight is on cpu"
     assert m["not a tensor"] == "TypeError: ColumnParallelLinear expects a tensor, got list"
+    for case, what in (("bool as a size", "ColumnParallelLinear: in_features"),
+                       ("bool embedding size", "VocabParallelEmbedding: embedding_dim"),
+                       ("bool head count", "ParallelSelfAttention: n_head"), ("bool mlp width", "ParallelMLP: n_embd"),
+                       ("bool replicated size", "ReplicatedLinear: out_features")):
+        assert m[case] == f"TypeError: {what} must be a positive integer, got True"
+    assert m["float unit"] == "TypeError: RowParallelLinear: unit must be a positive integer, got 2.5"
+    for case, layer, dtype in (("integer input to attention", "ParallelSelfAttention", "int64"),
+                               ("integer input to an mlp", "ParallelMLP", "int32"),
+                               ("bool input to a block", "Block", "bool"),
+                               ("integer input to a column", "ColumnParallelLinear", "int64"),
+                               ("integer input to a row", "RowParallelLinear", "int16")):
+        assert m[case] == f"TypeError: {layer}: input dtype torch.{dtype} is not a floating-point dtype"
 
 
 def check_too_small_for_tp4():
@@ -89,6 +115,14 @@ def check_gpt_bad_inputs():
         "attention width": lambda: ParallelSelfAttention(16, 4)(torch.randn(2, 3, 12)),
         "padded embedding": lambda: VocabParallelEmbedding.from_embedding(nn.Embedding(9, 4, padding_idx=0)),
         "loss vocab mismatch": lambda: tensorpar.vocab_parallel_cross_entropy(torch.randn(3, 5), ids[0, :3], 37),
+        "bool n_head": lambda: GPTConfig(n_head=True, n_embd=4),
+        "top_k 0": lambda: model.generate(ids[:, :2], 3, top_k=0),
+        "negative top_k": lambda: model.generate(ids[:, :2], 3, top_k=-2),
+        "float top_k": lambda: model.generate(ids[:, :2], 3, top_k=2.5),
+        "negative max_new_tokens": lambda: model.generate(ids[:, :2], -1),
+        "float idx": lambda: model.generate(ids[:, :2].float(), 3),
+        "list idx": lambda: model.generate([[1, 2]], 3),
+        "float targets": lambda: model(ids, ids.float()),
     }
     return {name: _message(fn) for name, fn in cases.items()}
 
@@ -115,5 +149,71 @@ def test_gpt_bad_input_gets_a_clear_error(worlds):
     assert m["zero kv heads"] == "ValueError: GPTConfig.n_kv_head must be a positive integer or None, got 0"
     assert m["attention width"] == "ValueError: ParallelSelfAttention expects (B, T, 16), got (2, 3, 12)"
     assert m["padded embedding"].startswith("ValueError: VocabParallelEmbedding.from_embedding supports plain")
+    assert m["bool n_head"] == "TypeError: GPTConfig.n_head must be a positive integer, got True"
+    assert m["top_k 0"] == "ValueError: top_k must be a positive integer, got 0"
+    assert m["negative top_k"] == "ValueError: top_k must be a positive integer, got -2"
+    assert m["float top_k"] == "TypeError: top_k must be a positive integer, got 2.5"
+    assert m["negative max_new_tokens"] == "ValueError: max_new_tokens must be a non-negative integer, got -1"
+    assert m["float idx"] == "TypeError: GPT expects integer token ids, got torch.float32"
+    assert m["list idx"] == "TypeError: GPT expects a tensor of token ids, got list"
+    assert m["float targets"] == "TypeError: GPT expects integer targets, got torch.float32"
     assert m["loss vocab mismatch"] == ("ValueError: logits of shape (3, 5) do not match targets of shape (3,) and "
                                         "this rank's 10 of 37 vocabulary rows")
+
+
+def check_collective_arguments():
+    """Bad arguments to the autograd collectives and the loss; then one all-reduce shows no rank was left behind."""
+    x = torch.randn(4, 6)
+    ids = torch.zeros(3, dtype=torch.long)
+    cases = {
+        "scatter dim": lambda: tensorpar.scatter_to_tp(x, 2),
+        "gather dim": lambda: tensorpar.gather_from_tp(x, -3, 8),
+        "reduce-scatter dim": lambda: tensorpar.reduce_scatter(x, 3),
+        "all-gather dim": lambda: tensorpar.all_gather(x, 2, 8),
+        "float dim": lambda: tensorpar.scatter_to_tp(x, 1.0),
+        "copy a list": lambda: tensorpar.copy_to_tp([1.0, 2.0]),
+        "reduce a list": lambda: tensorpar.reduce_from_tp([1.0, 2.0]),
+        "scatter a list": lambda: tensorpar.scatter_to_tp([1.0, 2.0]),
+        "gather a number": lambda: tensorpar.gather_from_tp(3.0, 0, 6),
+        "reduce-scatter a tuple": lambda: tensorpar.reduce_scatter((x,)),
+        "all-gather a list": lambda: tensorpar.all_gather([x], 0, 8),
+        "unit 2.5": lambda: tensorpar.scatter_to_tp(x, -1, unit=2.5),
+        "unit None": lambda: tensorpar.scatter_to_tp(x, -1, unit=None),
+        "unit 0": lambda: tensorpar.scatter_to_tp(x, -1, unit=0),
+        "unit -3": lambda: tensorpar.scatter_to_tp(x, -1, unit=-3),
+        "unit True": lambda: tensorpar.scatter_to_tp(x, -1, unit=True),
+        "gather size True": lambda: tensorpar.gather_from_tp(x, 0, True),
+        "all-gather size 2.5": lambda: tensorpar.all_gather(x, 0, 2.5),
+        "int64 logits": lambda: tensorpar.vocab_parallel_cross_entropy(torch.ones(3, 5, dtype=torch.long), ids, 10),
+        "bool logits": lambda: tensorpar.vocab_parallel_cross_entropy(torch.ones(3, 5, dtype=torch.bool), ids, 10),
+        "bool targets": lambda: tensorpar.vocab_parallel_cross_entropy(torch.randn(3, 5), ids.bool(), 10),
+        "float targets": lambda: tensorpar.vocab_parallel_cross_entropy(torch.randn(3, 5), ids.float(), 10),
+    }
+    messages = {name: _message(fn) for name, fn in cases.items()}
+    return messages, tensorpar.reduce_from_tp(torch.ones(())).item()
+
+
+def test_collective_arguments_get_the_same_clear_error_at_every_tp(worlds):
+    results = worlds[1].run(check_collective_arguments) + worlds[2].run(check_collective_arguments)
+    assert [total for _, total in results] == [1.0, 2.0, 2.0]  # every rank went on to the same all-reduce
+    m = results[0][0]
+    assert all(messages == m for messages, _ in results)  # the same at tp 1 and on each rank at tp 2
+    for case, op, dim in (("scatter dim", "scatter_to_tp", 2), ("gather dim", "gather_from_tp", -3),
+                          ("reduce-scatter dim", "reduce_scatter", 3), ("all-gather dim", "all_gather", 2)):
+        assert m[case] == f"ValueError: {op}: dim {dim} is out of range for a 2-d tensor (expected a dim in [-2, 2))"
+    assert m["float dim"] == "TypeError: scatter_to_tp: dim must be an integer, got 1.0"
+    for case, op, kind in (("copy a list", "copy_to_tp", "list"), ("reduce a list", "reduce_from_tp", "list"),
+                           ("scatter a list", "scatter_to_tp", "list"), ("gather a number", "gather_from_tp", "float"),
+                           ("reduce-scatter a tuple", "reduce_scatter", "tuple"),
+                           ("all-gather a list", "all_gather", "list")):
+        assert m[case] == f"TypeError: {op} expects a tensor, got {kind}"
+    for unit in ("2.5", "None", "True"):
+        assert m[f"unit {unit}"] == f"TypeError: scatter_to_tp: unit must be a positive integer, got {unit}"
+    for unit in ("0", "-3"):
+        assert m[f"unit {unit}"] == f"ValueError: scatter_to_tp: unit must be a positive integer, got {unit}"
+    assert m["gather size True"] == "TypeError: gather_from_tp: size must be a positive integer, got True"
+    assert m["all-gather size 2.5"] == "TypeError: all_gather: size must be a positive integer, got 2.5"
+    assert m["int64 logits"] == "TypeError: logits must be floating point, got torch.int64"
+    assert m["bool logits"] == "TypeError: logits must be floating point, got torch.bool"
+    assert m["bool targets"] == "TypeError: targets must be integer token ids, got torch.bool"
+    assert m["float targets"] == "TypeError: targets must be integer token ids, got torch.float32"

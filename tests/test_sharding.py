@@ -5,7 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tensorpar import Shard, partition_offsets, partition_sizes, shard
+from tensorpar import Shard, partition_bounds, partition_offsets, partition_sizes, shard
 
 
 @given(parts=st.integers(1, 16), units=st.integers(0, 200), unit=st.integers(1, 8))
@@ -31,13 +31,34 @@ def test_partition_examples():
     ((10, 16), r"out_features \(10\) is smaller than tp \(16\)"),
     ((3 * 64, 4, 64), r"n_head \(3\) is smaller than tp \(4\)"),
     ((100, 2, 64), r"not a whole number of units of 64"),
-    ((10, 0), r"cannot split"),
+    ((10, 0), r"parts must be a positive integer, got 0"),
 ])
 def test_partition_errors_name_the_numbers(args, message):
     size, parts, *unit = args
     name = "n_head" if unit else "out_features"
     with pytest.raises(ValueError, match=message):
         partition_sizes(size, parts, unit=unit[0] if unit else 1, name=name)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: partition_sizes(12, 2, unit=2.5), TypeError, "unit must be a positive integer, got 2.5"),
+    (lambda: partition_sizes(12, 2, unit=None), TypeError, "unit must be a positive integer, got None"),
+    (lambda: partition_sizes(12, 2, unit=True), TypeError, "unit must be a positive integer, got True"),
+    (lambda: partition_offsets(12, 2, unit=0), ValueError, "unit must be a positive integer, got 0"),
+    (lambda: partition_bounds(12, 2, 0, unit=-4), ValueError, "unit must be a positive integer, got -4"),
+    (lambda: partition_sizes(True, 1), TypeError, "size must be a positive integer, got True"),
+    (lambda: partition_sizes(12.0, 2, name="n_embd"), TypeError, "n_embd must be a positive integer, got 12.0"),
+    (lambda: partition_sizes(12, True), TypeError, "parts must be a positive integer, got True"),
+    (lambda: partition_offsets(12, 2.0), TypeError, "parts must be a positive integer, got 2.0"),
+    (lambda: partition_bounds(12, 3, 3), ValueError, "shard index 3 is out of range for 3 parts"),
+    (lambda: partition_bounds(12, 3, -1), ValueError, "shard index must be a non-negative integer, got -1"),
+    (lambda: Shard(0, 12, unit=1.5).sizes(2), TypeError, "unit must be a positive integer, got 1.5"),
+])
+def test_partition_arguments_must_be_integers(call, error, message):
+    """A bool is an int to Python but never a size, count or unit here; nor is a float, or None."""
+    with pytest.raises(error) as raised:
+        call()
+    assert str(raised.value) == message
 
 
 @given(rows=st.integers(1, 9), cols=st.integers(1, 9), dim=st.integers(0, 1), data=st.data())

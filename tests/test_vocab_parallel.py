@@ -8,7 +8,7 @@ from torch import nn
 
 import tensorpar
 from layers import VocabParallelEmbedding
-from tensorpar.testing import TOLERANCES, assert_all_close
+from tensorpar.testing import TOLERANCES, assert_all_close, rel_error
 from tensorpar.testing.strategies import dtypes, tp_sizes
 
 
@@ -129,3 +129,47 @@ def check_all_ignored():
 
 def test_all_ignored_is_nan_with_zero_gradient_like_f_cross_entropy(worlds):
     assert worlds[2].run(check_all_ignored) == [(True, True, True, True)] * 2
+
+
+def check_16_bit_logits_and_target_widths(seed):
+    """bf16 and fp16 logits against F.cross_entropy of their float32 values; every integer target width."""
+    g = torch.Generator().manual_seed(seed)
+    vocab, shape = 37, (4, 6)
+    targets = torch.randint(0, vocab, shape, generator=g)
+    results = {}
+    for dtype in (torch.bfloat16, torch.float16):
+        full = torch.randn(*shape, vocab, generator=g).to(dtype)
+        dense = full.float().requires_grad_()
+        expected = F.cross_entropy(dense.reshape(-1, vocab), targets.reshape(-1))
+        expected.backward()
+        local = tensorpar.scatter_to_tp(full, -1).detach().requires_grad_()
+        loss = tensorpar.vocab_parallel_cross_entropy(local, targets, vocab)
+        loss.backward()
+        grad = tensorpar.all_gather(local.grad, -1, vocab)
+        results[dtype] = (loss.item(), expected.item(), loss.dtype, local.grad.dtype,
+                          rel_error(grad, dense.grad))
+    logits = tensorpar.scatter_to_tp(torch.randn(*shape, vocab, generator=g), -1)
+    widths = {}
+    for dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
+        local = logits.clone().requires_grad_()
+        loss = tensorpar.vocab_parallel_cross_entropy(local, targets.to(dtype), vocab, reduction="none")
+        loss.sum().backward()
+        widths[dtype] = (loss.detach(), local.grad)
+    same_as_int64 = {dtype: torch.equal(loss, widths[torch.int64][0]) and torch.equal(grad, widths[torch.int64][1])
+                     for dtype, (loss, grad) in widths.items()}
+    return results, same_as_int64
+
+
+def test_16_bit_logits_give_the_float32_loss_at_every_tp_and_any_integer_targets_work(worlds):
+    losses = {torch.bfloat16: [], torch.float16: []}
+    for tp in (1, 2, 3, 4):
+        for results, same_as_int64 in worlds[tp].run(check_16_bit_logits_and_target_widths, 7):
+            assert all(same_as_int64.values()), (tp, same_as_int64)
+            for dtype, (loss, expected, loss_dtype, grad_dtype, grad_error) in results.items():
+                assert abs(loss - expected) <= 1e-5 * abs(expected), (tp, dtype, loss, expected)
+                assert loss_dtype == torch.float32 and grad_dtype == dtype
+                # the gradient is computed in float32 and rounded once to the logits' dtype (half an ulp)
+                assert grad_error <= torch.finfo(dtype).eps, (tp, dtype, grad_error)
+                losses[dtype].append(loss)
+    for dtype, values in losses.items():  # one loss, whatever the tp: its spread is float32 round-off
+        assert max(values) - min(values) <= 1e-5 * abs(values[0]), (dtype, values)

@@ -13,6 +13,9 @@ The split/gather pairs move a tensor between "replicated" and "sharded along
 parallelism, where the replicated side holds partial sums. Every function takes
 ``group=None`` (the default mesh's tp group) and is the identity at tp = 1.
 Shards are balanced (see :mod:`tensorpar.sharding`), so sizes need not divide.
+Arguments are checked first, from what every rank shares, so that a bad one (not
+a tensor, a ``dim`` out of range, a ``size`` or ``unit`` that is no positive
+integer) raises the same error on every rank, at every tp, before any collective.
 Parallel linear modules fuse ``f`` and ``g`` with their matmuls (:mod:`tensorpar.comm.linear`).
 Backward is first-order only: a double backward raises instead of silently
 missing the collectives.
@@ -27,7 +30,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from ..mesh import group_rank_size, tp_group
-from ..sharding import partition_bounds, partition_sizes
+from ..sharding import check_int, partition_sizes
 from .collectives import all_gather_along, all_reduce_sum, reduce_scatter_along
 from .counter import active_counters
 
@@ -63,12 +66,10 @@ class _ScatterToTP(torch.autograd.Function):
     """Keep this rank's slice forward; all-gather the gradient backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, unit: int, group: ProcessGroup) -> torch.Tensor:
-        rank, n = group_rank_size(group)
-        ctx.dim, ctx.group, ctx.counters = dim, group, active_counters()
-        ctx.sizes = partition_sizes(x.shape[dim], n, unit=unit, name=f"size of dim {dim}")
-        offset, length = partition_bounds(x.shape[dim], n, rank, unit=unit, name=f"size of dim {dim}")
-        return x.narrow(dim, offset, length).clone(memory_format=torch.contiguous_format)
+    def forward(ctx: Any, x: torch.Tensor, dim: int, sizes: list[int], group: ProcessGroup) -> torch.Tensor:
+        rank, _ = group_rank_size(group)
+        ctx.dim, ctx.sizes, ctx.group, ctx.counters = dim, sizes, group, active_counters()
+        return x.narrow(dim, sum(sizes[:rank]), sizes[rank]).clone(memory_format=torch.contiguous_format)
 
     @staticmethod
     @once_differentiable
@@ -81,9 +82,8 @@ class _GatherFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, sizes: list[int], group: ProcessGroup) -> torch.Tensor:
-        rank, n = group_rank_size(group)
-        ctx.dim = dim
-        ctx.offset, ctx.size = partition_bounds(sum(sizes), n, rank)
+        rank, _ = group_rank_size(group)
+        ctx.dim, ctx.offset, ctx.size = dim, sum(sizes[:rank]), sizes[rank]
         return all_gather_along(x, dim, sizes, group)
 
     @staticmethod
@@ -96,16 +96,14 @@ class _ReduceScatter(torch.autograd.Function):
     """Reduce-scatter forward; all-gather of the gradient backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
-        _, n = group_rank_size(group)
-        sizes = partition_sizes(x.shape[dim], n, name=f"size of dim {dim}")
+    def forward(ctx: Any, x: torch.Tensor, dim: int, sizes: list[int], group: ProcessGroup) -> torch.Tensor:
         ctx.dim, ctx.sizes, ctx.group, ctx.counters = dim, sizes, group, active_counters()
         return reduce_scatter_along(x, dim, sizes, group)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return all_gather_along(grad, ctx.dim, ctx.sizes, ctx.group, ctx.counters), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return all_gather_along(grad, ctx.dim, ctx.sizes, ctx.group, ctx.counters), None, None, None
 
 
 class _AllGather(torch.autograd.Function):
@@ -127,20 +125,43 @@ def _group_and_size(group: ProcessGroup | None) -> tuple[ProcessGroup, int]:
     return group, group_rank_size(group)[1]
 
 
-def _gather_sizes(size: int, n: int) -> list[int]:
-    if not isinstance(size, int):
-        raise TypeError(f"size must be the full (gathered) size as an int, got {size!r}")
+def _check(op: str, x: object, dim: int | None = None) -> None:
+    """Raise, the same on every rank and before any collective, unless ``x`` is a tensor with a ``dim``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op} expects a tensor, got {type(x).__name__}")
+    if dim is None:
+        return
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{op}: dim must be an integer, got {dim!r}")
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"{op}: dim {dim} is out of range for a {x.dim()}-d tensor "
+                         f"(expected a dim in [{-x.dim()}, {x.dim()}))")
+
+
+def _split(x: torch.Tensor, dim: int, n: int, unit: int = 1) -> list[int]:
+    """The balanced split over ``n`` ranks of a full (replicated or summed) ``x`` along ``dim``."""
+    return partition_sizes(x.shape[dim], n, unit=unit, name=f"size of dim {dim}")
+
+
+def _gathered(op: str, x: torch.Tensor, dim: int, size: int, n: int) -> list[int]:
+    """The balanced split of the gathered ``size`` over ``n`` ranks; at tp = 1, ``x`` must be all of it."""
+    check_int(size, f"{op}: size")
+    if n == 1 and x.shape[dim] != size:
+        raise ValueError(f"{op}: size {size} does not match dim {dim} of a tensor of shape {tuple(x.shape)} "
+                         "at tp 1")
     return partition_sizes(size, n, name="gathered size")
 
 
 def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """Megatron's ``f``: ``x`` unchanged; backward all-reduces the gradient over the tp group."""
+    _check("copy_to_tp", x)
     group, n = _group_and_size(group)
     return x if n == 1 else _CopyToTP.apply(x, group)
 
 
 def reduce_from_tp(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """Megatron's ``g``: the sum of ``x`` over the tp group; backward passes the gradient through."""
+    _check("reduce_from_tp", x)
     group, n = _group_and_size(group)
     return x if n == 1 else _ReduceFromTP.apply(x, group)
 
@@ -149,8 +170,11 @@ def scatter_to_tp(x: torch.Tensor, dim: int = -1, group: ProcessGroup | None = N
                   unit: int = 1) -> torch.Tensor:
     """This rank's balanced slice (in whole units of ``unit``) of a replicated ``x`` along ``dim``;
     backward all-gathers."""
+    _check("scatter_to_tp", x, dim)
+    check_int(unit, "scatter_to_tp: unit")
     group, n = _group_and_size(group)
-    return x if n == 1 else _ScatterToTP.apply(x, dim, unit, group)
+    sizes = _split(x, dim, n, unit)
+    return x if n == 1 else _ScatterToTP.apply(x, dim, sizes, group)
 
 
 def gather_from_tp(x: torch.Tensor, dim: int, size: int, group: ProcessGroup | None = None) -> torch.Tensor:
@@ -160,14 +184,18 @@ def gather_from_tp(x: torch.Tensor, dim: int, size: int, group: ProcessGroup | N
     shards. It is required: shards need not be equal, and ranks that disagree
     on the split would corrupt the collective.
     """
+    _check("gather_from_tp", x, dim)
     group, n = _group_and_size(group)
-    return x if n == 1 else _GatherFromTP.apply(x, dim, _gather_sizes(size, n), group)
+    sizes = _gathered("gather_from_tp", x, dim, size, n)
+    return x if n == 1 else _GatherFromTP.apply(x, dim, sizes, group)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int = 0, group: ProcessGroup | None = None) -> torch.Tensor:
     """This rank's balanced slice along ``dim`` of the sum of ``x``; backward all-gathers."""
+    _check("reduce_scatter", x, dim)
     group, n = _group_and_size(group)
-    return x if n == 1 else _ReduceScatter.apply(x, dim, group)
+    sizes = _split(x, dim, n)
+    return x if n == 1 else _ReduceScatter.apply(x, dim, sizes, group)
 
 
 def all_gather(x: torch.Tensor, dim: int, size: int, group: ProcessGroup | None = None) -> torch.Tensor:
@@ -175,5 +203,7 @@ def all_gather(x: torch.Tensor, dim: int, size: int, group: ProcessGroup | None 
 
     ``size`` is the full size along ``dim``, as in :func:`gather_from_tp`.
     """
+    _check("all_gather", x, dim)
     group, n = _group_and_size(group)
-    return x if n == 1 else _AllGather.apply(x, dim, _gather_sizes(size, n), group)
+    sizes = _gathered("all_gather", x, dim, size, n)
+    return x if n == 1 else _AllGather.apply(x, dim, sizes, group)
