@@ -1,9 +1,13 @@
 """Start local ranks joined in one process group: :func:`spawn`, and the test pool's workers.
 
 Processes are started fresh (the ``spawn`` start method) and meet through a
-TCP store that the parent hosts on loopback, so no port is guessed. Each rank
-talks to the parent over a pipe: results and errors travel back as plain
-pickles (tensors by value). The parent watches every child: the first rank
+TCP store that the parent hosts, listening on loopback only, so no port is
+guessed and nothing is reachable from another host. Each rank talks to the
+parent over a pipe: results and errors travel back as plain pickles (tensors
+by value), between the parent and its own children only. Each rank also
+watches that pipe: when the parent is gone (killed by any signal, or exited),
+the rank ends at once, so no rank outlives its launcher to keep training or
+writing. The parent watches every child in turn: the first rank
 that raises or dies ends the wait, the others are stopped, and the error is
 re-raised naming the rank most likely to be the root cause, so a failure never
 leaves the caller waiting on ranks blocked in a collective.
@@ -19,6 +23,10 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import select
+import socket
+import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -84,8 +92,25 @@ def _join_group(rank: int, world_size: int, port: int, backend: str, timeout: ti
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
+def _end_with_parent(conn: multiprocessing.connection.Connection, rank: int) -> None:
+    """In a child, on a thread of its own: wait for the pipe to the parent to hang up (the parent
+    exited, however it ended), then end this rank at once, before it computes or writes more."""
+    poller = select.poll()
+    poller.register(conn.fileno(), 0)  # no events asked for: poll reports only hang-ups and errors
+    while True:
+        events = [e for _, e in poller.poll()]
+        if any(e & select.POLLNVAL for e in events):  # this rank closed the pipe itself: it is exiting
+            return
+        if any(e & (select.POLLHUP | select.POLLERR) for e in events):
+            break
+    sys.stderr.write(f"rank {rank}: the launching process exited; stopping this rank\n")
+    sys.stderr.flush()
+    os._exit(1)
+
+
 def _rank_process(main: RankMain, rank: int, world_size: int, port: int, backend: str, timeout: timedelta,
                   threads: int, conn: multiprocessing.connection.Connection) -> None:
+    threading.Thread(target=_end_with_parent, args=(conn, rank), name="tensorpar-parent-watch", daemon=True).start()
     try:
         _join_group(rank, world_size, port, backend, timeout, threads)
     except BaseException as e:  # noqa: BLE001 - the parent reports it
@@ -143,7 +168,9 @@ class LocalRanks:
         threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
         ctx = multiprocessing.get_context("spawn")
         self.size = nprocs
-        self._store = dist.TCPStore(_LOOPBACK, 0, is_master=True, wait_for_workers=False)  # outlives the joining
+        self._listener = socket.create_server((_LOOPBACK, 0))  # loopback only (a store binds every interface)
+        self._store = dist.TCPStore(_LOOPBACK, self._listener.getsockname()[1], is_master=True,
+                                    wait_for_workers=False, master_listen_fd=self._listener.fileno())
         self.procs: list[Any] = []
         self.conns: list[multiprocessing.connection.Connection] = []
         for rank in range(nprocs):

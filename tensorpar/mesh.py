@@ -156,19 +156,60 @@ def init(tp: int | None = None, dp: int | None = None, *, backend: str | None = 
     Initialises ``torch.distributed`` from torchrun's environment first when it
     is not initialised yet (a single-process world when there is none). ``dp``
     defaults to ``world // tp`` and ``tp`` to ``world // dp`` (all ranks when
-    neither is given). Every rank must call it, with the same arguments.
+    neither is given). Every rank must call it, with the same arguments: they
+    are compared across ranks, and ranks that differ all raise. An ``init``
+    that raises leaves no process group behind that it created.
 
     Example::
 
         mesh = tensorpar.init(tp=2)          # under `torchrun --nproc-per-node 4`: dp = 2
         layer = ColumnParallelLinear(768, 3072)   # uses mesh.tp_group
     """
-    if not dist.is_initialized():
-        _init_process_group(backend, timeout)
-    world = dist.get_world_size()
     for name, value in (("tp", tp), ("dp", dp)):
-        if value is not None and (not isinstance(value, int) or value < 1):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    created = not dist.is_initialized()
+    if created:
+        _init_process_group(backend, timeout)
+    elif backend is not None and backend not in dist.get_backend():
+        raise ValueError(f"init(backend={backend!r}): the process group already exists with backend "
+                         f"{dist.get_backend()!r}; destroy it first or leave backend out")
+    try:
+        _agree(tp, dp, backend)
+        mesh = _build_mesh(tp, dp)
+    except BaseException:
+        if created:  # leave nothing half-initialised
+            atexit.unregister(_shutdown_at_exit)
+            dist.destroy_process_group()
+        raise
+    _current.set(mesh)
+    atexit.unregister(wait_for_idle_gloo_workers)  # once per process, whoever created the group
+    atexit.register(wait_for_idle_gloo_workers)
+    return mesh
+
+
+_BACKENDS = (None, "gloo", "nccl")
+
+
+def _agree(tp: int | None, dp: int | None, backend: str | None) -> None:
+    """Compare ``init``'s arguments across the world (one small all-gather); every rank raises alike."""
+    world = dist.get_world_size()
+    if world == 1:
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in dist.get_backend() else None
+    everyone = torch.zeros(world, 3, dtype=torch.int64, device=device)  # a row per rank: each fills its own
+    everyone[dist.get_rank()] = torch.tensor([tp or 0, dp or 0, _BACKENDS.index(backend) if backend in _BACKENDS
+                                              else -1])
+    dist.all_reduce(everyone)
+    if (everyone == everyone[0]).all():
+        return
+    views = [f"rank {r}: tp={t or None}, dp={d or None}, backend={_BACKENDS[b] if b >= 0 else 'other'!r}"
+             for r, (t, d, b) in enumerate(everyone.tolist())]
+    raise ValueError(f"the ranks called tensorpar.init with different arguments ({'; '.join(views)})")
+
+
+def _build_mesh(tp: int | None, dp: int | None) -> Mesh:
+    world = dist.get_world_size()
     if dp is not None and world % dp:
         raise ValueError(f"dp ({dp}) does not divide the world size ({world})")
     if tp is None:
@@ -178,23 +219,18 @@ def init(tp: int | None = None, dp: int | None = None, *, backend: str | None = 
     dp = world // tp if dp is None else dp
     if tp * dp != world:
         raise ValueError(f"tp ({tp}) x dp ({dp}) = {tp * dp} does not match the world size ({world})")
-
     on_gpu = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     grid = torch.arange(world).reshape(dp, tp)
     device_mesh = DeviceMesh(device.type, grid, mesh_dim_names=("dp", "tp"))
     rank = dist.get_rank()
-    mesh = Mesh(
+    return Mesh(
         device_mesh=device_mesh,
         tp_group=device_mesh.get_group("tp"),
         dp_group=device_mesh.get_group("dp"),
         tp=tp, dp=dp, tp_rank=rank % tp, dp_rank=rank // tp,
         rank=rank, world_size=world, device=device, rng=RNGStatesTracker(rank % tp),
     )
-    _current.set(mesh)
-    atexit.unregister(wait_for_idle_gloo_workers)  # once per process, whoever created the group
-    atexit.register(wait_for_idle_gloo_workers)
-    return mesh
 
 
 def current_mesh_or_none() -> Mesh | None:

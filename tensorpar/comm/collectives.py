@@ -31,6 +31,7 @@ from torch.distributed import ProcessGroup
 
 from ..mesh import current_mesh_or_none
 from . import shm
+from .checks import agree, dtype_code, enabled
 from .counter import CollectiveCounter, record
 
 # torch >= 2.12 renamed the tensor-in/tensor-out collectives.
@@ -63,17 +64,26 @@ def _tagged(op: str, x: torch.Tensor, group: ProcessGroup) -> Iterator[None]:
         ) from e
 
 
+def _layout(x: torch.Tensor, dim: int, sizes: Sequence[int], n: int) -> tuple[dict[str, int], str | None]:
+    """How a call along ``dim`` split as ``sizes`` over ``n`` ranks looks on this rank, in integers (the
+    same fields on every rank, for :func:`~tensorpar.comm.checks.agree`), and what is wrong with it
+    that every rank can tell."""
+    fields = {"dtype": dtype_code(x.dtype), "before": 0, "along": 0, "after": 0}
+    fields |= {f"sizes[{r}]": s if isinstance(s, int) else -1 for r, s in zip(range(n), list(sizes) + [0] * n)}
+    if not -x.dim() <= dim < x.dim():
+        return fields, f"dim {dim} is out of range for a {x.dim()}-d tensor"
+    dim %= x.dim()
+    fields |= {"before": math.prod(x.shape[:dim]), "along": x.shape[dim], "after": math.prod(x.shape[dim + 1:])}
+    if len(sizes) != n:
+        return fields, f"the split {list(sizes)} has {len(sizes)} parts for {n} ranks"
+    return fields, None
+
+
 def _split_view(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
     """``x`` as ``(pre, n, post)`` around ``dim``, and ``dim`` made non-negative."""
     dim = dim % x.dim()
     pre, post = math.prod(x.shape[:dim]), math.prod(x.shape[dim + 1:])
     return x.reshape(pre, x.shape[dim], post), dim
-
-
-def _channel(group: ProcessGroup, nbytes: int) -> shm.SharedMemoryChannel | None:
-    """The group's shared-memory channel, kept by the current mesh (none without a mesh)."""
-    mesh = current_mesh_or_none()
-    return None if mesh is None else shm.channel_for(mesh.channels, group, nbytes)
 
 
 #: Below this many bytes sent per rank, a CPU all-reduce on gloo is one exchange of point-to-point
@@ -126,12 +136,14 @@ def start_all_reduce_(x: torch.Tensor, group: ProcessGroup,
     n = dist.get_world_size(group)
     if n == 1:
         return PendingAllReduce(x, group)
+    if enabled():
+        agree("all-reduce", group, {"numel": x.numel(), "dtype": dtype_code(x.dtype), "op": int(op)}, device=x.device)
     record("all_reduce", x.dtype, x.numel(), n, counters)
     with _tagged("all_reduce", x, group):
         if not x.is_cuda and op in _REDUCE and dist.get_backend(group) == "gloo":
-            channel = _channel(group, x.numel() * x.element_size())  # the same choice on every rank
-            if channel is not None:  # ranks on one host: through shared memory, done at once
-                return PendingAllReduce(channel.all_reduce_(x, op), group)
+            mesh = current_mesh_or_none()  # its channels: ranks on one host reduce through shared memory
+            if mesh is not None and shm.all_reduce_(mesh.channels, group, x, op):
+                return PendingAllReduce(x, group)  # done at once
             if x.numel() * x.element_size() * (n - 1) <= EXCHANGE_BYTES:  # by size alone: the same route everywhere
                 return _exchange(x, group, op)
         return PendingAllReduce(x, group, work=dist.all_reduce(x, op=op, group=group, async_op=True))
@@ -148,6 +160,8 @@ def broadcast_from_first_(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     n = dist.get_world_size(group)
     if n == 1:
         return x
+    if enabled():
+        agree("broadcast", group, {"numel": x.numel(), "dtype": dtype_code(x.dtype)}, device=x.device)
     record("broadcast", x.dtype, x.numel(), n)
     with _tagged("broadcast", x, group):
         dist.broadcast(x, dist.get_global_rank(group, 0), group=group)
@@ -158,9 +172,12 @@ def all_gather_along(x: torch.Tensor, dim: int, sizes: Sequence[int], group: Pro
                      counters: tuple[CollectiveCounter, ...] | None = None) -> torch.Tensor:
     """Concatenation along ``dim`` of every rank's ``x``; rank ``r`` holds ``sizes[r]`` there."""
     n, rank = dist.get_world_size(group), dist.get_rank(group)
-    if len(sizes) != n or x.shape[dim] != sizes[rank]:
-        raise ValueError(f"all-gather along dim {dim}: rank {rank} of {n} holds {x.shape[dim]} "
-                         f"elements there but the split is {list(sizes)}")
+    fields, problem = _layout(x, dim, sizes, n)
+    if problem is None and x.shape[dim] != sizes[rank]:
+        problem = (f"all-gather along dim {dim}: rank {rank} of {n} holds {x.shape[dim]} "
+                   f"elements there but the split is {list(sizes)}")
+    if problem is not None or enabled():  # every rank's own part is checked: each tells the others
+        agree("all-gather", group, fields | {"along": 0}, problem, device=x.device)
     if n == 1:
         return x.clone(memory_format=torch.contiguous_format)
     x3, dim = _split_view(x, dim)
@@ -184,9 +201,12 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, sizes: Sequence[int], group:
                          counters: tuple[CollectiveCounter, ...] | None = None) -> torch.Tensor:
     """This rank's slice (``sizes[rank]`` elements along ``dim``) of the sum of ``x`` over the group."""
     n, rank = dist.get_world_size(group), dist.get_rank(group)
-    if len(sizes) != n or x.shape[dim] != sum(sizes):
-        raise ValueError(f"reduce-scatter along dim {dim}: size {x.shape[dim]} does not match "
-                         f"the split {list(sizes)} over {n} ranks")
+    fields, problem = _layout(x, dim, sizes, n)
+    if problem is None and x.shape[dim] != sum(sizes):
+        problem = (f"reduce-scatter along dim {dim}: size {x.shape[dim]} does not match "
+                   f"the split {list(sizes)} over {n} ranks")
+    if problem is not None or enabled():
+        agree("reduce-scatter", group, fields, problem, device=x.device)
     if n == 1:
         return x.clone(memory_format=torch.contiguous_format)
     x3, dim = _split_view(x, dim)

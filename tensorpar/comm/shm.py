@@ -3,27 +3,34 @@
 gloo moves CPU tensors between local processes over loopback TCP: every byte
 is copied through the kernel, and a small all-reduce costs a few hundred
 microseconds of message latency. Ranks on one host can instead share one
-memory segment: each writes its tensor into its own slot, raises a flag, and,
-once every flag is up, sums the slots in rank order (the same order, so the
-same bits, on every rank); a second flag says the slots may be reused.
+memory segment: each writes its tensor into its own slot, describes it (element
+count, dtype, reduce op) next to its flag and raises the flag; once every flag
+is up, each rank checks that all descriptions agree and sums the slots in rank
+order (the same order, so the same bits, on every rank); a second flag says
+the slots may be reused. Ranks that disagree all see the same descriptions, so
+every rank raises the same :class:`ChannelError`. A tensor too large for the
+segment is seen as such by every rank at once, and they grow it together.
 
-The segment is a file in ``/dev/shm`` that every rank maps; the creator
-unlinks its name as soon as all have mapped it, so nothing outlives the
-processes. Waiting spins on the flags, yielding the core, and checks that
-every peer process is still alive: a dead peer raises at once rather than
-leaving this rank waiting. The flags rely on x86's ordered stores, so the
-channel is used on x86-64 only (elsewhere gloo does the work).
+The segment is an anonymous memory file (``memfd``): the first rank creates
+it, the others open it through ``/proc/<pid>/fd`` while the creator still holds
+it, and from then on it exists only as long as some rank maps it. Nothing is
+ever named in ``/dev/shm``, so no failure at any point can leave one behind.
+Waiting yields the core for a moment, then sleeps in growing steps; it checks
+that every peer process still exists and gives up after the group's timeout,
+naming a peer that is stopped. The flags rely on x86's ordered stores, so the
+channel is used on x86-64 Linux only (elsewhere gloo does the work).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import mmap
 import os
 import platform
+import secrets
 import socket
 import time
-import uuid
 from collections.abc import MutableMapping
 from datetime import timedelta
 
@@ -31,153 +38,211 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-#: How long an all-reduce waits for its peers before it gives up.
-TIMEOUT = timedelta(minutes=10)
+from .checks import dtype_code, dtype_name
 
-_STRIDE = 8  # int64 words per rank, one cache line: [0] pid, [1] posted sequence, [2] done sequence, [3] token
+_STRIDE = 8  # int64 words per rank, one cache line: pid, posted, done, token (rank 0), numel, dtype, op
+_PID, _POSTED, _DONE, _TOKEN, _NUMEL, _DTYPE, _OP = range(7)
+_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX)
+_SPIN = 1e-3  # seconds of yielding before a waiting rank starts to sleep
+_NAP = 1e-3  # the longest sleep between two looks at the flags
+_LOOK = 0.1  # seconds between two checks that the peers are alive
+DEFAULT_CAPACITY = 1 << 20  # bytes per rank of a new channel
+
+
+class ChannelError(RuntimeError):
+    """A shared-memory all-reduce failed: the ranks disagreed, or a peer exited or stopped answering."""
 
 
 def _header(n: int) -> int:
     return -(-n * _STRIDE * 8 // 4096) * 4096
 
 
-class PeerGone(RuntimeError):
-    """A peer of the shared-memory channel exited or stopped answering."""
+def group_timeout(group: ProcessGroup) -> timedelta:
+    """The timeout the group's collectives were configured with (gloo's default where it is not known)."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return timedelta(minutes=30)
+
+
+def _describe(numel: int, dtype: int, op: int) -> str:
+    how = ("sum", "max")[op] if 0 <= op < len(_OPS) else "another op"
+    return f"{numel} {dtype_name(dtype)} elements ({how})"
+
+
+def _process_state(pid: int) -> str:
+    """``/proc``'s one-letter state of ``pid`` (``"X"`` when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
 
 
 class SharedMemoryChannel:
     """One group's shared segment: ``all_reduce_(x, op)`` for CPU tensors up to ``capacity`` bytes each."""
 
-    def __init__(self, group: ProcessGroup, path: str, token: int, capacity: int, timeout: timedelta) -> None:
+    def __init__(self, group: ProcessGroup, fd: int, token: int, capacity: int, timeout: timedelta) -> None:
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.capacity, self.timeout = capacity, timeout.total_seconds()
-        header = _header(self.size)
-        with open(path, "r+b") as f:
-            self._map = mmap.mmap(f.fileno(), header + self.size * capacity)
-        self._words = torch.frombuffer(self._map, dtype=torch.int64, count=header // 8)
-        self._data = torch.frombuffer(self._map, dtype=torch.uint8, offset=header)
-        self._words[self.rank * _STRIDE] = os.getpid()
+        length = _header(self.size) + self.size * capacity
+        if os.fstat(fd).st_size != length:  # not the segment rank 0 made (another process's descriptor)
+            raise OSError(f"the shared segment has {os.fstat(fd).st_size} bytes, expected {length}")
+        self._map = mmap.mmap(fd, length)
+        self._words = torch.frombuffer(self._map, dtype=torch.int64, count=_header(self.size) // 8)
+        self._data = torch.frombuffer(self._map, dtype=torch.uint8, offset=_header(self.size))
+        self._words[self.rank * _STRIDE + _PID] = os.getpid()
         self._seq, self.broken = 0, False
         self._token = token
         self._pids: list[int] = []
 
     def verify(self) -> bool:
         """After every rank has mapped the segment: do they all see one memory and one another?"""
-        self._pids = [int(self._words[r * _STRIDE]) for r in range(self.size)]
-        if int(self._words[3]) != self._token:  # rank 0 wrote it: not there means another /dev/shm
-            return False
-        try:
-            for pid in self._pids:
-                os.kill(pid, 0)  # every peer is a process this rank can see
-        except OSError:
-            return False
-        return True
+        self._pids = [int(self._words[r * _STRIDE + _PID]) for r in range(self.size)]
+        return int(self._words[_TOKEN]) == self._token and all(_process_state(p) != "X" for p in self._pids)
 
     def _slot(self, rank: int, x: torch.Tensor) -> torch.Tensor:
         start = rank * self.capacity
         return self._data[start:start + x.numel() * x.element_size()].view(x.dtype).view(x.shape)
 
+    def _word(self, rank: int, word: int) -> int:
+        return int(self._words[rank * _STRIDE + word])
+
     def _wait_all(self, word: int, value: int) -> None:
-        deadline, spins = time.monotonic() + self.timeout, 0
+        start = time.monotonic()
+        look, nap = start + _LOOK, 0.0
         for r in range(self.size):
-            while int(self._words[r * _STRIDE + word]) < value:
-                spins += 1
-                os.sched_yield()
-                if spins % 2048 == 0:
-                    self._check_peers(deadline)
+            while self._word(r, word) < value:
+                now = time.monotonic()
+                if now < start + _SPIN:
+                    os.sched_yield()
+                    continue
+                nap = min(_NAP, max(2 * nap, 5e-5))
+                time.sleep(nap)
+                if now > look:
+                    self._check_peers(now - start)
+                    look = now + _LOOK
 
-    def _check_peers(self, deadline: float) -> None:
-        for r, pid in enumerate(self._pids):
-            try:
-                os.kill(pid, 0)
-            except OSError:
-                raise PeerGone(f"rank {r} of the group (pid {pid}) exited during an all-reduce") from None
-        if time.monotonic() > deadline:
-            raise PeerGone(f"an all-reduce waited more than {self.timeout:.0f} s for its peers")
+    def _check_peers(self, waited: float) -> None:
+        states = {r: _process_state(pid) for r, pid in enumerate(self._pids) if r != self.rank}
+        for r, state in states.items():
+            if state in "XZ":
+                raise ChannelError(f"rank {r} of the group (pid {self._pids[r]}) exited during an all-reduce")
+        if waited > self.timeout:
+            stopped = [r for r, state in states.items() if state in "Tt"]
+            why = f"; rank {stopped[0]} (pid {self._pids[stopped[0]]}) is stopped" if stopped else ""
+            raise ChannelError(f"an all-reduce waited {waited:.1f} s for its peers, past the group's "
+                               f"timeout of {self.timeout:g} s{why}")
 
-    def all_reduce_(self, x: torch.Tensor, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
-        """Reduce ``x`` (CPU) over the group in place; every rank gets the same bits."""
+    def all_reduce_(self, x: torch.Tensor, op: dist.ReduceOp.RedOpType) -> bool:
+        """Reduce ``x`` (CPU) over the group in place; every rank gets the same bits. ``False`` (and
+        ``x`` untouched) when ``x`` is larger than the channel, which every rank then finds together."""
+        if self.broken:
+            raise ChannelError("this shared-memory channel failed earlier and cannot be used")
         if os.getpid() != self._pids[self.rank]:
-            raise RuntimeError("a shared-memory channel cannot be used from a forked process")
+            raise ChannelError("a shared-memory channel cannot be used from a forked process")
+        mine = (x.numel(), dtype_code(x.dtype), _OPS.index(op))
         try:
             self._seq += 1
-            self._wait_all(2, self._seq - 1)  # everyone has finished reading the previous round's slots
-            self._slot(self.rank, x).copy_(x)
-            self._words[self.rank * _STRIDE + 1] = self._seq  # posted: x86 keeps the copy before this store
-            self._wait_all(1, self._seq)
-            slots = [self._slot(r, x) for r in range(self.size)]
-            total = slots[0].clone()
-            for other in slots[1:]:
-                total.add_(other) if op == dist.ReduceOp.SUM else torch.maximum(total, other, out=total)
-            x.copy_(total)
-            self._words[self.rank * _STRIDE + 2] = self._seq  # done reading
+            self._wait_all(_DONE, self._seq - 1)  # everyone has finished reading the previous round's slots
+            fits = x.numel() * x.element_size() <= self.capacity
+            if fits:
+                self._slot(self.rank, x).copy_(x)
+            for word, value in zip((_NUMEL, _DTYPE, _OP), mine):
+                self._words[self.rank * _STRIDE + word] = value
+            self._words[self.rank * _STRIDE + _POSTED] = self._seq  # x86 keeps the writes above before this one
+            self._wait_all(_POSTED, self._seq)
+            self._check_agreement(mine)
+            if fits:
+                slots = [self._slot(r, x) for r in range(self.size)]
+                total = slots[0].clone()
+                for other in slots[1:]:
+                    total.add_(other) if op == dist.ReduceOp.SUM else torch.maximum(total, other, out=total)
+                x.copy_(total)
+            self._words[self.rank * _STRIDE + _DONE] = self._seq  # done reading
         except BaseException:
             self.broken = True  # the peers' view of the sequence is lost: never use this channel again
             raise
-        return x
+        return fits
+
+    def _check_agreement(self, mine: tuple[int, int, int]) -> None:
+        views = [tuple(self._word(r, w) for w in (_NUMEL, _DTYPE, _OP)) for r in range(self.size)]
+        posted = [self._word(r, _POSTED) for r in range(self.size)]
+        if all(v == mine for v in views) and all(p == self._seq for p in posted):
+            return
+        self._words[self.rank * _STRIDE + _DONE] = self._seq  # peers may finish their own check
+        ranks = "; ".join(f"rank {r}: {_describe(*v)}" + (f" in all-reduce #{p}" if p != self._seq else "")
+                          for r, (v, p) in enumerate(zip(views, posted)))
+        raise ChannelError(f"the ranks disagree on all-reduce #{self._seq} ({ranks})")
 
 
 def open_channel(group: ProcessGroup, capacity: int, timeout: timedelta) -> SharedMemoryChannel | None:
-    """A channel with room for ``capacity`` bytes per rank, or ``None`` where the ranks cannot share one
-    (no space in ``/dev/shm``, or ranks that do not see the same ``/dev/shm`` or one another's processes).
-    A collective: every rank of the group calls it, and all get a channel or all get ``None``."""
+    """A channel with room for the first rank's ``capacity`` bytes per rank, or ``None`` where the ranks
+    cannot share one (no memory for it, or ranks that do not see one another's processes). A collective:
+    every rank of the group calls it, and all get a channel or all get ``None``."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
-    length = _header(n) + n * capacity
-    offer: list[tuple[str, int] | None] = [None]
-    if rank == 0:
-        path, token = f"/dev/shm/tensorpar-{uuid.uuid4().hex}", uuid.uuid4().int >> 65
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, length)  # the pages exist now: no SIGBUS later if /dev/shm fills
-                os.pwrite(fd, token.to_bytes(8, "little"), 3 * 8)
-            finally:
-                os.close(fd)
-            offer[0] = (path, token)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-    dist.broadcast_object_list(offer, dist.get_global_rank(group, 0), group=group)
-    if offer[0] is None:
-        return None
-    path, token = offer[0]
+    offer = torch.zeros(4, dtype=torch.int64)  # pid, fd, token, capacity; all zero: no segment
+    fd = -1
     try:
-        channel: SharedMemoryChannel | None = SharedMemoryChannel(group, path, token, capacity, timeout)
-    except OSError:
+        if rank == 0 and hasattr(os, "memfd_create"):
+            with contextlib.suppress(OSError):
+                fd = os.memfd_create("tensorpar-all-reduce", os.MFD_CLOEXEC)
+                os.posix_fallocate(fd, 0, _header(n) + n * capacity)  # the pages exist now: no SIGBUS later
+                token = secrets.randbits(62)
+                os.pwrite(fd, token.to_bytes(8, "little"), _TOKEN * 8)
+                offer = torch.tensor([os.getpid(), fd, token, capacity], dtype=torch.int64)
+        dist.broadcast(offer, dist.get_global_rank(group, 0), group=group)
+        pid, their_fd, token, capacity = offer.tolist()
         channel = None
-    dist.barrier(group=group)
-    if rank == 0:
-        os.unlink(path)  # every rank that could has mapped it: the name is no longer needed
-    ok = torch.tensor([channel is not None and channel.verify()], dtype=torch.int64)
+        if pid:
+            with contextlib.suppress(OSError, ValueError):
+                if rank == 0:
+                    channel = SharedMemoryChannel(group, fd, token, capacity, timeout)
+                else:
+                    mine = os.open(f"/proc/{pid}/fd/{their_fd}", os.O_RDWR | os.O_CLOEXEC)
+                    try:
+                        channel = SharedMemoryChannel(group, mine, token, capacity, timeout)
+                    finally:
+                        os.close(mine)
+        ok = torch.tensor([channel is not None], dtype=torch.int64)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # every rank has mapped it (or failed)
+    finally:
+        if fd >= 0:
+            os.close(fd)  # from now on the segment lives only in the ranks' mappings
+    ok = torch.tensor([bool(ok.item()) and channel is not None and channel.verify()], dtype=torch.int64)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
     return channel if ok.item() else None
 
 
+def _host_id() -> int:
+    return int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:7], "little")
+
+
 def supported(group: ProcessGroup) -> bool:
-    """Whether the group's ranks may share memory: gloo, x86-64, ``/dev/shm``, one host name (a collective;
+    """Whether the group's ranks may share memory: gloo, x86-64 Linux, one host name (a collective;
     :func:`open_channel` then checks that they really share the memory)."""
     eligible = (dist.get_backend(group) == "gloo" and platform.machine().lower() in ("x86_64", "amd64")
-                and os.path.isdir("/dev/shm"))
-    hosts: list[tuple[str, bool] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hosts, (socket.gethostname(), eligible), group=group)
-    return len({h for h, _ in hosts}) == 1 and all(e for _, e in hosts)
+                and hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd"))
+    host = _host_id()
+    votes = torch.tensor([host, -host, 0 if eligible else 1], dtype=torch.int64)
+    dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=group)  # one host: max == min; all eligible: max 0
+    return votes[0].item() == -votes[1].item() and votes[2].item() == 0
 
 
-def channel_for(channels: MutableMapping[ProcessGroup, SharedMemoryChannel | None], group: ProcessGroup,
-                nbytes: int) -> SharedMemoryChannel | None:
-    """``group``'s channel in ``channels`` (a mesh's own, see :class:`tensorpar.Mesh`), opened on first
-    use and reopened twice as large when ``nbytes`` per rank no longer fits; ``None`` where the ranks
-    cannot share memory or the channel broke. A collective whenever it opens one: every rank of the
-    group calls it with the same ``nbytes`` (so every rank makes the same choice)."""
-    if group in channels:
-        channel = channels[group]
-        if channel is None or channel.broken:
-            return None
-        if nbytes <= channel.capacity:
-            return channel
-    elif not supported(group):
-        channels[group] = None
-        return None
-    capacity = max(1 << 20, 1 << (nbytes - 1).bit_length())  # grows by powers of two
-    channels[group] = open_channel(group, capacity, TIMEOUT)
-    return channels[group]
+def all_reduce_(channels: MutableMapping[ProcessGroup, SharedMemoryChannel | None], group: ProcessGroup,
+                x: torch.Tensor, op: dist.ReduceOp.RedOpType) -> bool:
+    """Reduce ``x`` in place through ``group``'s channel in ``channels`` (a mesh's own, see
+    :class:`tensorpar.Mesh`), opening it on first use and growing it, by powers of two, when the ranks
+    find ``x`` too large for it. ``False`` where the ranks cannot share memory or the channel failed
+    earlier: the caller then uses gloo (every rank makes the same choice)."""
+    nbytes = x.numel() * x.element_size()
+    channel = channels.get(group)
+    if group not in channels:
+        channel = channels[group] = (open_channel(group, max(DEFAULT_CAPACITY, nbytes), group_timeout(group))
+                                     if supported(group) else None)
+    while channel is not None and not channel.broken:
+        if channel.all_reduce_(x, op):
+            return True
+        # every rank found x too large, with the same size: grow together (the first rank's size decides)
+        channels[group] = channel = open_channel(group, 1 << (nbytes - 1).bit_length(), group_timeout(group))
+    return False

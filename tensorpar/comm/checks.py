@@ -1,0 +1,76 @@
+"""Agreement on a collective's arguments across ranks, where only some ranks could tell them wrong.
+
+A collective needs every rank to bring the same kind of tensor. Some mistakes
+are visible on every rank alike (a bad ``dim`` given to all), and each rank
+raises before the collective. Others are visible on one rank only: a shard of
+the wrong size on rank 0 of an all-gather. That rank raises; its peers enter
+the collective alone and wait for the group's timeout, or for ever where the
+caller catches the error and carries on.
+
+Comparing every collective's arguments across ranks costs one more small
+collective per call, so it is a debugging switch: with
+``TENSORPAR_CHECK_COLLECTIVES=1`` (or torch's own ``TORCH_DISTRIBUTED_DEBUG=DETAIL``)
+each collective of :mod:`tensorpar.comm` first all-gathers a few integers
+describing this rank's call (sizes, dtype, op) and the text of any problem
+this rank found, and every rank raises the same ``ValueError`` when they
+differ. The shared-memory all-reduce compares its calls always, at no cost
+(see :mod:`tensorpar.comm.shm`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+#: dtypes by number, for describing a call in integers
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+          torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+_TEXT = 256  # bytes of a rank's problem that travel with its description
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """``dtype``'s number in :data:`DTYPES` (-1 for any other)."""
+    return DTYPES.index(dtype) if dtype in DTYPES else -1
+
+
+def dtype_name(code: int) -> str:
+    return str(DTYPES[code]).removeprefix("torch.") if 0 <= code < len(DTYPES) else "another dtype"
+
+
+def enabled() -> bool:
+    """Whether collectives compare their arguments across ranks first (see the module's docstring)."""
+    return (os.environ.get("TENSORPAR_CHECK_COLLECTIVES", "0") not in ("", "0")
+            or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL")
+
+
+def agree(what: str, group: ProcessGroup, fields: Mapping[str, int], problem: str | None = None, *,
+          device: torch.device | None = None) -> None:
+    """Raise ``ValueError(problem)`` when this rank found one; with checks :func:`enabled`, first
+    compare ``fields`` and problems across the group, so that every rank raises the same error
+    when any rank found a problem or the fields differ. ``device``: where the group's tensors live."""
+    if not enabled():
+        if problem:
+            raise ValueError(problem)
+        return
+    n = dist.get_world_size(group)
+    text = (problem or "").encode()[:_TEXT].ljust(_TEXT, b"\0")
+    rows = torch.zeros(n, len(fields) + _TEXT // 8, dtype=torch.int64)  # a row per rank: each fills its own
+    rows[dist.get_rank(group)] = torch.cat([torch.tensor(list(fields.values()), dtype=torch.int64),
+                                            torch.frombuffer(bytearray(text), dtype=torch.int64)])
+    everyone = rows.to(device)
+    dist.all_reduce(everyone, group=group)
+    rows = everyone.cpu()
+    values = rows[:, :len(fields)].tolist()
+    problems = {r: bytes(rows[r, len(fields):].contiguous().view(torch.uint8).tolist()).rstrip(b"\0")
+                .decode(errors="replace") for r in range(n)}
+    found = [f"rank {r}: {p}" for r, p in problems.items() if p]
+    if not found and all(v == values[0] for v in values):
+        return
+    views = "; ".join(f"rank {r}: " + ", ".join(f"{k}={dtype_name(v) if k == 'dtype' else v}"
+                                                 for k, v in zip(fields, row))
+                      for r, row in enumerate(values))
+    raise ValueError(f"{what}: the ranks' calls do not match ({views})" + "".join(f"; {f}" for f in found))

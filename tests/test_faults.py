@@ -1,0 +1,278 @@
+"""Faults end every rank with a clear error within the timeout and leave nothing behind.
+
+Each fault is real: a launcher killed by a signal, a rank stopped with SIGSTOP,
+a rank that exits while a shared segment is being set up, ranks that pass
+different tensors to one all-reduce. Each test bounds its own waiting with
+short timeouts, measures the time to the error, and checks that no process
+and no ``/dev/shm`` entry is left.
+"""
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import weakref
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tensorpar
+from tensorpar.comm import shm
+from tensorpar.comm.collectives import CollectiveError, start_all_reduce_
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += children
+            todo += children
+    return found
+
+
+def _running(pids: list[int]) -> list[int]:
+    """Those of ``pids`` that are still processes (a zombie has ended: it only awaits its reaper)."""
+    alive = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in "ZX":
+            alive.append(pid)
+    return alive
+
+
+def _wait_gone(pids: list[int], limit: float) -> float:
+    start = time.monotonic()
+    while _running(pids) and time.monotonic() - start < limit:
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+@pytest.fixture
+def no_leftover_segments():
+    before = set(os.listdir("/dev/shm"))
+    yield
+    assert set(os.listdir("/dev/shm")) - before == set(), "a shared-memory segment was left in /dev/shm"
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+# ---------------------------------------------------------------- the launcher dies
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL])
+def test_ranks_stop_when_the_training_launcher_is_killed(tmp_path, sig, no_leftover_segments):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--tp=2", "--steps=100000", f"--out={out}",
+         "--ckpt-every=3", "--no-progress", "--n-layer=1", "--n-embd=16", "--n-head=2", "--block-size=8",
+         "--batch-size=2", "--sample-tokens=0"],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while _lines(out / "metrics.jsonl") < 4 or not (out / "latest").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-3000:]
+            time.sleep(0.05)
+        ranks = _descendants(proc.pid)
+        assert len(_running(ranks)) >= 2
+        os.kill(proc.pid, sig)
+        proc.wait(10)
+        took = _wait_gone(ranks, 10)
+        assert not _running(ranks), f"ranks {_running(ranks)} outlived their launcher (killed by {sig.name})"
+        logged, latest = _lines(out / "metrics.jsonl"), (out / "latest").read_text()
+        time.sleep(1.0)  # nothing is written after the ranks are gone
+        assert (_lines(out / "metrics.jsonl"), (out / "latest").read_text()) == (logged, latest)
+        print(f"launcher killed by {sig.name}: every rank gone after {took:.2f} s")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+_POOL = """
+import sys, time
+from tensorpar.testing import World
+import test_faults
+world = World(2)
+world.run(test_faults.announce, sys.argv[1])
+world.run(test_faults.write_forever, sys.argv[1], timeout=600)
+"""
+
+
+def announce(path):
+    with open(path, "a") as f:
+        f.write(f"pid {os.getpid()}\n")
+
+
+def write_forever(path):
+    while True:
+        with open(path, "a") as f:
+            f.write(f"{os.getpid()} {time.time()}\n")
+        time.sleep(0.01)
+
+
+def test_pool_workers_stop_when_their_launcher_is_killed(tmp_path, no_leftover_segments):
+    log = tmp_path / "log"
+    proc = subprocess.Popen([sys.executable, "-c", _POOL, str(log)], cwd=TESTS, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while _lines(log) < 10:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-3000:]
+            time.sleep(0.05)
+        workers = [int(line.split()[1]) for line in log.read_text().splitlines() if line.startswith("pid ")]
+        assert len(workers) == 2
+        proc.kill()
+        proc.wait(10)
+        took = _wait_gone(workers, 10)
+        assert not _running(workers), f"pool workers {_running(workers)} outlived their launcher"
+        written = _lines(log)
+        time.sleep(0.5)
+        assert _lines(log) == written
+        print(f"pool launcher killed: workers gone after {took:.2f} s")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+# ---------------------------------------------------------------- ranks that disagree
+
+def _fresh_channels(mesh):
+    """The same mesh with channels of its own: a test that breaks one leaves the pool's intact."""
+    return dataclasses.replace(mesh, channels=weakref.WeakKeyDictionary())
+
+
+def disagreeing_all_reduce(case):
+    mesh = _fresh_channels(tensorpar.current_mesh())
+    rank = mesh.tp_rank
+    numel, dtype, op = {
+        "count": ((4, 8)[rank], torch.float32, dist.ReduceOp.SUM),
+        "dtype": (4, (torch.float32, torch.float64)[rank], dist.ReduceOp.SUM),
+        "op": (4, torch.float32, (dist.ReduceOp.SUM, dist.ReduceOp.MAX)[rank]),
+        "capacity": ((256, 600_000)[rank], torch.float32, dist.ReduceOp.SUM),  # rank 1 past 1 MiB
+    }[case]
+    with tensorpar.use_mesh(mesh):
+        start_all_reduce_(torch.ones(2), mesh.tp_group).wait()  # the channel is open and working
+        try:
+            start_all_reduce_(torch.full((numel,), 100.0 + rank, dtype=dtype), mesh.tp_group, op=op).wait()
+        except CollectiveError as e:
+            error = str(e)
+        else:
+            error = None
+        # the channel is closed on every rank alike: what follows goes through gloo, correctly
+        after = start_all_reduce_(torch.full((3,), float(rank + 1)), mesh.tp_group).wait()
+    return error, after.tolist(), mesh.channels[mesh.tp_group].broken
+
+
+@pytest.mark.parametrize("case", ["count", "dtype", "op", "capacity"])
+def test_ranks_that_disagree_on_a_shared_memory_all_reduce_all_raise_the_same_error(worlds, case):
+    results = worlds[2].run(disagreeing_all_reduce, case)
+    errors = [error for error, _, _ in results]
+    assert all(error is not None for error in errors), f"a rank returned without error: {results}"
+    assert errors[0].startswith("rank 0: ") and errors[1].startswith("rank 1: ")
+    # each names its own call, then the same words on every rank
+    assert errors[0].split(" failed: ", 1)[1] == errors[1].split(" failed: ", 1)[1]
+    assert "the ranks disagree on all-reduce" in errors[0]
+    expected = {"count": ["4 float32", "8 float32"], "dtype": ["float32", "float64"],
+                "op": ["(sum)", "(max)"], "capacity": ["256 float32", "600000 float32"]}[case]
+    assert all(word in errors[0] for word in expected), errors[0]
+    assert all(after == [3.0, 3.0, 3.0] and broken for _, after, broken in results)
+
+
+def matching_all_reduces(sizes, seed):
+    mesh = _fresh_channels(tensorpar.current_mesh())
+    g = torch.Generator().manual_seed(seed + mesh.tp_rank)
+    out = []
+    with tensorpar.use_mesh(mesh):
+        for numel in sizes:  # growth past the first capacity is agreed by every rank
+            x = torch.randn(numel, generator=g, dtype=torch.float64)
+            out.append((x.clone(), start_all_reduce_(x, mesh.tp_group).wait()))
+    return out, mesh.channels[mesh.tp_group].capacity
+
+
+def test_a_shared_memory_channel_grows_together_and_stays_exact(worlds):
+    sizes = [5, 300_000, 7, 1_000_000]  # doubles: 2.4 MB and 8 MB per rank, past the first 1 MiB
+    results = worlds[2].run(matching_all_reduces, sizes, 3)
+    for i in range(len(sizes)):
+        expected = results[0][0][i][0] + results[1][0][i][0]
+        for out, _ in results:
+            assert torch.equal(out[i][1], expected)
+    assert results[0][1] == results[1][1] >= 8_000_000
+
+
+# ---------------------------------------------------------------- a peer stops or dies
+
+def stop_one_rank():
+    mesh = tensorpar.init(tp=2)
+    pids = torch.zeros(2, dtype=torch.int64)
+    pids[mesh.rank] = os.getpid()
+    dist.all_reduce(pids)
+    start_all_reduce_(torch.ones(4), mesh.tp_group).wait()  # the shared-memory channel is open
+    if mesh.rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return "resumed"
+    time.sleep(0.2)  # rank 1 is stopped now
+    began, cpu = time.monotonic(), time.process_time()
+    try:
+        start_all_reduce_(torch.ones(4), mesh.tp_group).wait()
+    except CollectiveError as e:
+        error = str(e)
+    else:
+        error = None
+    waited, busy = time.monotonic() - began, time.process_time() - cpu
+    os.kill(int(pids[1]), signal.SIGCONT)  # rank 1 may finish now
+    return error, waited, busy
+
+
+def test_a_stopped_peer_is_reported_within_the_group_timeout_without_spinning(no_leftover_segments):
+    (error, waited, busy), resumed = tensorpar.spawn(stop_one_rank, 2, collective_timeout=timedelta(seconds=2),
+                                                     timeout=60)
+    assert resumed == "resumed"
+    assert error is not None and error.startswith("rank 0: ")
+    assert "past the group's timeout of 2 s" in error and "rank 1 (pid" in error and "is stopped" in error
+    assert 2.0 <= waited < 4.0, f"the stopped peer was reported after {waited:.2f} s (timeout 2 s)"
+    assert busy < 0.3 * waited, f"the waiting rank used {busy:.2f} s of CPU in {waited:.2f} s"
+    print(f"stopped peer: reported after {waited:.2f} s, waiting rank used {busy / waited:.0%} of a core")
+
+
+def exit_while_the_channel_opens():
+    mesh = tensorpar.init(tp=2)
+    if mesh.rank == 1:  # rank 1 maps the segment, then exits before the others know
+        real = shm.SharedMemoryChannel.__init__
+
+        def mapped_then_gone(self, *args, **kwargs):
+            real(self, *args, **kwargs)
+            os._exit(3)
+        shm.SharedMemoryChannel.__init__ = mapped_then_gone
+    began = time.monotonic()
+    try:
+        start_all_reduce_(torch.ones(4), mesh.tp_group).wait()
+    except CollectiveError as e:
+        raise CollectiveError(f"{e} [after {time.monotonic() - began:.2f} s]") from None
+
+
+def test_a_peer_that_exits_while_a_channel_opens_ends_the_job_and_leaves_no_segment(no_leftover_segments):
+    began = time.monotonic()
+    with pytest.raises(tensorpar.RankError) as info:
+        tensorpar.spawn(exit_while_the_channel_opens, 2, collective_timeout=timedelta(seconds=5), timeout=60)
+    took = time.monotonic() - began
+    assert info.value.rank == 1 and "exited with code 3" in str(info.value)
+    assert "rank 0 failed: CollectiveError: rank 0: all_reduce" in str(info.value)  # rank 0 reported it too
+    print(f"peer exited while a channel opened: job ended after {took:.2f} s (including start-up)")
