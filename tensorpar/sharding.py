@@ -9,7 +9,9 @@ computation sees exactly the elements the unsharded one does.
 
 Every shard offset in tensorpar comes from :func:`partition_bounds` (directly
 or through :meth:`Shard.bounds`); gathering shards back into a full tensor is
-a collective and lives in :mod:`tensorpar.full`.
+a collective and lives in :mod:`tensorpar.full`. Every size, count and unit
+is checked by :func:`check_int` (the modules built on this core use it too): a ``bool``
+is never taken for ``1``.
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ def check_int(value: object, name: str, *, minimum: int = 1, optional: bool = Fa
     if is_int and value >= minimum:  # type: ignore[operator]
         return
     kind = {0: "a non-negative integer", 1: "a positive integer"}.get(minimum, f"an integer >= {minimum}")
-    raise (ValueError if is_int else TypeError)(f"{name} must be {kind}{' or None' * optional}, got {value!r}")
+    if optional:
+        kind += " or None"
+    raise (ValueError if is_int else TypeError)(f"{name} must be {kind}, got {value!r}")
 
 
 def partition_sizes(size: int, parts: int, *, unit: int = 1, name: str = "size") -> list[int]:

@@ -51,6 +51,7 @@ def check_bad_inputs():
         "bool input to a block": lambda: Block(GPTConfig(n_embd=16, n_head=4))(torch.ones(2, 3, 16, dtype=torch.bool)),
         "integer input to a column": lambda: column(torch.ones(2, 8, dtype=torch.int64)),
         "integer input to a row": lambda: row(torch.ones(2, 3, dtype=torch.int16)),
+        "integer input to a replicated linear": lambda: ReplicatedLinear(8, 4)(torch.ones(2, 8, dtype=torch.uint8)),
     }
     return {name: _message(fn) for name, fn in cases.items()}
 
@@ -83,7 +84,8 @@ def test_bad_input_gets_a_clear_error(worlds):
                                ("integer input to an mlp", "ParallelMLP", "int32"),
                                ("bool input to a block", "Block", "bool"),
                                ("integer input to a column", "ColumnParallelLinear", "int64"),
-                               ("integer input to a row", "RowParallelLinear", "int16")):
+                               ("integer input to a row", "RowParallelLinear", "int16"),
+                               ("integer input to a replicated linear", "ReplicatedLinear", "uint8")):
         assert m[case] == f"TypeError: {layer}: input dtype torch.{dtype} is not a floating-point dtype"
 
 
