@@ -23,10 +23,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
-import select
 import socket
-import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -37,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import lifeline
 from .mesh import DEFAULT_TIMEOUT, default_backend, shutdown
 
 _LOOPBACK = "127.0.0.1"
@@ -92,25 +90,9 @@ def _join_group(rank: int, world_size: int, port: int, backend: str, timeout: ti
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
-def _end_with_parent(conn: multiprocessing.connection.Connection, rank: int) -> None:
-    """In a child, on a thread of its own: wait for the pipe to the parent to hang up (the parent
-    exited, however it ended), then end this rank at once, before it computes or writes more."""
-    poller = select.poll()
-    poller.register(conn.fileno(), 0)  # no events asked for: poll reports only hang-ups and errors
-    while True:
-        events = [e for _, e in poller.poll()]
-        if any(e & select.POLLNVAL for e in events):  # this rank closed the pipe itself: it is exiting
-            return
-        if any(e & (select.POLLHUP | select.POLLERR) for e in events):
-            break
-    sys.stderr.write(f"rank {rank}: the launching process exited; stopping this rank\n")
-    sys.stderr.flush()
-    os._exit(1)
-
-
 def _rank_process(main: RankMain, rank: int, world_size: int, port: int, backend: str, timeout: timedelta,
                   threads: int, conn: multiprocessing.connection.Connection) -> None:
-    threading.Thread(target=_end_with_parent, args=(conn, rank), name="tensorpar-parent-watch", daemon=True).start()
+    lifeline.end_with_pipe(conn, rank)
     try:
         _join_group(rank, world_size, port, backend, timeout, threads)
     except BaseException as e:  # noqa: BLE001 - the parent reports it

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
+from . import lifeline
 from .random import RNGStatesTracker
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -82,6 +83,8 @@ def _init_process_group(backend: str | None, timeout: timedelta) -> None:
             raise RuntimeError(f"WORLD_SIZE is set but {', '.join(missing)} is not: launch with torchrun "
                                "or tensorpar.spawn, or initialise torch.distributed yourself")
         dist.init_process_group(backend, timeout=timeout)
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: end with it
+            lifeline.end_with_parent(dist.get_rank())
     # The group is ours: close it at exit (a gloo group left open can abort the interpreter's shutdown).
     atexit.register(_shutdown_at_exit, timeout)
 

@@ -7,6 +7,7 @@ short timeouts, measures the time to the error, and checks that no process
 and no ``/dev/shm`` entry is left.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -77,48 +78,58 @@ def _lines(path: Path) -> int:
 
 # ---------------------------------------------------------------- the launcher dies
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL])
-def test_ranks_stop_when_the_training_launcher_is_killed(tmp_path, sig, no_leftover_segments):
-    out = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--tp=2", "--steps=100000", f"--out={out}",
-         "--ckpt-every=3", "--no-progress", "--n-layer=1", "--n-embd=16", "--n-head=2", "--block-size=8",
-         "--batch-size=2", "--sample-tokens=0"],
-        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+def _kill_launcher(cmd, cwd, ready, written, sig=signal.SIGKILL):
+    """Start the launcher ``cmd``, wait until ``ready()``, then kill it with ``sig``: every process it
+    started must be gone within 10 s, and ``written()`` (what the ranks write) unchanged after that.
+    Returns the seconds from the signal until the last rank was gone."""
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while _lines(out / "metrics.jsonl") < 4 or not (out / "latest").exists():
+        while not ready():
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-3000:]
             time.sleep(0.05)
         ranks = _descendants(proc.pid)
         assert len(_running(ranks)) >= 2
         os.kill(proc.pid, sig)
-        proc.wait(10)
         took = _wait_gone(ranks, 10)
-        assert not _running(ranks), f"ranks {_running(ranks)} outlived their launcher (killed by {sig.name})"
-        logged, latest = _lines(out / "metrics.jsonl"), (out / "latest").read_text()
+        assert not _running(ranks), f"processes {_running(ranks)} outlived their launcher (killed by {sig.name})"
+        seen = written()
         time.sleep(1.0)  # nothing is written after the ranks are gone
-        assert (_lines(out / "metrics.jsonl"), (out / "latest").read_text()) == (logged, latest)
-        print(f"launcher killed by {sig.name}: every rank gone after {took:.2f} s")
+        assert written() == seen
+        return took
     finally:
-        if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL])
+def test_ranks_stop_when_the_training_launcher_is_killed(tmp_path, sig, no_leftover_segments):
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--tp=2", "--steps=100000", f"--out={out}",
+           "--ckpt-every=3", "--no-progress", "--n-layer=1", "--n-embd=16", "--n-head=2", "--block-size=8",
+           "--batch-size=2", "--sample-tokens=0"]
+    took = _kill_launcher(cmd, tmp_path, lambda: _lines(out / "metrics.jsonl") >= 4 and (out / "latest").exists(),
+                          lambda: (_lines(out / "metrics.jsonl"), (out / "latest").read_text(),
+                                   sorted(p.name for p in out.iterdir())), sig)
+    print(f"train_gpt.py launcher killed by {sig.name}: every rank gone after {took:.2f} s")
+
+
 _POOL = """
-import sys, time
+import sys
 from tensorpar.testing import World
 import test_faults
-world = World(2)
-world.run(test_faults.announce, sys.argv[1])
-world.run(test_faults.write_forever, sys.argv[1], timeout=600)
+World(2).run(test_faults.write_forever, sys.argv[1], timeout=600)
 """
 
-
-def announce(path):
-    with open(path, "a") as f:
-        f.write(f"pid {os.getpid()}\n")
+_TORCHRUN = """
+import os, sys, time, tensorpar
+tensorpar.init(tp=2)
+while True:
+    with open(sys.argv[1], "a") as f:
+        f.write(f"{os.getpid()} {time.time()}\\n")
+    time.sleep(0.01)
+"""
 
 
 def write_forever(path):
@@ -128,28 +139,16 @@ def write_forever(path):
         time.sleep(0.01)
 
 
-def test_pool_workers_stop_when_their_launcher_is_killed(tmp_path, no_leftover_segments):
+@pytest.mark.parametrize("launcher", ["pool", "torchrun"])
+def test_ranks_stop_when_a_pool_or_torchrun_launcher_is_killed(tmp_path, launcher, no_leftover_segments):
     log = tmp_path / "log"
-    proc = subprocess.Popen([sys.executable, "-c", _POOL, str(log)], cwd=TESTS, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 120
-        while _lines(log) < 10:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-3000:]
-            time.sleep(0.05)
-        workers = [int(line.split()[1]) for line in log.read_text().splitlines() if line.startswith("pid ")]
-        assert len(workers) == 2
-        proc.kill()
-        proc.wait(10)
-        took = _wait_gone(workers, 10)
-        assert not _running(workers), f"pool workers {_running(workers)} outlived their launcher"
-        written = _lines(log)
-        time.sleep(0.5)
-        assert _lines(log) == written
-        print(f"pool launcher killed: workers gone after {took:.2f} s")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = {"pool": [sys.executable, "-c", _POOL, str(log)],
+           "torchrun": [torchrun, "--standalone", "--nproc-per-node=2", str(tmp_path / "job.py"), str(log)]}[launcher]
+    (tmp_path / "job.py").write_text(_TORCHRUN)
+    took = _kill_launcher(cmd, TESTS if launcher == "pool" else tmp_path, lambda: len({line.split()[0] for line in log.read_text().splitlines()}) == 2
+                          if log.exists() else False, lambda: _lines(log))
+    print(f"{launcher} launcher killed by SIGKILL: every rank gone after {took:.2f} s")
 
 
 # ---------------------------------------------------------------- ranks that disagree
