@@ -108,3 +108,22 @@ def test_the_checks_are_off_unless_asked_for():
         assert not checks.enabled()
     with _env(TENSORPAR_CHECK_COLLECTIVES="1"):
         assert checks.enabled()
+
+
+def functional_linears_with_bad_arguments():
+    w = torch.ones(3, 4)
+    cases = [lambda: tensorpar.column_parallel_linear([1.0] * 4, w),
+             lambda: tensorpar.row_parallel_linear(torch.ones(2, 4, dtype=torch.int64), w),
+             lambda: tensorpar.column_parallel_linear(torch.ones(2, 5), w),
+             lambda: tensorpar.row_parallel_linear(torch.ones(2, 4), w, bias="b")]
+    return [_error(case) for case in cases]
+
+
+def test_the_functional_linears_reject_bad_arguments_on_every_rank(worlds):
+    first, second = worlds[2].run(functional_linears_with_bad_arguments)
+    assert first == second == [
+        "TypeError: column_parallel_linear: x must be a tensor, got list",
+        "TypeError: row_parallel_linear: x dtype torch.int64 is not a floating-point dtype",
+        "ValueError: column_parallel_linear: input of shape (2, 5) does not fit a weight of shape (3, 4) "
+        "(its last dim must equal the weight's second)",
+        "TypeError: row_parallel_linear: bias must be a tensor, got str"]

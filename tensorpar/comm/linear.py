@@ -97,6 +97,18 @@ class _RowParallelLinear(torch.autograd.Function):
         return (grad_x, *_weight_grads(grad, x.reshape(-1, x.shape[-1]), needs[1], ctx.has_bias and needs[2]), None)
 
 
+def _check(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """A clear error, before any collective, for arguments ``F.linear`` would reject."""
+    for what, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if not isinstance(t, torch.Tensor) and (t is not None or what != "bias"):
+            raise TypeError(f"{name}: {what} must be a tensor, got {type(t).__name__}")
+        if t is not None and not t.dtype.is_floating_point:
+            raise TypeError(f"{name}: {what} dtype {t.dtype} is not a floating-point dtype")
+    if weight.dim() != 2 or x.dim() == 0 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"{name}: input of shape {tuple(x.shape)} does not fit a weight of shape "
+                         f"{tuple(weight.shape)} (its last dim must equal the weight's second)")
+
+
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                            group: ProcessGroup | None = None) -> torch.Tensor:
     """Column-parallel linear map: ``x`` (*, in) replicated, ``weight`` this rank's rows (out / tp, in).
@@ -104,6 +116,7 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     Equal to ``F.linear(copy_to_tp(x), weight, bias)``; the backward all-reduce
     of the input gradient overlaps the weight-gradient computation.
     """
+    _check("column_parallel_linear", x, weight, bias)
     group = tp_group(group)
     if group_rank_size(group)[1] == 1:
         return F.linear(x, weight, bias)
@@ -117,6 +130,7 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     Equal to ``reduce_from_tp(F.linear(x, weight)) + bias``: the output
     (*, out) is summed over the group, the bias added once.
     """
+    _check("row_parallel_linear", x, weight, bias)
     group = tp_group(group)
     if group_rank_size(group)[1] == 1:
         return F.linear(x, weight, bias)
