@@ -166,8 +166,9 @@ class SharedMemoryChannel:
         return fits
 
     def _check_agreement(self, mine: tuple[int, int, int]) -> None:
-        views = [tuple(self._word(r, w) for w in (_NUMEL, _DTYPE, _OP)) for r in range(self.size)]
-        posted = [self._word(r, _POSTED) for r in range(self.size)]
+        rows = self._words[:self.size * _STRIDE].view(self.size, _STRIDE).tolist()  # one read of every header
+        views = [(row[_NUMEL], row[_DTYPE], row[_OP]) for row in rows]
+        posted = [row[_POSTED] for row in rows]
         if all(v == mine for v in views) and all(p == self._seq for p in posted):
             return
         self._words[self.rank * _STRIDE + _DONE] = self._seq  # peers may finish their own check
