@@ -1,0 +1,134 @@
+"""The manifest of a checkpoint directory: one JSON file that sizes and hashes every file of the
+checkpoint, and hashes itself, so that no byte of a checkpoint changes unnoticed.
+
+The manifest (``meta.json``) is a JSON object holding the format's own fields plus
+
+* ``"files"``: ``{name: {"sha256": hex digest, "bytes": size}}`` for exactly the
+  files the format defines;
+* ``"meta_sha256"``: the SHA-256 of the manifest's canonical JSON without this
+  field (sorted keys, no spaces), so an edit of any field is detected.
+
+The names of the files always come from the reader's code, never from the
+manifest: a manifest cannot send the reader to another file, and a name it
+lacks or adds is an error. Every file must be a regular file inside the
+directory (a symbolic link or a device is refused). Nothing here knows what the
+files hold, so any on-disk format (safetensors files, a
+``torch.distributed.checkpoint`` directory) is verified the same way.
+
+Example::
+
+    write_manifest(tmp, {"format": "my-format/1", "step": 3}, ["a.bin", "b.bin"])
+    meta = read_manifest(tmp, "my-format/1")      # checks its own hash and its format
+    verify_files(tmp, meta, ["a.bin", "b.bin"])    # checks each file's size and hash
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import stat
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "meta.json"
+SELF_HASH = "meta_sha256"
+MAX_MANIFEST_BYTES = 64 << 20  # a larger meta.json is no manifest this library wrote
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, corrupt, or does not fit the model it is loaded into."""
+
+
+def sha256_file(path: Path) -> str:
+    """The hex SHA-256 of a file's bytes, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def canonical_sha256(fields: Mapping[str, Any]) -> str:
+    """The hex SHA-256 of ``fields`` as canonical JSON (sorted keys, no spaces)."""
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def regular_file(path: Path) -> int:
+    """The size of ``path``, which must be a regular file (not a link, a directory or a device)."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except OSError as e:
+        raise CheckpointError(f"{path} cannot be read: {e}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise CheckpointError(f"{path} is not a regular file (a link, a directory or a device)")
+    return info.st_size
+
+
+def fsync(path: Path) -> None:
+    """Flush a file or a directory to disk (a rename is durable once its directory is flushed)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(directory: Path, fields: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """Write ``directory/meta.json``: ``fields``, the size and hash of each file in ``names``, and its
+    own hash. Every file and the manifest are on disk when this returns the manifest it wrote."""
+    files = {}
+    for name in names:
+        fsync(directory / name)
+        files[name] = {"sha256": sha256_file(directory / name), "bytes": regular_file(directory / name)}
+    body = dict(fields) | {"files": files}
+    meta = body | {SELF_HASH: canonical_sha256(body)}
+    with open(directory / MANIFEST, "w") as f:
+        f.write(json.dumps(meta, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
+    return meta
+
+
+def read_manifest(directory: Path, format: str) -> dict[str, Any]:
+    """The manifest of ``directory``, after checking that it is unedited and of ``format``."""
+    path = directory / MANIFEST
+    if regular_file(path) > MAX_MANIFEST_BYTES:
+        raise CheckpointError(f"{path} is larger than {MAX_MANIFEST_BYTES} bytes")
+    try:
+        meta = json.loads(path.read_bytes().decode())
+    except (ValueError, RecursionError) as e:  # JSON, UTF-8 and integer-size errors are ValueErrors
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path} does not hold a JSON object")
+    if meta.get("format") != format:
+        raise CheckpointError(f"{directory} is not a {format} checkpoint (format {meta.get('format')!r})")
+    digest = meta.get(SELF_HASH)
+    body = {k: v for k, v in meta.items() if k != SELF_HASH}
+    if not isinstance(digest, str) or canonical_sha256(body) != digest:
+        raise CheckpointError(f"{path} was modified (its SHA-256 does not match)")
+    return meta
+
+
+def verify_files(directory: Path, meta: Mapping[str, Any], names: Sequence[str]) -> None:
+    """Check that the manifest lists exactly ``names``, then each file's size and SHA-256."""
+    where = directory / MANIFEST
+    files = meta.get("files")
+    if not isinstance(files, dict) or set(files) != set(names):
+        listed = sorted(files) if isinstance(files, dict) else files
+        raise CheckpointError(f"{where}: files must list exactly {sorted(names)} (it lists {listed!r})")
+    for name in names:
+        entry = files[name]
+        if not (isinstance(entry, dict) and set(entry) == {"sha256", "bytes"}
+                and isinstance(entry["sha256"], str) and _HEX64.fullmatch(entry["sha256"])
+                and type(entry["bytes"]) is int and entry["bytes"] >= 0):
+            raise CheckpointError(f"{where}: files[{name!r}] must be {{'sha256': 64 hex digits, "
+                                  f"'bytes': a size}} (it is {entry!r})")
+        path = directory / name
+        if regular_file(path) != entry["bytes"] or sha256_file(path) != entry["sha256"]:
+            raise CheckpointError(f"{path} is corrupt or truncated (SHA-256 does not match meta.json)")

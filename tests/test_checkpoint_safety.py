@@ -1,0 +1,262 @@
+"""Checkpoints against damaged, edited or hostile directories and against crashes during save.
+
+Every refused load must raise CheckpointError naming the file and the field, and leave the model,
+the optimizer, torch's and the mesh's generators and every file on disk bitwise as they were. A save
+killed at any point must leave a valid checkpoint reachable through ``latest``, and the next save
+must clean up what the killed one left (and nothing a live writer is using)."""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from checkpoint_cases import (BLOCKED, DAMAGES, RANK1, Mixed, bitwise_equal, dead_pid, killed_save, mixed_trained,
+                              picture, trained)
+
+import tensorpar
+from tensorpar import checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# --- damaged, edited and hostile checkpoints ------------------------------------------------------
+
+def refused_load(root, damage, **options):
+    """Save a checkpoint, damage it, load it into another trained model: (error type, message, whether
+    nothing changed). Every rank damages nothing but the first; all load."""
+    out, mesh = Path(root) / "run", tensorpar.current_mesh()
+    model, optimizer = trained(0)
+    with mesh.rng.fork():  # the tp streams hold a state to save
+        torch.rand(1)
+    path = checkpoint.save(out, model, optimizer, step=3)
+    if mesh.rank == 0:
+        DAMAGES[damage][0](path)
+    torch.distributed.barrier()
+    target, target_optimizer = trained(1)
+    torch.rand(3)  # the generators move on from the saved states
+    with mesh.rng.fork():
+        torch.rand(3)
+    before = picture(target, target_optimizer, root)
+    try:
+        checkpoint.load(out, target, target_optimizer, **options)
+        kind, message = "no error", ""
+    except Exception as e:  # the test checks the type
+        kind, message = type(e).__name__, str(e)
+    torch.distributed.barrier()
+    return kind, message, bitwise_equal(before, picture(target, target_optimizer, root))
+
+
+@pytest.mark.parametrize("damage", sorted(set(DAMAGES) - {RANK1}))
+def test_a_damaged_checkpoint_is_refused_by_name_and_changes_nothing(worlds, tmp_path, damage):
+    kind, message, unchanged = worlds[1].run(refused_load, str(tmp_path), damage)[0]
+    assert kind == "CheckpointError", (kind, message)
+    assert issubclass(checkpoint.CheckpointError, ValueError)
+    for words in DAMAGES[damage][1]:
+        assert words in message, message
+    assert unchanged, f"{damage}: the refused load modified something"
+
+
+def test_every_rank_refuses_what_only_another_rank_needs(worlds, tmp_path):
+    """Rank 1's generator states are missing: rank 0, which has its own, refuses too, so no rank
+    loads a checkpoint that another rank refuses (load is no collective that could tell them)."""
+    for kind, message, unchanged in worlds[2].run(refused_load, str(tmp_path), RANK1):
+        assert kind == "CheckpointError" and DAMAGES[RANK1][1][0] in message, message
+        assert unchanged
+
+
+# --- crashes during save, and what they leave behind ---------------------------------------------
+
+def crash_points(root, step):
+    """Checkpoints of steps 3 and 5, then a save of ``step`` killed at its first, second... rename or
+    deletion until one completes. After each kill: what ``latest`` leads to, and what the next save
+    (step 7, by a live process) leaves."""
+    old, new = trained(0)[0], trained(1)[0]
+    states = {"old": old.state_dict(), "new": new.state_dict()}
+    rows = []
+    for n in range(1, 100):
+        out = Path(root) / f"killed-at-{n}"
+        checkpoint.save(out, old, step=3)
+        checkpoint.save(out, old, step=5)
+        if not killed_save(out, new, step, n):
+            return rows
+        meta = checkpoint.read_meta(out)  # verifies every file of the checkpoint latest leads to
+        exported = checkpoint.export_state_dict(out)
+        which = [name for name, state in states.items() if bitwise_equal(exported, state)]
+        aside = Path(meta["path"]).name != f"step-{meta['step']:06d}"
+        checkpoint.save(out, new, step=7)
+        left = sorted(p.name for p in out.iterdir() if p.name not in ("latest", "step-000007"))
+        rows.append((n, meta["step"], which, aside, left, checkpoint.read_meta(out)["step"]))
+    raise AssertionError("the save never completed")
+
+
+@pytest.mark.parametrize("step", [5, 6])
+def test_a_save_killed_at_any_point_leaves_a_valid_checkpoint_behind_latest(worlds, tmp_path, step):
+    """Killed while replacing step 5 (which latest names) or writing step 6: latest still leads to a
+    complete checkpoint, old or new, and the next save removes every leftover of the killed one."""
+    rows = worlds[1].run(crash_points, str(tmp_path), step)[0]
+    assert len(rows) >= 6, rows  # renames in, aside and out, the pointer, deletions: each a point to die at
+    for n, reached, which, aside, left, after in rows:
+        assert (reached, which) in [(5, ["old"]), (step, ["new"])], (n, reached, which)
+        assert after == 7 and left in (["step-000005"], [f"step-{step:06d}"]), (n, left)  # no leftover
+    if step == 5:  # killed between moving the old copy aside and the new one in: latest led to the aside copy
+        assert any(aside for _, _, _, aside, _, _ in rows), rows
+
+
+def stale_and_live(root):
+    """A save beside temporary entries of a dead writer, a live one, this process and another host."""
+    out = Path(root)
+    host = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())
+    dead, live = dead_pid(), subprocess.Popen(["sleep", "60"])
+    entries = [f".tmp-{dead}-{host}-0123abcd-step-000001", f".tmp-{dead}-{host}-4567abcd-latest",
+               f".old-{dead}-{host}-89abcdef-step-000002", f".tmp-{live.pid}-{host}-0123abcd-step-000003",
+               f".tmp-{os.getpid()}-{host}-0123abcd-step-000004", f".tmp-{dead}-elsewhere-0123abcd-step-000005",
+               ".tmp-not-ours"]
+    try:
+        out.mkdir()
+        (out / "step-000002").mkdir()  # the aside copy's checkpoint exists: the aside is stale
+        for name in entries:
+            if name.endswith("latest"):
+                (out / name).write_text("step-000001\n")
+            else:
+                (out / name).mkdir()
+                (out / name / "model.safetensors").write_bytes(b"partial")
+        checkpoint.save(out, trained(0)[0], step=9, keep=3)
+        return sorted(p.name for p in out.iterdir() if p.name.startswith(".")), sorted(entries[3:])
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_the_next_save_removes_what_dead_writers_left_and_nothing_else(worlds, tmp_path):
+    """Stale: a dead writer's temporary directory, pointer file and aside copy. Kept: the entries of a
+    live writer, of the saving process itself, of another host (whose processes cannot be seen), and
+    a name that is not the library's."""
+    left, kept = worlds[1].run(stale_and_live, str(tmp_path / "run"))[0]
+    assert left == kept
+
+
+# --- dtypes ---------------------------------------------------------------------------------------
+
+def save_mixed(out):
+    """Save a bf16 model with integer buffers and its bf16 optimizer state at this world's tp."""
+    model, optimizer = mixed_trained(0)
+    checkpoint.save(out, model, optimizer, step=1)
+    return tensorpar.full_state_dict(model)
+
+
+def refusal(out, model, **options):
+    try:
+        checkpoint.load(out, model, **options)
+    except checkpoint.CheckpointError as e:
+        return str(e)
+    return ""
+
+
+def reload_mixed(out, again):
+    """Load the checkpoint into another model at this tp and save that again; load it into models of
+    other dtypes: an int64 buffer and a float32 GPT (refused, then converted with cast=True)."""
+    model, optimizer = mixed_trained(1)
+    checkpoint.load(out, model, optimizer)
+    checkpoint.save(again, model, optimizer, step=1)
+    wider, single = Mixed(1, count_dtype=torch.int64), Mixed(1, dtype=torch.float32)
+    refusals = [refusal(out, wider), refusal(out, single), refusal(out, single, cast=True)]
+    return model.state_dict(), single.state_dict(), refusals
+
+
+def test_every_dtype_round_trips_bitwise_across_tp_and_another_is_refused_unless_cast(worlds, tmp_path):
+    out, again = tmp_path / "tp2", tmp_path / "tp1"
+    reference = worlds[2].run(save_mixed, str(out))[0]
+    loaded, converted, (wider, single, cast) = worlds[1].run(reload_mixed, str(out), str(again))[0]
+    assert bitwise_equal(loaded, reference)  # bf16 weights and int32/int64 buffers, exactly
+    for name in ("model.safetensors", "optimizer.safetensors"):  # saved at tp=2, loaded and saved at tp=1
+        first = safetensors.torch.load_file(out / "step-000001" / name)
+        assert bitwise_equal(first, safetensors.torch.load_file(again / "step-000001" / name)), name
+        assert {v.dtype for k, v in first.items() if k.startswith("gpt.") and v.dim()} == {torch.bfloat16}, name
+    assert "model.safetensors: count is stored as torch.int32, the model's is torch.int64" in wider, wider
+    assert re.search(r"model\.safetensors: gpt\.\S+ is stored as torch\.bfloat16, the model's is torch\.float32 "
+                     r"\(load\(\.\.\., cast=True\) converts it\)", single), single
+    assert cast == "" and bitwise_equal(converted, {k: v.float() if k.startswith("gpt.") else v
+                                                    for k, v in reference.items()})
+
+
+# --- nothing unpickled, no numpy ------------------------------------------------------------------
+
+def zero_without_unpickling(out):
+    """Save and load a ZeroRedundancyOptimizer over dp=2 while every way to unpickle raises; then compare
+    the loaded optimizer with the saved one, each consolidated by torch."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    mesh = tensorpar.current_mesh()
+
+    def build(seed):
+        model = trained(seed)[0]
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
+                                            process_group=mesh.dp_group, lr=seed + 1e-3, betas=(0.9, 0.95))
+        model(torch.arange(8).reshape(1, 8), torch.arange(8).reshape(1, 8)).backward()
+        optimizer.step()
+        return model, optimizer
+
+    (model, optimizer), (other, other_optimizer) = build(0), build(1)
+    originals = [(module, name, getattr(module, name)) for module, name, _ in BLOCKED]
+    try:
+        for module, name, replacement in BLOCKED:
+            setattr(module, name, replacement)
+        checkpoint.save(out, model, optimizer, step=1)
+        checkpoint.load(out, other, other_optimizer)
+    finally:
+        for module, name, original in originals:
+            setattr(module, name, original)
+    optimizer.consolidate_state_dict(to=0)
+    other_optimizer.consolidate_state_dict(to=0)
+    if mesh.rank:
+        return None
+    return (bitwise_equal(optimizer.state_dict(), other_optimizer.state_dict()),
+            bitwise_equal(model.state_dict(), other.state_dict()),
+            len(optimizer.state_dict()["state"]) == len(list(model.parameters())))
+
+
+def test_zero_optimizer_state_travels_without_pickle(worlds, tmp_path):
+    same_optimizer, same_model, every_parameter = worlds[2].run(zero_without_unpickling, str(tmp_path), tp=1, dp=2)[0]
+    assert same_optimizer and same_model and every_parameter
+
+
+def test_checkpoint_code_has_no_pickle_and_no_object_collectives():
+    code = "\n".join(p.read_text() for p in (ROOT / "tensorpar" / "checkpoint").glob("*.py"))
+    found = re.findall(r"\bimport pickle|\bpickle\.\w+|\w+_object(?:_list)?\(|torch\.load\(|"
+                       r"\.consolidate_state_dict\(", code)
+    assert not found, found
+
+
+def test_checkpoints_work_without_numpy_and_without_unpickling(tmp_path):
+    """As after a plain ``pip install tensorpar[train]`` (safetensors without numpy): save, verify and
+    load, with every way to unpickle replaced by an error."""
+    code = f"""
+import sys
+sys.modules["numpy"] = None  # importing numpy fails
+import pickle, torch, tensorpar
+from tensorpar import checkpoint
+sys.path.insert(0, {str(ROOT / "tests")!r})
+from checkpoint_cases import BLOCKED, bitwise_equal
+for module, name, replacement in BLOCKED:
+    setattr(module, name, replacement)
+tensorpar.init()
+torch.manual_seed(0)
+model, other = torch.nn.Linear(3, 2).to(torch.bfloat16), torch.nn.Linear(3, 2).to(torch.bfloat16)
+optimizer, other_optimizer = torch.optim.AdamW(model.parameters()), torch.optim.AdamW(other.parameters())
+model(torch.ones(1, 3, dtype=torch.bfloat16)).sum().backward()
+optimizer.step()
+checkpoint.save("ckpt", model, optimizer, step=1)
+checkpoint.load("ckpt", other, other_optimizer)
+print(checkpoint.read_meta("ckpt")["step"], bitwise_equal(model.state_dict(), other.state_dict()),
+      bitwise_equal(optimizer.state_dict()["state"], other_optimizer.state_dict()["state"]))
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["1", "True", "True"], done.stdout
