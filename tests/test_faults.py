@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import tensorpar
+import tensorpar.checkpoint
 from tensorpar.comm import shm
 from tensorpar.comm.collectives import CollectiveError, start_all_reduce_
 
@@ -112,6 +113,7 @@ def test_ranks_stop_when_the_training_launcher_is_killed(tmp_path, sig, no_lefto
     took = _kill_launcher(cmd, tmp_path, lambda: _lines(out / "metrics.jsonl") >= 4 and (out / "latest").exists(),
                           lambda: (_lines(out / "metrics.jsonl"), (out / "latest").read_text(),
                                    sorted(p.name for p in out.iterdir())), sig)
+    assert tensorpar.checkpoint.read_meta(out)["step"] >= 2  # the last checkpoint is whole: nothing lost
     print(f"train_gpt.py launcher killed by {sig.name}: every rank gone after {took:.2f} s")
 
 
