@@ -171,10 +171,11 @@ def disagreeing_all_reduce(case):
     }[case]
     with tensorpar.use_mesh(mesh):
         start_all_reduce_(torch.ones(2), mesh.tp_group).wait()  # the channel is open and working
+        began = time.monotonic()
         try:
             start_all_reduce_(torch.full((numel,), 100.0 + rank, dtype=dtype), mesh.tp_group, op=op).wait()
         except CollectiveError as e:
-            error = str(e)
+            error = f"{e} [after {time.monotonic() - began:.4f} s]"
         else:
             error = None
         # the channel is closed on every rank alike: what follows goes through gloo, correctly
@@ -185,8 +186,8 @@ def disagreeing_all_reduce(case):
 @pytest.mark.parametrize("case", ["count", "dtype", "op", "capacity"])
 def test_ranks_that_disagree_on_a_shared_memory_all_reduce_all_raise_the_same_error(worlds, case):
     results = worlds[2].run(disagreeing_all_reduce, case)
-    errors = [error for error, _, _ in results]
-    assert all(error is not None for error in errors), f"a rank returned without error: {results}"
+    assert all(error is not None for error, _, _ in results), f"a rank returned without error: {results}"
+    errors, times = zip(*(error.rsplit(" [after ", 1) for error, _, _ in results))
     assert errors[0].startswith("rank 0: ") and errors[1].startswith("rank 1: ")
     # each names its own call, then the same words on every rank
     assert errors[0].split(" failed: ", 1)[1] == errors[1].split(" failed: ", 1)[1]
@@ -195,6 +196,8 @@ def test_ranks_that_disagree_on_a_shared_memory_all_reduce_all_raise_the_same_er
                 "op": ["(sum)", "(max)"], "capacity": ["256 float32", "600000 float32"]}[case]
     assert all(word in errors[0] for word in expected), errors[0]
     assert all(after == [3.0, 3.0, 3.0] and broken for _, after, broken in results)
+    print(f"shared-memory all-reduce, ranks disagree on {case}: "
+          + ", ".join(t.rstrip("]") for t in times) + " to the error on ranks 0, 1")
 
 
 def matching_all_reduces(sizes, seed):
@@ -276,4 +279,6 @@ def test_a_peer_that_exits_while_a_channel_opens_ends_the_job_and_leaves_no_segm
     took = time.monotonic() - began
     assert info.value.rank == 1 and "exited with code 3" in str(info.value)
     assert "rank 0 failed: CollectiveError: rank 0: all_reduce" in str(info.value)  # rank 0 reported it too
-    print(f"peer exited while a channel opened: job ended after {took:.2f} s (including start-up)")
+    seen = str(info.value).split(" [after ", 1)[1].split("]")[0]
+    print(f"peer exited while a channel opened: rank 0's error after {seen}, job ended after {took:.2f} s "
+          "(including start-up)")

@@ -43,8 +43,9 @@ def dtype_name(code: int) -> str:
 
 def enabled() -> bool:
     """Whether collectives compare their arguments across ranks first (see the module's docstring)."""
-    return (os.environ.get("TENSORPAR_CHECK_COLLECTIVES", "0") not in ("", "0")
-            or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL")
+    env = os.environ
+    return (("TENSORPAR_CHECK_COLLECTIVES" in env and env["TENSORPAR_CHECK_COLLECTIVES"] not in ("", "0"))
+            or ("TORCH_DISTRIBUTED_DEBUG" in env and env["TORCH_DISTRIBUTED_DEBUG"].upper() == "DETAIL"))
 
 
 def agree(what: str, group: ProcessGroup, fields: Mapping[str, int], problem: str | None = None, *,

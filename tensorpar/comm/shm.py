@@ -89,7 +89,8 @@ class SharedMemoryChannel:
         if os.fstat(fd).st_size != length:  # not the segment rank 0 made (another process's descriptor)
             raise OSError(f"the shared segment has {os.fstat(fd).st_size} bytes, expected {length}")
         self._map = mmap.mmap(fd, length)
-        self._words = torch.frombuffer(self._map, dtype=torch.int64, count=_header(self.size) // 8)
+        # the flags, read and written as machine words (a memoryview: ~20x cheaper than tensor indexing)
+        self._words = memoryview(self._map)[:_header(self.size)].cast("q")
         self._data = torch.frombuffer(self._map, dtype=torch.uint8, offset=_header(self.size))
         self._words[self.rank * _STRIDE + _PID] = os.getpid()
         self._seq, self.broken = 0, False
@@ -98,21 +99,19 @@ class SharedMemoryChannel:
 
     def verify(self) -> bool:
         """After every rank has mapped the segment: do they all see one memory and one another?"""
-        self._pids = [int(self._words[r * _STRIDE + _PID]) for r in range(self.size)]
-        return int(self._words[_TOKEN]) == self._token and all(_process_state(p) != "X" for p in self._pids)
+        self._pids = [self._words[r * _STRIDE + _PID] for r in range(self.size)]
+        return self._words[_TOKEN] == self._token and all(_process_state(p) != "X" for p in self._pids)
 
     def _slot(self, rank: int, x: torch.Tensor) -> torch.Tensor:
         start = rank * self.capacity
         return self._data[start:start + x.numel() * x.element_size()].view(x.dtype).view(x.shape)
 
-    def _word(self, rank: int, word: int) -> int:
-        return int(self._words[rank * _STRIDE + word])
-
     def _wait_all(self, word: int, value: int) -> None:
         start = time.monotonic()
         look, nap = start + _LOOK, 0.0
+        words = self._words
         for r in range(self.size):
-            while self._word(r, word) < value:
+            while words[r * _STRIDE + word] < value:
                 now = time.monotonic()
                 if now < start + _SPIN:
                     os.sched_yield()
@@ -166,7 +165,8 @@ class SharedMemoryChannel:
         return fits
 
     def _check_agreement(self, mine: tuple[int, int, int]) -> None:
-        rows = self._words[:self.size * _STRIDE].view(self.size, _STRIDE).tolist()  # one read of every header
+        flat = self._words[:self.size * _STRIDE].tolist()  # one read of every header
+        rows = [flat[r * _STRIDE:(r + 1) * _STRIDE] for r in range(self.size)]
         views = [(row[_NUMEL], row[_DTYPE], row[_OP]) for row in rows]
         posted = [row[_POSTED] for row in rows]
         if all(v == mine for v in views) and all(p == self._seq for p in posted):
