@@ -68,13 +68,15 @@ def run(model_dir: str, prompt: str | None, prompt_ids: list[int] | None, max_ne
     idx = torch.tensor([prompt_ids], dtype=torch.long, device=gpt.lm_head.weight.device)  # (1, T)
     tokens = gpt.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k)[0].tolist()
 
-    everyone: list[list[int] | None] = [None] * mesh.tp
-    dist.all_gather_object(everyone, tokens, group=mesh.tp_group)
+    mine = torch.tensor(tokens, device=idx.device)  # (T,); every rank generated T tokens
+    lowest, highest = mine.clone(), mine.clone()
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=mesh.tp_group)
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=mesh.tp_group)
     return {
         "rank": mesh.rank,
         "tokens": tokens,
         "prompt_len": len(prompt_ids),
-        "all_ranks_agree": all(t == tokens for t in everyone),
+        "all_ranks_agree": torch.equal(lowest, highest),
         "text": tokenizer.decode(tokens) if tokenizer is not None else None,
         "local_params": sum(p.numel() for p in gpt.parameters()),
     }

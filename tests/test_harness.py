@@ -46,15 +46,20 @@ def test_a_rank_that_raises_fails_fast_and_the_pool_recovers(pair):
 
 
 def all_hang():
+    if dist.get_rank() == 0:  # in a shared-memory all-reduce that its peer never joins
+        tensorpar.reduce_from_tp(torch.ones(1000))
     time.sleep(30)
 
 
 def test_a_hung_example_is_killed_and_the_pool_restarted(pair):
+    segments = set(os.listdir("/dev/shm"))
+    pair.run(tensorpar.reduce_from_tp, torch.ones(3))  # the shared-memory channel is open
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"all_hang did not finish within 8.0 s on ranks \[0, 1\]"):
         pair.run(all_hang)
     assert time.monotonic() - start < 15
     assert pair.run(ranks) == [0, 1]
+    assert set(os.listdir("/dev/shm")) == segments  # the killed example left no shared memory behind
 
 
 def rank_zero_exits():
