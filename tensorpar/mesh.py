@@ -194,20 +194,28 @@ def init(tp: int | None = None, dp: int | None = None, *, backend: str | None = 
 _BACKENDS = (None, "gloo", "nccl")
 
 
+def exchange_ints(row: list[int], group: ProcessGroup | None = None,
+                  device: torch.device | None = None) -> list[list[int]]:
+    """Every rank's ``row`` (the same length on all), in rank order: one small all-reduce in which
+    each rank fills its own row of zeros, so nothing needs pickling. ``device``: the group's."""
+    rows = torch.zeros(dist.get_world_size(group), len(row), dtype=torch.int64)
+    rows[dist.get_rank(group)] = torch.tensor(row, dtype=torch.int64)
+    everyone = rows.to(device)
+    dist.all_reduce(everyone, group=group)
+    return everyone.tolist()
+
+
 def _agree(tp: int | None, dp: int | None, backend: str | None) -> None:
-    """Compare ``init``'s arguments across the world (one small all-gather); every rank raises alike."""
-    world = dist.get_world_size()
-    if world == 1:
+    """Compare ``init``'s arguments across the world (one small all-reduce); every rank raises alike."""
+    if dist.get_world_size() == 1:
         return
     device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in dist.get_backend() else None
-    everyone = torch.zeros(world, 3, dtype=torch.int64, device=device)  # a row per rank: each fills its own
-    everyone[dist.get_rank()] = torch.tensor([tp or 0, dp or 0, _BACKENDS.index(backend) if backend in _BACKENDS
-                                              else -1])
-    dist.all_reduce(everyone)
-    if (everyone == everyone[0]).all():
+    everyone = exchange_ints([tp or 0, dp or 0, _BACKENDS.index(backend) if backend in _BACKENDS else -1],
+                             device=device)
+    if all(row == everyone[0] for row in everyone):
         return
     views = [f"rank {r}: tp={t or None}, dp={d or None}, backend={_BACKENDS[b] if b >= 0 else 'other'!r}"
-             for r, (t, d, b) in enumerate(everyone.tolist())]
+             for r, (t, d, b) in enumerate(everyone)]
     raise ValueError(f"the ranks called tensorpar.init with different arguments ({'; '.join(views)})")
 
 

@@ -20,11 +20,13 @@ differ. The shared-memory all-reduce compares its calls always, at no cost
 from __future__ import annotations
 
 import os
+import struct
 from collections.abc import Mapping
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+from ..mesh import exchange_ints
 
 #: dtypes by number, for describing a call in integers
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -57,17 +59,11 @@ def agree(what: str, group: ProcessGroup, fields: Mapping[str, int], problem: st
         if problem:
             raise ValueError(problem)
         return
-    n = dist.get_world_size(group)
-    text = (problem or "").encode()[:_TEXT].ljust(_TEXT, b"\0")
-    rows = torch.zeros(n, len(fields) + _TEXT // 8, dtype=torch.int64)  # a row per rank: each fills its own
-    rows[dist.get_rank(group)] = torch.cat([torch.tensor(list(fields.values()), dtype=torch.int64),
-                                            torch.frombuffer(bytearray(text), dtype=torch.int64)])
-    everyone = rows.to(device)
-    dist.all_reduce(everyone, group=group)
-    rows = everyone.cpu()
-    values = rows[:, :len(fields)].tolist()
-    problems = {r: bytes(rows[r, len(fields):].contiguous().view(torch.uint8).tolist()).rstrip(b"\0")
-                .decode(errors="replace") for r in range(n)}
+    text = (problem or "").encode()[:_TEXT].ljust(_TEXT, b"\0")  # travels as int64 words
+    rows = exchange_ints([*fields.values(), *struct.unpack(f"<{_TEXT // 8}q", text)], group, device)
+    values = [row[:len(fields)] for row in rows]
+    problems = {r: struct.pack(f"<{_TEXT // 8}q", *row[len(fields):]).rstrip(b"\0").decode(errors="replace")
+                for r, row in enumerate(rows)}
     found = [f"rank {r}: {p}" for r, p in problems.items() if p]
     if not found and all(v == values[0] for v in values):
         return

@@ -172,12 +172,12 @@ def all_gather_along(x: torch.Tensor, dim: int, sizes: Sequence[int], group: Pro
                      counters: tuple[CollectiveCounter, ...] | None = None) -> torch.Tensor:
     """Concatenation along ``dim`` of every rank's ``x``; rank ``r`` holds ``sizes[r]`` there."""
     n, rank = dist.get_world_size(group), dist.get_rank(group)
-    fields, problem = _layout(x, dim, sizes, n)
-    if problem is None and x.shape[dim] != sizes[rank]:
-        problem = (f"all-gather along dim {dim}: rank {rank} of {n} holds {x.shape[dim]} "
-                   f"elements there but the split is {list(sizes)}")
-    if problem is not None or enabled():  # every rank's own part is checked: each tells the others
-        agree("all-gather", group, fields | {"along": 0}, problem, device=x.device)
+    if len(sizes) != n or not -x.dim() <= dim < x.dim() or x.shape[dim] != sizes[rank] or enabled():
+        fields, problem = _layout(x, dim, sizes, n)  # only where something is wrong, or checks are on
+        if problem is None and x.shape[dim] != sizes[rank]:
+            problem = (f"all-gather along dim {dim}: rank {rank} of {n} holds {x.shape[dim]} "
+                       f"elements there but the split is {list(sizes)}")
+        agree("all-gather", group, fields | {"along": 0}, problem, device=x.device)  # each rank's own part
     if n == 1:
         return x.clone(memory_format=torch.contiguous_format)
     x3, dim = _split_view(x, dim)
@@ -201,11 +201,11 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, sizes: Sequence[int], group:
                          counters: tuple[CollectiveCounter, ...] | None = None) -> torch.Tensor:
     """This rank's slice (``sizes[rank]`` elements along ``dim``) of the sum of ``x`` over the group."""
     n, rank = dist.get_world_size(group), dist.get_rank(group)
-    fields, problem = _layout(x, dim, sizes, n)
-    if problem is None and x.shape[dim] != sum(sizes):
-        problem = (f"reduce-scatter along dim {dim}: size {x.shape[dim]} does not match "
-                   f"the split {list(sizes)} over {n} ranks")
-    if problem is not None or enabled():
+    if len(sizes) != n or not -x.dim() <= dim < x.dim() or x.shape[dim] != sum(sizes) or enabled():
+        fields, problem = _layout(x, dim, sizes, n)  # only where something is wrong, or checks are on
+        if problem is None and x.shape[dim] != sum(sizes):
+            problem = (f"reduce-scatter along dim {dim}: size {x.shape[dim]} does not match "
+                       f"the split {list(sizes)} over {n} ranks")
         agree("reduce-scatter", group, fields, problem, device=x.device)
     if n == 1:
         return x.clone(memory_format=torch.contiguous_format)
