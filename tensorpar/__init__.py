@@ -27,6 +27,7 @@ from .comm import (
     scatter_to_tp,
 )
 from .cross_entropy import vocab_parallel_cross_entropy
+from .fsdp import fully_shard_dp
 from .full import full_grads, full_state_dict, load_full_state_dict, shard_geometry, unshard
 from .launch import RankError, spawn
 from .mesh import (
@@ -59,6 +60,7 @@ __all__ = [
     "current_mesh",
     "full_grads",
     "full_state_dict",
+    "fully_shard_dp",
     "gather_from_tp",
     "grad_norm",
     "group_rank_size",
