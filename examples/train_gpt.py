@@ -2,6 +2,7 @@
 
     python examples/train_gpt.py                         # tp=2, dp=1 on local CPU processes
     python examples/train_gpt.py --tp 2 --dp 2 --zero    # 4 processes, optimizer state sharded over dp
+    python examples/train_gpt.py --tp 2 --dp 2 --fsdp    # parameters, gradients and optimizer state too
     python examples/train_gpt.py --data my.txt --steps 2000 --out run1
     torchrun --nproc-per-node 8 examples/train_gpt.py --tp 4 --n-layer 12 --n-embd 768 --n-head 12
 
@@ -9,9 +10,11 @@ With plain ``python`` it starts tp x dp local processes itself (gloo on CPU,
 NCCL when there is a GPU per rank); under ``torchrun`` each process is one
 rank and dp = world / tp. Tensor parallelism is inside a node-local group of
 tp ranks, data parallelism (``DistributedDataParallel`` on the dp group,
-optionally ``ZeroRedundancyOptimizer``) across them. AdamW, cosine LR with
-warmup, gradient clipping by the norm of the whole unsharded gradient,
-gradient accumulation; float32 on CPU, bf16 autocast on GPU.
+optionally ``ZeroRedundancyOptimizer``) across them, or FSDP2 over the dp
+group with the tp shards inside (``--fsdp``: ``tensorpar.fully_shard_dp``; it
+writes no checkpoints yet). AdamW, cosine LR with warmup, gradient clipping by
+the norm of the whole unsharded gradient, gradient accumulation; float32 on
+CPU, bf16 autocast on GPU.
 
 The data is bytes of text (the built-in corpus unless ``--data``), drawn
 deterministically per step: a run resumed from a checkpoint (``--resume``, at
@@ -63,6 +66,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     clip: float = 1.0  # 0: no clipping
     zero: bool = False
+    fsdp: bool = False  # FSDP2 over dp instead of DDP (and instead of --zero)
     seed: int = 1337
     data: str | None = None
     out: str | None = "out"
@@ -72,12 +76,21 @@ class TrainConfig:
     sample_tokens: int = 200
     progress: bool = True
 
+    def __post_init__(self) -> None:
+        if self.fsdp and self.zero:
+            raise ValueError("--fsdp and --zero exclude each other: --fsdp shards parameters, gradients and "
+                             "optimizer state over dp itself (without either flag dp uses DDP)")
+        if self.fsdp and self.resume:
+            raise ValueError("--resume cannot be used with --fsdp: checkpoints do not hold FSDP-sharded state yet")
+
 
 def build(cfg: TrainConfig, mesh: tensorpar.Mesh) -> tuple[GPT, torch.optim.Optimizer]:
     tensorpar.manual_seed(cfg.seed)  # the same full weights at any tp and dp
     model = GPT(GPTConfig(vocab_size=VOCAB_SIZE, block_size=cfg.block_size, n_layer=cfg.n_layer,
                           n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias),
                 device=mesh.device)
+    if cfg.fsdp:  # before the optimizer: FSDP2 replaces the parameters by their dp shards
+        tensorpar.fully_shard_dp(model, mesh, modules=model.transformer.h)
     params = list(model.parameters())
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # no decay: biases, norms
@@ -101,7 +114,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.resume and out and (out / "latest").exists():
         meta = checkpoint.load(out, model, optimizer)
         start = meta["step"] + 1
-    ddp = DistributedDataParallel(model, process_group=mesh.dp_group) if mesh.dp > 1 else model
+    ddp = DistributedDataParallel(model, process_group=mesh.dp_group) if mesh.dp > 1 and not cfg.fsdp else model
     cuda = mesh.device.type == "cuda"
     if lead and out:
         out.mkdir(parents=True, exist_ok=True)
@@ -121,7 +134,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         for micro in range(cfg.grad_accum):
             x, y = data.batch(step, micro, batch_size=cfg.batch_size, block_size=cfg.block_size,
                               accum=cfg.grad_accum, dp=mesh.dp, dp_rank=mesh.dp_rank)
-            sync = contextlib.nullcontext() if mesh.dp == 1 or micro == cfg.grad_accum - 1 else ddp.no_sync()
+            reduce = micro == cfg.grad_accum - 1  # the gradients go over dp after the last micro-batch only
+            if cfg.fsdp:
+                model.set_requires_gradient_sync(reduce)
+            sync = contextlib.nullcontext() if mesh.dp == 1 or cfg.fsdp or reduce else ddp.no_sync()
             autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
             with sync:  # no gradient all-reduce over dp until the last micro-batch
                 with autocast:
@@ -136,7 +152,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             loss_sum /= mesh.dp
         losses[step], norms[step] = loss_sum.item(), norm.item()
         seconds = time.perf_counter() - began
-        if out and ((cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0) or step == last):
+        if out and not cfg.fsdp and ((cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0) or step == last):
             checkpoint.save(out, model, optimizer, step=step, mesh=mesh,
                             extra={"data_position": {"step": step + 1, "tokens": (step + 1) * tokens_per_step},
                                    "train_config": dataclasses.asdict(cfg)})
@@ -152,7 +168,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if log:
         log.close()
     sample = _sample(model, cfg, mesh) if cfg.sample_tokens and last == cfg.steps - 1 else None
-    full = model.full_state_dict() if mesh.dp_rank == 0 else None
+    full = model.full_state_dict() if mesh.dp_rank == 0 or cfg.fsdp else None  # FSDP: gathered over dp too
     if not lead:
         return {}
     if out and losses:
@@ -184,9 +200,13 @@ def _progress(cfg: TrainConfig, start: int) -> Any:
 
 def _sample(model: GPT, cfg: TrainConfig, mesh: tensorpar.Mesh) -> str:
     model.eval()
+    if cfg.fsdp:  # generate() reads the root's own parameters outside its forward
+        model.unshard()
     prompt = torch.tensor([list(b"The ")], device=mesh.device)
     torch.manual_seed(cfg.seed)
     tokens = model.generate(prompt, cfg.sample_tokens, temperature=0.8, top_k=40)[0].tolist()
+    if cfg.fsdp:
+        model.reshard()
     model.train()
     return ByteData.decode(tokens)
 
@@ -226,7 +246,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
             parser.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default)
         else:
             parser.add_argument(name, type={"int": int, "float": float}.get(kind, str), default=f.default)
-    cfg = TrainConfig(**vars(parser.parse_args(argv)))
+    try:
+        cfg = TrainConfig(**vars(parser.parse_args(argv)))
+    except ValueError as e:
+        parser.error(str(e))
     if cfg.out in ("", "none"):
         cfg.out = None
     return cfg
@@ -249,7 +272,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"loss {first:.3f} -> {last:.3f} over steps {min(losses)}-{max(losses)} "
               f"in {time.perf_counter() - began:.0f} s (tp={cfg.tp}, dp={cfg.dp})")
     if cfg.out:
-        print(f"metrics: {cfg.out}/metrics.jsonl, curve: {cfg.out}/loss.png, checkpoint: {cfg.out}/latest")
+        print(f"metrics: {cfg.out}/metrics.jsonl, curve: {cfg.out}/loss.png"
+              + ("" if cfg.fsdp else f", checkpoint: {cfg.out}/latest"))
     if result.get("sample"):
         print("sample:\n" + result["sample"])
     if losses and not math.isfinite(losses[max(losses)]):

@@ -7,6 +7,11 @@ model by that description, so everything here works for any model built from
 such modules; it is the one place where shards are gathered into full tensors
 (:func:`unshard`) or full tensors are cut into this rank's shards
 (:func:`shard_of`).
+
+Under FSDP2 (:func:`tensorpar.fully_shard_dp`) parameters and gradients are
+``DTensor``\\ s over the dp sub-mesh whose global tensor is the rank's tp shard:
+they are all-gathered over dp first (:func:`tp_local`), then over tp as usual;
+loading cuts a full tensor to the tp shard, then to this rank's dp chunk of it.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .comm.collectives import all_gather_along
 from .mesh import group_rank_size
@@ -36,6 +42,18 @@ def placements(model: nn.Module) -> dict[str, tuple[Shard, ProcessGroup]]:
     return found
 
 
+def local_part(x: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores: a ``DTensor``'s local piece, any other tensor itself (no copy)."""
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+def tp_local(x: torch.Tensor) -> torch.Tensor:
+    """The rank's whole tp shard (or replicated copy) of ``x``, detached: a ``DTensor`` (FSDP2's
+    dp shards of it) is all-gathered over its mesh, a collective; any other tensor is itself."""
+    with torch.no_grad():
+        return x.full_tensor() if isinstance(x, DTensor) else x.detach()
+
+
 def unshard(x: torch.Tensor, placement: Shard, group: ProcessGroup) -> torch.Tensor:
     """The full tensor from every rank's shard (a collective, no autograd; every rank gets it)."""
     with torch.no_grad():
@@ -49,12 +67,15 @@ def shard_of(x: torch.Tensor, placement: Shard, group: ProcessGroup) -> torch.Te
 
 
 def gather(tensors: Mapping[str, torch.Tensor], where: Placements) -> dict[str, torch.Tensor]:
-    """``tensors`` with every split one (a key of ``where``) gathered to full size (a collective)."""
-    return {k: unshard(v, *where[k]) if k in where else v.detach().clone() for k, v in tensors.items()}
+    """``tensors`` with every split one (a key of ``where``) gathered to full size (a collective;
+    under FSDP2 over dp first, so every rank of the mesh must call it)."""
+    pieces = {k: tp_local(v) for k, v in tensors.items()}  # over dp first (FSDP2), then over tp
+    return {k: unshard(v, *where[k]) if k in where else v.clone() for k, v in pieces.items()}
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict of the unsharded model, on every rank (a collective)."""
+    """The state dict of the unsharded model, on every rank (a collective; under FSDP2 over the
+    whole mesh)."""
     return gather(model.state_dict(), placements(model))
 
 
@@ -95,7 +116,8 @@ def shard_geometry(model: nn.Module) -> dict[str, dict[str, tuple[int, ...]]]:
 
 
 def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Load an unsharded state dict, keeping each rank's shard of the split tensors."""
+    """Load an unsharded state dict, keeping each rank's shard of the split tensors (and under
+    FSDP2 this rank's dp chunk of that shard, cut locally: no communication)."""
     local = dict(state_dict)
     for key, (placement, group) in placements(model).items():
         if key not in local:
@@ -104,4 +126,11 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
             local[key] = shard_of(local[key], placement, group)
         except ValueError as e:
             raise ValueError(f"{key}: {e}") from None
+    for key, current in model.state_dict().items():
+        if isinstance(current, DTensor) and key in local and not isinstance(local[key], DTensor):
+            if tuple(local[key].shape) != tuple(current.shape):  # before cutting it over dp
+                raise ValueError(f"{key}: expected this rank's shard of shape {tuple(current.shape)}, "
+                                 f"got {tuple(local[key].shape)}")
+            local[key] = distribute_tensor(local[key].to(current.device), current.device_mesh, current.placements,
+                                           src_data_rank=None)
     model.load_state_dict(local)
