@@ -18,6 +18,7 @@ split, so a rank holds little more than ``1/tp`` of the parameters.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,9 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.utils.checkpoint import checkpoint
 
 import tensorpar
 from tensorpar.comm.collectives import broadcast_from_first_
+from tensorpar.random import RNGStatesTracker, recompute_contexts
 from tensorpar.sharding import check_int
 
 from . import hf
@@ -42,10 +45,13 @@ from .regions import ReduceFromTP
 
 @dataclass
 class GPTConfig:
-    """nanoGPT's configuration, plus grouped-query attention and the MLP kind.
+    """nanoGPT's configuration, plus grouped-query attention, the MLP kind and activation checkpointing.
 
     ``n_kv_head=None`` means ``n_head`` (multi-head attention); ``mlp`` is
     ``"gelu"`` (hidden ``4 * n_embd``) or ``"swiglu"`` (hidden ``8 * n_embd // 3``).
+    ``activation_checkpointing=True`` keeps only each block's input for backward
+    and runs the block's forward again there (``torch.utils.checkpoint``,
+    non-reentrant), with the same dropout masks: less memory, one more forward.
     """
 
     block_size: int = 1024
@@ -57,6 +63,7 @@ class GPTConfig:
     bias: bool = True
     n_kv_head: int | None = None
     mlp: str = "gelu"
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
@@ -68,6 +75,8 @@ class GPTConfig:
             raise ValueError(f"n_head ({self.n_head}) is not divisible by n_kv_head ({self.kv_heads})")
         if self.mlp not in ACTIVATIONS:
             raise ValueError(f"mlp must be one of {ACTIVATIONS}, got {self.mlp!r}")
+        if not isinstance(self.activation_checkpointing, bool):
+            raise TypeError(f"GPTConfig.activation_checkpointing must be a bool, got {self.activation_checkpointing!r}")
 
     @property
     def kv_heads(self) -> int:
@@ -96,6 +105,13 @@ class Block(nn.Module):
         check_activation(x, type(self).__name__)
         x = x + self.attn(self.ln_1(x))  # (B, T, C)
         return x + self.mlp(self.ln_2(x))
+
+
+def _checkpointed(block: Block, x: torch.Tensor) -> torch.Tensor:
+    """``block(x)``, keeping only ``x`` for backward: the block runs again during backward, with
+    the default generator and the tp streams of its sharded dropout put back as they were."""
+    trackers = [m.rng for m in block.modules() if isinstance(getattr(m, "rng", None), RNGStatesTracker)]
+    return checkpoint(block, x, use_reentrant=False, context_fn=functools.partial(recompute_contexts, *trackers))
 
 
 class GPT(nn.Module):
@@ -177,8 +193,9 @@ class GPT(nn.Module):
         pos = torch.arange(t, device=idx.device)
         x = self.transformer.reduce(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         x = self.transformer.drop(x)
+        recompute = self.config.activation_checkpointing and torch.is_grad_enabled()
         for block in self.transformer.h:
-            x = block(x)
+            x = _checkpointed(block, x) if recompute else block(x)  # (B, T, C)
         return self.transformer.ln_f(x)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:

@@ -17,14 +17,16 @@ the first fork (identically on every rank, so ranks stay in step).
 
 Activation checkpointing that recomputes a forked region must restore the
 tracker's state too (``torch.utils.checkpoint`` restores only the default
-generators): save :meth:`RNGStatesTracker.state_dict` before the region and
-load it before recomputing.
+generators): :func:`recompute_contexts` is a ``context_fn`` for
+``torch.utils.checkpoint`` that does so, and leaves the live stream untouched
+by the recomputation.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -118,3 +120,43 @@ class RNGStatesTracker:
             raise ValueError(f"RNG state of tp rank {state['rank']} cannot be loaded on tp rank {self.rank}")
         self._base = state["base"]  # type: ignore[assignment]
         self._states = {k: v.clone() for k, v in state["states"].items()}  # type: ignore[attr-defined]
+
+
+def recompute_contexts(*trackers: RNGStatesTracker) -> tuple[AbstractContextManager[None],
+                                                             AbstractContextManager[None]]:
+    """The two contexts ``torch.utils.checkpoint(..., context_fn=...)`` asks for, replaying ``trackers``.
+
+    The first wraps the checkpointed forward and notes each tracker's state as
+    it begins; the second wraps the recomputation (during backward): it puts
+    those states back, so every forked region draws the masks it drew the
+    first time, and afterwards restores the states the trackers had when the
+    recomputation began, so the live streams go on as if it never ran. The
+    default generator is ``torch.utils.checkpoint``'s own to restore
+    (``preserve_rng_state=True``, its default).
+
+    Example::
+
+        trackers = (tensorpar.current_mesh().rng,)
+        y = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False,
+                                              context_fn=functools.partial(recompute_contexts, *trackers))
+    """
+    unique = list({id(t): t for t in trackers}.values())
+    at_forward: list[dict[str, object]] = []
+
+    @contextlib.contextmanager
+    def forward() -> Iterator[None]:
+        at_forward[:] = [t.state_dict() for t in unique]
+        yield
+
+    @contextlib.contextmanager
+    def recompute() -> Iterator[None]:
+        live = [t.state_dict() for t in unique]
+        for tracker, state in zip(unique, at_forward, strict=True):
+            tracker.load_state_dict(state)
+        try:
+            yield
+        finally:
+            for tracker, state in zip(unique, live, strict=True):
+                tracker.load_state_dict(state)
+
+    return forward(), recompute()
