@@ -9,7 +9,12 @@ would diverge and their collectives deadlock).
 from __future__ import annotations
 
 import torch
-from hypothesis import strategies as st
+
+try:
+    from hypothesis import strategies as st
+except ImportError as e:
+    raise ImportError(f"tensorpar.testing.strategies needs hypothesis: pip install 'tensorpar[test]' ({e})") from e
+
 
 def tp_sizes(max_tp: int = 4) -> st.SearchStrategy[int]:
     """Tensor-parallel sizes 1..``max_tp``, shrinking towards 1."""
