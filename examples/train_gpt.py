@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -60,6 +61,7 @@ class TrainConfig:
     n_embd: int = 128
     dropout: float = 0.0
     bias: bool = False  # nanoGPT's train.py default
+    activation_checkpointing: bool = False  # recompute each block in backward: less memory, one more forward
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup: int = 20
@@ -87,7 +89,8 @@ class TrainConfig:
 def build(cfg: TrainConfig, mesh: tensorpar.Mesh) -> tuple[GPT, torch.optim.Optimizer]:
     tensorpar.manual_seed(cfg.seed)  # the same full weights at any tp and dp
     model = GPT(GPTConfig(vocab_size=VOCAB_SIZE, block_size=cfg.block_size, n_layer=cfg.n_layer,
-                          n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias),
+                          n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
+                          activation_checkpointing=cfg.activation_checkpointing),
                 device=mesh.device)
     if cfg.fsdp:  # before the optimizer: FSDP2 replaces the parameters by their dp shards
         tensorpar.fully_shard_dp(model, mesh, modules=model.transformer.h)
@@ -255,8 +258,18 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     return cfg
 
 
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:
+        return False
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
+    if cfg.out and not _installed("safetensors"):  # say so now, not on every rank at the first checkpoint
+        raise SystemExit("checkpoints need safetensors: pip install 'tensorpar[train]' "
+                         "(or --out none to train without writing any)")
     began = time.perf_counter()
     if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         mesh = tensorpar.init(cfg.tp, None if cfg.dp == 1 else cfg.dp)
