@@ -10,11 +10,10 @@ With plain ``python`` it starts tp x dp local processes itself (gloo on CPU,
 NCCL when there is a GPU per rank); under ``torchrun`` each process is one
 rank and dp = world / tp. Tensor parallelism is inside a node-local group of
 tp ranks, data parallelism (``DistributedDataParallel`` on the dp group,
-optionally ``ZeroRedundancyOptimizer``) across them, or FSDP2 over the dp
-group with the tp shards inside (``--fsdp``: ``tensorpar.fully_shard_dp``; it
-writes no checkpoints yet). AdamW, cosine LR with warmup, gradient clipping by
-the norm of the whole unsharded gradient, gradient accumulation; float32 on
-CPU, bf16 autocast on GPU.
+optionally ``ZeroRedundancyOptimizer``) across them, or FSDP2 with the tp
+shards inside (``--fsdp``: ``tensorpar.fully_shard_dp``; no checkpoints yet).
+AdamW, cosine LR with warmup, gradient clipping by the norm of the whole
+unsharded gradient, gradient accumulation; float32 on CPU, bf16 autocast on GPU.
 
 The data is bytes of text (the built-in corpus unless ``--data``), drawn
 deterministically per step: a run resumed from a checkpoint (``--resume``, at
@@ -80,8 +79,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.fsdp and self.zero:
-            raise ValueError("--fsdp and --zero exclude each other: --fsdp shards parameters, gradients and "
-                             "optimizer state over dp itself (without either flag dp uses DDP)")
+            raise ValueError("--fsdp and --zero exclude each other: --fsdp shards the optimizer state over dp itself")
         if self.fsdp and self.resume:
             raise ValueError("--resume cannot be used with --fsdp: checkpoints do not hold FSDP-sharded state yet")
 
