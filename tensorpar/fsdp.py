@@ -23,15 +23,19 @@ those ``DTensor``\\ s on both dimensions.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from .mesh import Mesh, current_mesh
 
+if TYPE_CHECKING:  # imported when called: torch.distributed.fsdp's FSDP2 API is torch >= 2.6
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
 
 def fully_shard_dp(model: nn.Module, mesh: Mesh | None = None, *, modules: Iterable[nn.Module] = (),
-                   reshard_after_forward: bool = True, mp_policy: Any = None) -> nn.Module:
+                   reshard_after_forward: bool = True,
+                   mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
     """Shard ``model``'s parameters, gradients and optimizer state over the dp dimension of ``mesh``
     with FSDP2, keeping tensorpar's tp shards inside; return ``model`` (now an ``FSDPModule``).
 
