@@ -16,6 +16,7 @@ Every rank checks that all ranks generated the same tokens.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -104,6 +105,14 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=200, help="sample among the k likeliest tokens; 0: all")
     parser.add_argument("--seed", type=int, default=1337)
     args = parser.parse_args()
+
+    try:
+        have_transformers = importlib.util.find_spec("transformers") is not None
+    except ImportError:
+        have_transformers = False
+    if not have_transformers:
+        parser.exit(2, f"{parser.prog}: error: this example reads the model with transformers: "
+                       "pip install 'tensorpar[hf]'\n")
 
     if not (args.model_dir / "config.json").is_file():
         parser.error(f"--model-dir {args.model_dir} is not a saved model (no config.json in it)")

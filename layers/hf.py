@@ -1,17 +1,30 @@
-"""Hugging Face GPT-2 configs and state dicts in our GPT's terms (optional extra ``hf``).
+"""Hugging Face GPT-2 in our GPT's terms, both ways (reading needs the optional extra ``hf``).
 
-This module maps configs and keys; :meth:`layers.gpt.GPT.from_hf` builds the
-model from them. ``transformers`` is never imported here: the model is read
-through its config and state dict. GPT-2 stores its projections as ``Conv1D`` with weights of
-shape ``(in, out)`` (transposed against ``nn.Linear``), and Q, K and V fused in
-one ``c_attn``; both are undone on the way in.
+Reading: this module maps configs and keys; :meth:`layers.gpt.GPT.from_hf` builds
+the model from them. Writing: :func:`export_gpt2` saves a GPT as a GPT-2 directory
+(``config.json`` and ``model.safetensors``) that ``GPT2LMHeadModel.from_pretrained``
+loads. ``transformers`` is never imported here: a model is read through its config
+and state dict, and written as plain files. GPT-2 stores its projections as
+``Conv1D`` with weights of shape ``(in, out)`` (transposed against ``nn.Linear``),
+and Q, K and V fused in one ``c_attn`` (columns ``[Q | K | V]``); both are undone on
+the way in and redone on the way out.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import struct
+import sys
+from collections.abc import Mapping
+from dataclasses import MISSING, fields
+from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 _TRANSPOSED = ("attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -58,3 +71,142 @@ def gpt_state_dict(state: dict[str, torch.Tensor], n_embd: int) -> dict[str, tor
             out[key] = value.t() if key.endswith(_TRANSPOSED) else value
     out.setdefault("lm_head.weight", out["transformer.wte.weight"])
     return out
+
+
+# ---------------------------------------------------------------- export: our GPT -> GPT-2
+
+#: GPTConfig fields that change how the model is run, not what it computes
+_RUNTIME_ONLY = ("activation_checkpointing",)
+#: safetensors' names of the dtypes a GPT's weights may have
+_SAFETENSORS_DTYPES = MappingProxyType({torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+                                        torch.bfloat16: "BF16"})
+
+
+def check_exportable(config: Any) -> None:
+    """Raise ``ValueError`` naming each ``GPTConfig`` field that GPT-2 cannot express.
+
+    GPT-2 has biases everywhere, a GELU (tanh) MLP of width ``4 * n_embd``, as many
+    key/value heads as query heads, learned positions and an LM head tied to the
+    token embedding. Fields this module does not know must keep their default.
+    """
+    required = {"bias": (True,), "mlp": ("gelu",), "n_kv_head": (None, config.n_head)}
+    known = {"block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dropout", *required, *_RUNTIME_ONLY}
+    wrong = [f"{name}={getattr(config, name)!r} (GPT-2 needs {' or '.join(map(repr, ok))})"
+             for name, ok in required.items() if getattr(config, name) not in ok]
+    wrong += [f"{f.name}={getattr(config, f.name)!r} (GPT-2 has no such setting; keep {f.default!r})"
+              for f in fields(config) if f.name not in known and f.default is not MISSING
+              and getattr(config, f.name) != f.default]
+    if wrong:
+        raise ValueError("export_gpt2: GPTConfig fields GPT-2 cannot express: " + "; ".join(wrong))
+
+
+def gpt2_config(config: Any, dtype: torch.dtype, *, eos_token_id: int | None = None) -> dict[str, Any]:
+    """The ``config.json`` of a ``GPT2LMHeadModel`` computing what a GPT of ``config`` computes."""
+    check_exportable(config)
+    name = str(dtype).removeprefix("torch.")
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": config.vocab_size,
+            "n_positions": config.block_size, "n_embd": config.n_embd, "n_layer": config.n_layer,
+            "n_head": config.n_head, "n_inner": None, "activation_function": "gelu_new",
+            "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout,
+            "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+            "tie_word_embeddings": True, "bos_token_id": eos_token_id, "eos_token_id": eos_token_id,
+            "dtype": name, "torch_dtype": name}  # the second for transformers 4.x
+
+
+def gpt2_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our full state dict in GPT-2's keys: Q, K, V fused into ``c_attn``, projections transposed
+    to ``Conv1D``'s ``(in, out)``; the tied ``lm_head.weight`` is left out, as GPT-2 saves it."""
+    out = {}
+    for key, value in state.items():
+        if key == "lm_head.weight" or ".attn.k_proj." in key or ".attn.v_proj." in key:
+            continue
+        if ".attn.q_proj." in key:
+            prefix, kind = key.split(".attn.q_proj.")
+            parts = [state[f"{prefix}.attn.{name}.{kind}"] for name in ("q_proj", "k_proj", "v_proj")]
+            fused = torch.cat(parts, dim=0)  # (3C, C) or (3C,)
+            out[f"{prefix}.attn.c_attn.{kind}"] = fused.t() if kind == "weight" else fused  # (C, 3C)
+        else:
+            out[key] = value.t() if key.endswith(_TRANSPOSED) else value
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
+    """Write ``tensors`` (floating point) to the safetensors file ``path`` (through a temporary file, so the file
+    is either whole or absent), with ``metadata`` in its header. No numpy, no ``safetensors``.
+
+    The layout: an 8-byte little-endian header length, the JSON header (each tensor's dtype,
+    shape and byte range; padded with spaces to 8 bytes), then the tensors' raw bytes in order.
+    """
+    if sys.byteorder != "little":  # pragma: no cover
+        raise RuntimeError("safetensors files are written on little-endian machines only")
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    start = 0
+    for key, t in tensors.items():
+        if t.dtype not in _SAFETENSORS_DTYPES:
+            raise TypeError(f"{key}: cannot write a tensor of dtype {t.dtype}")
+        size = t.numel() * t.element_size()
+        header[key] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                       "data_offsets": [start, start + size]}
+        start += size
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for t in tensors.values():  # one tensor's bytes at a time, through a buffer torch fills
+            raw = bytearray(t.numel() * t.element_size())
+            if raw:
+                flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                torch.frombuffer(raw, dtype=torch.uint8).copy_(flat)
+            f.write(raw)
+    os.replace(partial, path)
+
+
+def export_gpt2(model: nn.Module, directory: str | os.PathLike[str], *,
+                eos_token_id: int | None = None) -> Path:
+    """Save a sharded :class:`~layers.GPT` as a Hugging Face GPT-2 directory (``config.json`` and
+    ``model.safetensors``) that ``GPT2LMHeadModel.from_pretrained(directory)`` loads with the same
+    logits. A collective: every rank of the job calls it; each tp group gathers its full weights
+    (:func:`tensorpar.full_state_dict`) and global rank 0 writes them; every rank returns the
+    directory once it is written (or raises if it could not be). ``transformers`` is not needed.
+
+    Only configurations GPT-2 can express export (see :func:`check_exportable`); others raise
+    ``ValueError`` naming the field, on every rank and before any collective. ``eos_token_id``
+    (and ``bos_token_id``) go into ``config.json``: 50256 for GPT-2's own tokenizer.
+
+    Example::
+
+        gpt = GPT(GPTConfig(vocab_size=50257, n_layer=12, n_head=12, n_embd=768, block_size=1024))
+        export_gpt2(gpt, "out/gpt2")        # then GPT2LMHeadModel.from_pretrained("out/gpt2")
+    """
+    config = getattr(model, "config", None)
+    if not callable(getattr(model, "full_state_dict", None)) or not hasattr(config, "n_kv_head"):
+        raise TypeError(f"export_gpt2 expects a layers.GPT, got {type(model).__name__}")
+    if eos_token_id is not None and not (isinstance(eos_token_id, int) and 0 <= eos_token_id < config.vocab_size):
+        raise ValueError(f"eos_token_id must be a token id in [0, {config.vocab_size}), got {eos_token_id!r}")
+    dtype = model.transformer.wte.weight.dtype
+    if dtype not in _SAFETENSORS_DTYPES:
+        raise TypeError(f"export_gpt2 writes {', '.join(map(str, _SAFETENSORS_DTYPES))} weights, not {dtype}")
+    files = gpt2_config(config, dtype, eos_token_id=eos_token_id)  # raises before any collective
+    state = model.full_state_dict()  # a collective over each tp group
+    path = Path(directory)
+    failure: Exception | None = None
+    if dist.get_rank() == 0:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            write_safetensors(path / "model.safetensors", gpt2_state_dict(state), {"format": "pt"})
+            partial = path / "config.json.partial"
+            partial.write_text(json.dumps(files, indent=2) + "\n")
+            os.replace(partial, path / "config.json")
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the peers have been told
+            failure = e
+    del state
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in dist.get_backend() else None
+    ok = torch.tensor([failure is None], dtype=torch.int32, device=device)
+    dist.broadcast(ok, src=0)  # every rank learns whether rank 0 wrote the files
+    if failure is not None:
+        raise failure
+    if not ok.item():
+        raise RuntimeError(f"export_gpt2: rank 0 could not write {path}")
+    return path

@@ -1,0 +1,232 @@
+"""A plain ``pip install .`` (torch and einops only) runs every README example that needs no extra,
+and each extra, when missing, is named by the error that its absence causes.
+
+The examples run in a subprocess in which numpy, hypothesis, safetensors, tqdm, matplotlib and
+transformers cannot be found: a ``sitecustomize`` on ``PYTHONPATH`` replaces ``sys.meta_path``'s
+path finder by one blind to them, so the ranks that ``tensorpar.spawn`` starts are blind too. On
+2 ranks they run the layers (a ColumnParallelLinear backward and a RowParallelLinear forward
+through the shared-memory all-reduce), ``layers.parallelize``, a GPT (loss, gradients, clipping,
+full state dict, generation, export to GPT-2 files) and a short ``examples/train_gpt.py`` run.
+This file is also that subprocess's program: ``python tests/test_plain_install.py DIR``.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tensorpar
+from layers import GPT, Block, ColumnParallelLinear, GPTConfig, RowParallelLinear, parallelize
+from layers.hf import export_gpt2
+from tensorpar.comm import shm
+from tensorpar.testing import TOLERANCES, assert_sharded_equivalent, rel_error
+
+ROOT = Path(__file__).resolve().parents[1]
+OPTIONAL_PACKAGES = ("hypothesis", "matplotlib", "numpy", "safetensors", "tqdm", "transformers")
+SITECUSTOMIZE = f'''
+import importlib.machinery
+import sys
+
+
+class WithoutExtras:
+    """The path finder, blind to the optional packages: it finds no spec for them, exactly as where
+    they are not installed (``importlib.util.find_spec`` gives None, which torch relies on)."""
+
+    blocked = {OPTIONAL_PACKAGES!r}
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name.partition(".")[0] in cls.blocked:
+            return None
+        return importlib.machinery.PathFinder.find_spec(name, path, target)
+
+    @classmethod
+    def invalidate_caches(cls):
+        importlib.machinery.PathFinder.invalidate_caches()
+
+
+sys.meta_path[:] = [WithoutExtras if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
+'''
+TIMEOUT = 240  # seconds per subprocess; each normally takes well under 30
+
+
+def without_extras(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``python *args`` from the repository root with the optional packages made unimportable."""
+    site = tmp_path / "no_extras"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [env.get("PYTHONPATH")])])
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT, check=False)
+
+
+# ---------------------------------------------------------------- on each of 2 ranks (no extras)
+
+class DenseMLP(nn.Module):
+    """A user's dense model: residual MLP blocks of ``nn.Linear``. ``(*, d) -> (*, d)``."""
+
+    def __init__(self, d: int, hidden: int, n_layer: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.ModuleDict({"fc1": nn.Linear(d, hidden), "fc2": nn.Linear(hidden, d)})
+                                    for _ in range(n_layer))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block["fc2"](F.gelu(block["fc1"](x)))
+        return x
+
+
+def shm_calls() -> list[int]:
+    """Count every all-reduce that goes through a shared-memory channel from now on (this process)."""
+    calls = [0]
+    original = shm.SharedMemoryChannel.all_reduce_
+
+    def counted(self: shm.SharedMemoryChannel, x: torch.Tensor, op: object) -> bool:
+        calls[0] += 1
+        return original(self, x, op)
+
+    shm.SharedMemoryChannel.all_reduce_ = counted
+    return calls
+
+
+def readme_examples(directory: str) -> dict[str, object]:
+    """The README's examples that need no extra, each measured against torch's own result."""
+    mesh = tensorpar.init(tp=2)
+    calls = shm_calls()
+    errors, routes = {}, {}
+    torch.manual_seed(0)  # the same dense model and inputs on every rank
+    d, hidden = 6, 9  # 9 hidden features: 5 + 4
+    dense = DenseMLP(d, hidden, 2)
+    x = torch.randn(3, d)
+
+    model = copy.deepcopy(dense)  # 1. swap nn.Linear by plan, keeping the weights
+    parallelize(model, {"blocks.*.fc1": "column", "blocks.*.fc2": "row"})
+    errors["parallelize"] = rel_error(model(x), dense(x))
+
+    fc1, fc2 = dense.blocks[0]["fc1"], dense.blocks[0]["fc2"]  # ... or one layer at a time
+    column = ColumnParallelLinear.from_linear(fc1)
+    errors.update(assert_sharded_equivalent(column, fc1, x, output_shard=tensorpar.Shard(-1, hidden)))
+    xs = x.clone().requires_grad_()
+    before = calls[0]
+    column(xs).sum().backward()  # f's backward: one all-reduce of the input gradient
+    routes["column backward"] = calls[0] - before
+    xd = x.clone().requires_grad_()
+    fc1(xd).sum().backward()
+    errors["column input grad"] = rel_error(xs.grad, xd.grad)
+    row = RowParallelLinear.from_linear(fc2, input_is_parallel=False)
+    h = torch.randn(3, hidden)
+    before = calls[0]
+    y = row(h)  # g: one all-reduce of the output
+    routes["row forward"] = calls[0] - before
+    errors["row forward"] = rel_error(y, fc2(h))
+    channel = mesh.channels.get(mesh.tp_group)
+    routes["channel open"] = int(isinstance(channel, shm.SharedMemoryChannel) and not channel.broken)
+
+    block = Block(GPTConfig(n_embd=12, n_head=3))  # 2. a sharded transformer block ...
+    errors["block finite"] = float(not torch.isfinite(block(torch.randn(2, 5, 12))).all())
+
+    tensorpar.manual_seed(1337)  # ... or a whole GPT
+    config = GPTConfig(vocab_size=37, n_layer=2, n_head=3, n_embd=12, block_size=8)
+    gpt = GPT(config)
+    idx = torch.randint(0, 37, (2, 8))
+    targets = torch.roll(idx, -1, 1)
+    logits = gpt(idx)  # (B, T, 37), the same on every rank
+    loss = gpt(idx, targets)  # vocab-parallel cross-entropy
+    errors["loss"] = rel_error(loss, F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+    loss.backward()
+    grads = tensorpar.full_grads(gpt)
+    norm = tensorpar.clip_grad_norm_(gpt, 1.0)  # 4. the norm of the whole unsharded gradient
+    errors["grad norm"] = rel_error(norm, torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads.values()])))
+    twin = GPT(config)
+    twin.load_full_state_dict(gpt.full_state_dict())
+    errors["full state dict"] = rel_error(twin(idx), gpt(idx))
+    out = gpt.generate(idx[:, :2], max_new_tokens=4, temperature=0.8, top_k=10)
+    written = export_gpt2(gpt, directory)  # plain files: neither transformers nor safetensors needed
+    found = [name for name in OPTIONAL_PACKAGES if importlib.util.find_spec(name) is not None]
+    return {"errors": errors, "routes": routes, "tokens": out.tolist(), "found": found,
+            "files": sorted(p.name for p in written.iterdir())}
+
+
+TRAIN_SMALL = ["--steps", "2", "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "8",
+               "--batch-size", "2", "--sample-tokens", "4"]
+
+
+def main(directory: str) -> None:
+    """The README's examples, then a short ``examples/train_gpt.py`` run (no checkpoints: they need
+    the ``train`` extra); the ranks' results as the last line of stdout."""
+    results = tensorpar.spawn(readme_examples, 2, directory)
+    sys.path.insert(0, str(ROOT / "examples"))  # the spawned ranks import the script from here too
+    import train_gpt
+
+    train_gpt.main([*TRAIN_SMALL, "--out", "none"])
+    print(json.dumps(results))
+
+
+# ---------------------------------------------------------------- the tests (pytest process)
+
+def test_readme_examples_run_without_any_extra(tmp_path):
+    done = without_extras([__file__, str(tmp_path / "gpt2")], tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    *train, last = done.stdout.splitlines()
+    ranks = json.loads(last)
+    assert ranks[0]["tokens"] == ranks[1]["tokens"]
+    for rank in ranks:
+        assert all(err <= TOLERANCES[torch.float32] for err in rank["errors"].values()), rank["errors"]
+        assert rank["routes"] == {"column backward": 1, "row forward": 1, "channel open": 1}
+        assert rank["files"] == ["config.json", "model.safetensors"] and rank["found"] == []
+    assert "tqdm is not installed (pip install 'tensorpar[train]'): no progress bar" in train
+    assert any(line.startswith("loss ") and "over steps 0-1" in line for line in train), train
+
+
+MISSING = f'''
+import contextlib, io, runpy, sys, torch, tensorpar
+
+try:
+    import tensorpar.testing.strategies
+except ImportError as e:
+    print("strategies:", e)
+tensorpar.init()
+try:  # a checkpoint either works without the extras or says which one it needs
+    tensorpar.checkpoint.save(sys.argv[1], torch.nn.Linear(3, 2), step=1)
+    tensorpar.checkpoint.load(sys.argv[1], torch.nn.Linear(3, 2))
+    print("checkpoint: works")
+except ImportError as e:
+    print("checkpoint:", e)
+tensorpar.shutdown()
+for script, args in (("train_gpt.py", {TRAIN_SMALL!r} + ["--out", sys.argv[1] + "-run"]),
+                     ("hf_gpt2_generate.py", ["--model-dir", sys.argv[1]])):  # both exit before any rank starts
+    sys.argv[:] = [script, *args]
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        try:
+            runpy.run_path("examples/" + script, run_name="__main__")
+        except SystemExit as e:
+            message = e.code if isinstance(e.code, str) else f"exit {{e.code}}, {{err.getvalue().strip()}}"
+    print(script + ":", message)
+'''
+
+
+def test_each_missing_extra_is_named(tmp_path):
+    done = without_extras(["-c", MISSING, str(tmp_path / "ckpt")], tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    said = dict(line.split(": ", 1) for line in done.stdout.splitlines())
+    assert "pip install 'tensorpar[test]'" in said["strategies"] and "hypothesis" in said["strategies"]
+    assert said["checkpoint"] == "works" or "pip install 'tensorpar[train]'" in said["checkpoint"]
+    assert said["train_gpt.py"] == ("checkpoints need safetensors: pip install 'tensorpar[train]' "
+                                    "(or --out none to train without writing any)")
+    assert not (tmp_path / "ckpt-run").exists()
+    assert said["hf_gpt2_generate.py"] == ("exit 2, hf_gpt2_generate.py: error: this example reads the model "
+                                           "with transformers: pip install 'tensorpar[hf]'")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
