@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 import tensorpar
-from tensorpar.sharding import Shard, check_int, partition_bounds
+from tensorpar.sharding import Shard, check_ids, check_int, partition_bounds
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -85,10 +85,8 @@ class VocabParallelEmbedding(nn.Module):
                 or ids.dtype == torch.bool:
             raise TypeError(f"VocabParallelEmbedding expects a tensor of integer ids, got "
                             f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}")
-        bad = (ids < 0) | (ids >= self.num_embeddings)
-        if bad.any():
-            raise ValueError(f"token id {ids[bad][0].item()} is out of range for num_embeddings "
-                             f"{self.num_embeddings} (ids must be in [0, {self.num_embeddings}))")
+        n = self.num_embeddings
+        check_ids(ids, n, "token id", f"num_embeddings {n} (ids must be in [0, {n}))")
         if self.tp == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.local_offset

@@ -24,7 +24,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 
 from .comm.collectives import start_all_reduce_
 from .mesh import group_rank_size, tp_group
-from .sharding import partition_bounds
+from .sharding import check_ids, partition_bounds
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -39,15 +39,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                 reduction: str, group: ProcessGroup) -> torch.Tensor:
         # low-precision logits are reduced in float32, as F.cross_entropy accumulates
         z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits.clone()  # (*, V / tp)
-        start_all_reduce_(m := z.amax(-1), group, op=ReduceOp.MAX).wait()  # (*) global max
+        m = start_all_reduce_(z.amax(-1), group, op=ReduceOp.MAX).wait()  # (*) global max
         z.sub_(m.unsqueeze(-1))
         local_t = targets - lo
         owned = (local_t >= 0) & (local_t < z.shape[-1])  # (*) this rank holds the target's row
         local_t = local_t.masked_fill(~owned, 0)
         target_z = z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)  # (*)
         pending = start_all_reduce_(target_z, group)
-        sum_exp = z.exp_().sum(-1)  # (*); z now holds exp(z - m)
-        start_all_reduce_(sum_exp, group).wait()
+        sum_exp = start_all_reduce_(z.exp_().sum(-1), group).wait()  # (*); z now holds exp(z - m)
         target_z = pending.wait()
         valid = targets != ignore_index
         loss = (sum_exp.log() - target_z).masked_fill(~valid, 0.0)  # (*)
@@ -107,10 +106,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
         raise ValueError(f"logits of shape {tuple(logits.shape)} do not match targets of shape "
                          f"{tuple(targets.shape)} and this rank's {rows} of {vocab_size} vocabulary rows")
     targets = targets.long()  # any integer width; int64 is what indexing and F.cross_entropy take
-    bad = ((targets < 0) | (targets >= vocab_size)) & (targets != ignore_index)
-    if bad.any():
-        raise ValueError(f"target id {targets[bad][0].item()} is out of range for vocab_size {vocab_size} "
-                         f"(and is not ignore_index {ignore_index})")
+    check_ids(targets, vocab_size, "target id", f"vocab_size {vocab_size} (and is not ignore_index {ignore_index})",
+              allowed=ignore_index)
     if n == 1:  # the whole vocabulary is here; 16-bit logits are reduced in float32, as at tp > 1
         loss = F.cross_entropy(logits.reshape(-1, vocab_size).to(_loss_dtype(logits)), targets.reshape(-1),
                                ignore_index=ignore_index, reduction=reduction)

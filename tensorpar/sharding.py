@@ -46,6 +46,22 @@ def check_int(value: object, name: str, *, minimum: int = 1, optional: bool = Fa
     raise (ValueError if is_int else TypeError)(f"{name} must be {kind}, got {value!r}")
 
 
+def check_ids(ids: torch.Tensor, limit: int, what: str, detail: str, *, allowed: int | None = None) -> None:
+    """Raise unless every id in ``ids`` is in ``[0, limit)`` (or equals ``allowed``).
+
+    Eagerly a ``ValueError`` names the first id out of range (a host sync):
+    ``"{what} {id} is out of range for {detail}"``. In a ``torch.compile``
+    graph, where a data-dependent branch would break the graph, the same check
+    is an in-graph assertion (a ``RuntimeError`` without the id).
+    """
+    bad = (ids < 0) | (ids >= limit)  # (*)
+    if allowed is not None:
+        bad &= ids != allowed
+    if torch.compiler.is_compiling():
+        torch._assert_async(~bad.any(), f"a {what} is out of range for {detail}")
+    elif bad.any():
+        raise ValueError(f"{what} {ids[bad][0].item()} is out of range for {detail}")
+
 def partition_sizes(size: int, parts: int, *, unit: int = 1, name: str = "size") -> list[int]:
     """Sizes of ``parts`` balanced shards of ``size`` elements, in whole units.
 

@@ -6,7 +6,9 @@ and turn a backend failure (a peer died, a timeout) into an error that names
 this rank. A CPU all-reduce among gloo ranks on one host goes through shared
 memory (:mod:`tensorpar.comm.shm`, through the channels the current mesh owns);
 elsewhere small ones are a point-to-point
-exchange and large ones gloo's ring. gloo cannot all-gather tensors of unequal sizes, so uneven shards
+exchange and large ones gloo's ring. Inside a ``torch.compile`` graph every
+collective is a functional collective, and under ``CommDebugMode`` or the
+profiler an all-reduce takes the plain ``c10d`` route (:mod:`tensorpar.comm.traced`). gloo cannot all-gather tensors of unequal sizes, so uneven shards
 are padded to the largest and trimmed afterwards; counts exclude the padding.
 
 ``counters``, when given, marks the call as backward work for the collective
@@ -30,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ..mesh import current_mesh_or_none
-from . import shm
+from . import shm, traced
 from .checks import agree, dtype_code, enabled
 from .counter import CollectiveCounter, record
 
@@ -62,6 +64,11 @@ def _tagged(op: str, x: torch.Tensor, group: ProcessGroup) -> Iterator[None]:
             f"rank {dist.get_rank()}: {op} of a {tuple(x.shape)} {x.dtype} tensor over a group of "
             f"{dist.get_world_size(group)} failed: {e}"
         ) from e
+
+
+def _checking() -> bool:
+    """Whether to compare a call's arguments across ranks (eager mode only: see :mod:`.traced`)."""
+    return not traced.tracing() and enabled()
 
 
 def _layout(x: torch.Tensor, dim: int, sizes: Sequence[int], n: int) -> tuple[dict[str, int], str | None]:
@@ -130,17 +137,21 @@ def _exchange(x: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp.RedOpType)
 
 def start_all_reduce_(x: torch.Tensor, group: ProcessGroup,
                       counters: tuple[CollectiveCounter, ...] | None = None, *,
-                      op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> PendingAllReduce:
-    """Start reducing ``x`` over the group in place (a sum unless ``op`` says otherwise)
-    and return at once. Only for a buffer the caller owns (never an autograd input)."""
+                      op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> PendingAllReduce | traced.PendingTraced:
+    """Start reducing ``x`` over the group (a sum unless ``op`` says otherwise) and return at once;
+    ``wait()`` returns the result. Eagerly it is written into ``x``, so ``x`` must be a buffer the
+    caller owns (never an autograd input); in a traced graph it is a new tensor. Use the result of
+    ``wait()``, never ``x``."""
     n = dist.get_world_size(group)
     if n == 1:
         return PendingAllReduce(x, group)
+    if traced.tracing():  # a new tensor, in the graph; x is left alone
+        return traced.start_all_reduce(x, group, "max" if op == dist.ReduceOp.MAX else "sum")
     if enabled():
         agree("all-reduce", group, {"numel": x.numel(), "dtype": dtype_code(x.dtype), "op": int(op)}, device=x.device)
     record("all_reduce", x.dtype, x.numel(), n, counters)
     with _tagged("all_reduce", x, group):
-        if not x.is_cuda and op in _REDUCE and dist.get_backend(group) == "gloo":
+        if not x.is_cuda and op in _REDUCE and dist.get_backend(group) == "gloo" and not traced.observed():
             mesh = current_mesh_or_none()  # its channels: ranks on one host reduce through shared memory
             if mesh is not None and shm.all_reduce_(mesh.channels, group, x, op):
                 return PendingAllReduce(x, group)  # done at once
@@ -172,7 +183,7 @@ def all_gather_along(x: torch.Tensor, dim: int, sizes: Sequence[int], group: Pro
                      counters: tuple[CollectiveCounter, ...] | None = None) -> torch.Tensor:
     """Concatenation along ``dim`` of every rank's ``x``; rank ``r`` holds ``sizes[r]`` there."""
     n, rank = dist.get_world_size(group), dist.get_rank(group)
-    if len(sizes) != n or not -x.dim() <= dim < x.dim() or x.shape[dim] != sizes[rank] or enabled():
+    if len(sizes) != n or not -x.dim() <= dim < x.dim() or x.shape[dim] != sizes[rank] or _checking():
         fields, problem = _layout(x, dim, sizes, n)  # only where something is wrong, or checks are on
         if problem is None and x.shape[dim] != sizes[rank]:
             problem = (f"all-gather along dim {dim}: rank {rank} of {n} holds {x.shape[dim]} "
@@ -186,10 +197,13 @@ def all_gather_along(x: torch.Tensor, dim: int, sizes: Sequence[int], group: Pro
     send = x3.new_zeros(pre, big, post) if local < big else x3.contiguous()
     if local < big:
         send[:, :local] = x3
-    buf = x3.new_empty(n, pre, big, post)
     record("all_gather", x.dtype, pre * sum(sizes) * post, n, counters)
-    with _tagged("all_gather", x, group):  # flat buffers: the backends concatenate along dim 0
-        _flat_collective(_ALL_GATHER, buf.view(-1), send.view(-1), group)
+    if traced.tracing():
+        buf = traced.all_gather_flat(send.view(-1), n, group).view(n, pre, big, post)
+    else:
+        buf = x3.new_empty(n, pre, big, post)
+        with _tagged("all_gather", x, group):  # flat buffers: the backends concatenate along dim 0
+            _flat_collective(_ALL_GATHER, buf.view(-1), send.view(-1), group)
     if all(s == big for s in sizes):
         out = buf.transpose(0, 1).reshape(pre, n * big, post)
     else:
@@ -201,7 +215,7 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, sizes: Sequence[int], group:
                          counters: tuple[CollectiveCounter, ...] | None = None) -> torch.Tensor:
     """This rank's slice (``sizes[rank]`` elements along ``dim``) of the sum of ``x`` over the group."""
     n, rank = dist.get_world_size(group), dist.get_rank(group)
-    if len(sizes) != n or not -x.dim() <= dim < x.dim() or x.shape[dim] != sum(sizes) or enabled():
+    if len(sizes) != n or not -x.dim() <= dim < x.dim() or x.shape[dim] != sum(sizes) or _checking():
         fields, problem = _layout(x, dim, sizes, n)  # only where something is wrong, or checks are on
         if problem is None and x.shape[dim] != sum(sizes):
             problem = (f"reduce-scatter along dim {dim}: size {x.shape[dim]} does not match "
@@ -218,8 +232,11 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, sizes: Sequence[int], group:
         send = x3.new_zeros(n, pre, big, post)
         for r, chunk in enumerate(x3.split(list(sizes), dim=1)):
             send[r, :, :sizes[r]] = chunk
-    out = x3.new_empty(pre, big, post)
     record("reduce_scatter", x.dtype, x.numel(), n, counters)
-    with _tagged("reduce_scatter", x, group):
-        _flat_collective(_REDUCE_SCATTER, out.view(-1), send.view(-1), group)
+    if traced.tracing():
+        out = traced.reduce_scatter_flat(send.view(-1), n, group).view(pre, big, post)
+    else:
+        out = x3.new_empty(pre, big, post)
+        with _tagged("reduce_scatter", x, group):
+            _flat_collective(_REDUCE_SCATTER, out.view(-1), send.view(-1), group)
     return out[:, :sizes[rank]].reshape(*x.shape[:dim], sizes[rank], *x.shape[dim + 1:])

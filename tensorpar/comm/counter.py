@@ -81,7 +81,9 @@ def count_collectives() -> Iterator[CollectiveCounter]:
 
 
 def active_counters() -> tuple[CollectiveCounter, ...]:
-    return _active.get()
+    """The counters of the enclosing ``count_collectives`` blocks; none inside a ``torch.compile``
+    graph (counting happens in eager mode; ``CommDebugMode`` counts compiled collectives)."""
+    return () if torch.compiler.is_compiling() else _active.get()
 
 
 def record(op: str, dtype: torch.dtype, numel: int, group_size: int,

@@ -1,0 +1,198 @@
+"""torch.compile: every layer, Block and GPT compiles with ``fullgraph=True`` at tp 1-4, forward and
+backward, with its collectives in the graphs as functional collectives; compiled equals eager
+and equals the plain twin.
+
+Most examples compile through AOTAutograd with graph-recording compilers (the graphs AOTAutograd
+hands to inductor, run as they are), which is fast enough to draw many shapes; the functional
+collectives in the forward and backward graphs are counted there and must equal what
+``count_collectives`` records for the eager module. The inductor examples then run the real CPU
+backend on a Block and a GPT.
+"""
+
+import collections
+
+import torch
+import torch._inductor.config
+from gpt_cases import batch, gpt_configs, twins
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_blocks import sharded_twin
+
+import tensorpar
+from layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from tensorpar.testing import TOLERANCES, assert_all_close, assert_sharded_equivalent
+from tensorpar.testing.strategies import batch_shapes, features, tp_sizes
+
+FLOATS = st.sampled_from([torch.float64, torch.float32])
+#: the functional collectives in a graph, by the name ``count_collectives`` gives them
+FUNCTIONAL = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
+              "reduce_scatter_tensor": "reduce_scatter"}
+
+
+def recording_backend(graphs):
+    """An AOTAutograd backend that counts the functional collectives of the forward and backward
+    graphs in ``graphs`` and runs the graphs as they are."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def compiler(phase):
+        def compile_graph(gm, _inputs):
+            for node in gm.graph.nodes:
+                target = str(node.target)
+                if node.op == "call_function" and target.startswith("_c10d_functional."):
+                    op = target.split(".")[1]
+                    if op in FUNCTIONAL:
+                        graphs[phase][FUNCTIONAL[op]] += 1
+            return make_boxed_func(gm.forward)
+        return compile_graph
+
+    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
+
+
+def eager_counts(run):
+    """The collectives ``run()`` issues eagerly, by phase and op."""
+    with tensorpar.count_collectives() as counts:
+        run()
+    out = {"forward": collections.Counter(), "backward": collections.Counter()}
+    for r in counts.records:
+        out[r.phase][r.op] += 1
+    return out
+
+
+def compile_(module, backend):
+    """Compile ``module`` in place with ``fullgraph=True``; the graphs' collectives when recorded."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    graphs = {"forward": collections.Counter(), "backward": collections.Counter()}
+    torch._inductor.config.compile_threads = 1  # no pool of compiler processes in each rank
+    module.compile(fullgraph=True, backend=recording_backend(graphs) if backend == "graphs" else backend)
+    return graphs
+
+
+def graph_breaks():
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+def layer_twins(kind, n_in, n_out, tp_opt, dtype):
+    """A sharded layer and its plain twin with the same weights; the input and output shards."""
+    tensorpar.manual_seed(0)
+    if kind == "embedding":
+        dense = torch.nn.Embedding(n_in, n_out, dtype=dtype)
+        return VocabParallelEmbedding.from_embedding(dense), dense, None, None
+    dense = torch.nn.Linear(n_in, n_out, dtype=dtype)
+    if kind == "column":
+        out = None if tp_opt else tensorpar.Shard(-1, n_out)
+        return ColumnParallelLinear.from_linear(dense, gather_output=tp_opt), dense, None, out
+    return RowParallelLinear.from_linear(dense, input_is_parallel=tp_opt), dense, \
+        tensorpar.Shard(-1, n_in) if tp_opt else None, None
+
+
+def check_compiled_layer(kind, n_in, n_out, tp_opt, lead, dtype, seed):
+    torch.manual_seed(seed)
+    sharded, dense, input_shard, output_shard = layer_twins(kind, n_in, n_out, tp_opt, dtype)
+    x = torch.randint(0, n_in, lead or (1,)) if kind == "embedding" else torch.randn(*lead, n_in, dtype=dtype)
+    if kind == "embedding":  # integer ids: no input gradient; compare output and weight gradient
+        expected = eager_counts(lambda: sharded(x).sum().backward())
+        sharded.weight.grad = None
+        graphs = compile_(sharded, "graphs")
+        y, y_dense = sharded(x), dense(x)
+        y.backward(torch.ones_like(y))
+        y_dense.backward(torch.ones_like(y_dense))
+        w = tensorpar.full_grads(sharded)["weight"]
+        errors = assert_all_close({"output": (y, y_dense), "grad weight": (w, dense.weight.grad)})
+    else:
+        x_in = tensorpar.shard(x, input_shard, *_n_rank()) if input_shard else x
+        expected = eager_counts(lambda: sharded(x_in.clone().requires_grad_()).sum().backward())
+        sharded.zero_grad()
+        graphs = compile_(sharded, "graphs")
+        errors = assert_sharded_equivalent(sharded, dense, x, input_shard=input_shard, output_shard=output_shard,
+                                           seed=seed)
+    return max(errors.values()), graph_breaks(), graphs, expected
+
+
+def _n_rank():
+    mesh = tensorpar.current_mesh()
+    return mesh.tp, mesh.tp_rank
+
+
+@settings(max_examples=8)
+@given(tp=tp_sizes(), kind=st.sampled_from(["column", "row", "embedding"]), tp_opt=st.booleans(),
+       dtype=FLOATS, data=st.data())
+def test_layers_compile_whole_and_equal_their_plain_twins(worlds, tp, kind, tp_opt, dtype, data):
+    n_in, n_out = data.draw(features(tp, 24)), data.draw(features(tp, 24))
+    lead = data.draw(batch_shapes(2, 4))
+    results = worlds[tp].run(check_compiled_layer, kind, n_in, n_out, tp_opt, lead, dtype,
+                             data.draw(st.integers(0, 2**31)))
+    for err, breaks, graphs, expected in results:
+        assert err <= TOLERANCES[dtype] and breaks == 0
+        assert graphs == expected  # the eager collectives, each in the compiled graphs
+        if tp > 1 and kind != "embedding":
+            assert sum(graphs["forward"].values()) + sum(graphs["backward"].values()) >= 1
+
+
+def check_compiled_module(kind, cfg, b, t, dtype, seed, backend="graphs"):
+    torch.manual_seed(seed)
+    sharded, dense = sharded_twin(kind, cfg, dtype)
+    x = torch.randn(b, t, cfg["n_embd"], dtype=dtype)
+    expected = eager_counts(lambda: sharded(x.clone().requires_grad_()).sum().backward())
+    sharded.zero_grad()
+    graphs = compile_(sharded, backend)
+    errors = assert_sharded_equivalent(sharded, dense, x, seed=seed)
+    return max(errors.values()), graph_breaks(), graphs, expected
+
+
+@settings(max_examples=6)
+@given(tp=tp_sizes(), kind=st.sampled_from(["attention", "mlp", "block"]), dtype=FLOATS, data=st.data())
+def test_blocks_compile_whole_with_megatrons_collectives_in_the_graphs(worlds, tp, kind, dtype, data):
+    cfg = data.draw(gpt_configs(tp, max_layer=1))
+    b, t = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 12))
+    results = worlds[tp].run(check_compiled_module, kind, cfg, b, t, dtype, data.draw(st.integers(0, 2**31)))
+    for err, breaks, graphs, expected in results:
+        assert err <= TOLERANCES[dtype] and breaks == 0 and graphs == expected
+        if tp > 1 and kind == "block" and cfg["n_kv_head"] >= tp:  # Megatron's 2 + 2
+            assert graphs["forward"] == {"all_reduce": 2} and graphs["backward"] == {"all_reduce": 2}
+
+
+def check_compiled_gpt(cfg, b, t, dtype, seed, backend):
+    """Loss, logits and every gradient of the compiled GPT against the eager GPT and the reference."""
+    reference, model = twins(cfg, dtype, seed)
+    idx, targets = batch(cfg, b, t, seed)
+    eager_loss = model(idx, targets)
+    eager_loss.backward()
+    eager_grads = tensorpar.full_grads(model)
+    model.zero_grad()
+    compile_(model, backend)
+    logits, loss = model(idx), model(idx, targets)
+    loss.backward()
+    grads = tensorpar.full_grads(model)
+    ref_logits, ref_loss = reference(idx), reference(idx, targets)
+    ref_loss.backward()
+    ref_grads = {k: p.grad for k, p in reference.named_parameters()}
+    # gradients that are zero in exact arithmetic (key biases) are measured against the whole
+    # gradient's norm, as in test_gpt
+    scale = torch.cat([g.flatten() for g in ref_grads.values()]).norm().item()
+    pairs = {"loss vs eager": (loss, eager_loss), "logits": (logits, ref_logits), "loss": (loss, ref_loss)}
+    pairs |= {f"grad {k} vs eager": (grads[k], eager_grads[k], scale) for k in ref_grads}
+    pairs |= {f"grad {k}": (grads[k], ref_grads[k], scale) for k in ref_grads}
+    return max(assert_all_close(pairs).values()), graph_breaks()
+
+
+@settings(max_examples=3)
+@given(tp=tp_sizes(), dtype=FLOATS, data=st.data())
+def test_gpt_compiles_whole_and_equals_eager_and_reference(worlds, tp, dtype, data):
+    cfg = data.draw(gpt_configs(tp, max_layer=2))
+    t = data.draw(st.integers(1, cfg["block_size"]))
+    for err, breaks in worlds[tp].run(check_compiled_gpt, cfg, 2, t, dtype, data.draw(st.integers(0, 2**31)),
+                                      "graphs"):
+        assert err <= TOLERANCES[dtype] and breaks == 0
+
+
+def test_inductor_compiles_block_and_gpt_on_cpu(worlds):
+    """The real CPU backend, at an uneven tp: 3 heads over tp 2, a vocabulary of 37."""
+    cfg = dict(n_layer=2, n_head=3, n_kv_head=3, n_embd=12, vocab_size=37, block_size=8, bias=True, mlp="gelu")
+    slow = 600  # inductor generates and builds C++ kernels in each rank
+    for err, breaks, _, _ in worlds[2].run(check_compiled_module, "block", cfg, 2, 7, torch.float32, 0,
+                                           "inductor", timeout=slow):
+        assert err <= TOLERANCES[torch.float32] and breaks == 0
+    for err, breaks in worlds[2].run(check_compiled_gpt, cfg, 2, 7, torch.float64, 1, "inductor", timeout=slow):
+        assert err <= TOLERANCES[torch.float64] and breaks == 0
