@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager
 
 import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 _MASK = (1 << 64) - 1
 
@@ -122,6 +123,11 @@ class RNGStatesTracker:
         self._states = {k: v.clone() for k, v in state["states"].items()}  # type: ignore[attr-defined]
 
 
+def _recompute_all(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+    """A selective-checkpointing policy that recomputes every operation: plain checkpointing."""
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def recompute_contexts(*trackers: RNGStatesTracker) -> tuple[AbstractContextManager[None],
                                                              AbstractContextManager[None]]:
     """The two contexts ``torch.utils.checkpoint(..., context_fn=...)`` asks for, replaying ``trackers``.
@@ -134,12 +140,21 @@ def recompute_contexts(*trackers: RNGStatesTracker) -> tuple[AbstractContextMana
     default generator is ``torch.utils.checkpoint``'s own to restore
     (``preserve_rng_state=True``, its default).
 
+    While ``torch.compile`` traces the region, the recomputation becomes
+    the compiled graph's, whose random draws torch's partitioner saves or
+    replays itself, and no Python runs again: nothing is to replay, and torch
+    asks for dispatch-mode contexts there, so the contexts returned then are
+    selective checkpointing's, with every operation recomputed. (A region
+    that does not compile whole runs eagerly, with the contexts above.)
+
     Example::
 
         trackers = (tensorpar.current_mesh().rng,)
         y = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False,
                                               context_fn=functools.partial(recompute_contexts, *trackers))
     """
+    if torch.compiler.is_compiling():  # traced: the compiled graph recomputes; no Python runs again
+        return create_selective_checkpoint_contexts(_recompute_all)
     unique = list({id(t): t for t in trackers}.values())
     at_forward: list[dict[str, object]] = []
 
