@@ -43,8 +43,8 @@ from torch.nn.parallel import DistributedDataParallel
 import tensorpar
 from layers import GPT, GPTConfig
 from tensorpar import checkpoint
-from tensorpar.training import VOCAB_SIZE, ByteData, cosine_lr, default_corpus
 from tensorpar.random import mix_seed
+from tensorpar.training import VOCAB_SIZE, ByteData, cosine_lr, default_corpus, open_log, plot, progress
 
 
 @dataclass
@@ -61,6 +61,7 @@ class TrainConfig:
     dropout: float = 0.0
     bias: bool = False  # nanoGPT's train.py default
     activation_checkpointing: bool = False  # recompute each block in backward: less memory, one more forward
+    compile: bool = False  # torch.compile each block whole (fullgraph), its collectives in the graph
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup: int = 20
@@ -92,6 +93,9 @@ def build(cfg: TrainConfig, mesh: tensorpar.Mesh) -> tuple[GPT, torch.optim.Opti
                 device=mesh.device)
     if cfg.fsdp:  # before the optimizer: FSDP2 replaces the parameters by their dp shards
         tensorpar.fully_shard_dp(model, mesh, modules=model.transformer.h)
+    if cfg.compile:  # block by block, as FSDP2 and activation checkpointing wrap them
+        for block in model.transformer.h:
+            block.compile(fullgraph=True)
     params = list(model.parameters())
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # no decay: biases, norms
@@ -119,8 +123,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     cuda = mesh.device.type == "cuda"
     if lead and out:
         out.mkdir(parents=True, exist_ok=True)
-    log = _open_log(out, start) if lead and out else None
-    bar = _progress(cfg, start) if lead else None
+    log = open_log(out, start) if lead and out else None
+    bar = progress(cfg.steps, start, f"train tp={cfg.tp} dp={cfg.dp}") if lead and cfg.progress else None
     losses: dict[int, float] = {}
     norms: dict[int, float] = {}
     tokens_per_step = cfg.batch_size * cfg.block_size
@@ -173,30 +177,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if not lead:
         return {}
     if out and losses:
-        _plot(out)
+        plot(out)
     return {"losses": losses, "grad_norms": norms, "sample": sample, "state": full}
-
-
-def _open_log(out: Path, start: int) -> Any:
-    """The metrics log: a new run starts it afresh; a resumed one keeps the steps before ``start``."""
-    path = out / "metrics.jsonl"
-    kept = []
-    if start and path.exists():
-        kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < start]
-    log = open(path, "w")  # noqa: SIM115 - closed by train()
-    log.writelines(line + "\n" for line in kept)
-    return log
-
-
-def _progress(cfg: TrainConfig, start: int) -> Any:
-    if not cfg.progress:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        print("tqdm is not installed (pip install 'tensorpar[train]'): no progress bar")
-        return None
-    return tqdm(total=cfg.steps, initial=start, desc=f"train tp={cfg.tp} dp={cfg.dp}", unit="step")
 
 
 def _sample(model: GPT, cfg: TrainConfig, mesh: tensorpar.Mesh) -> str:
@@ -210,25 +192,6 @@ def _sample(model: GPT, cfg: TrainConfig, mesh: tensorpar.Mesh) -> str:
         model.reshard()
     model.train()
     return ByteData.decode(tokens)
-
-
-def _plot(out: Path) -> None:
-    """The loss curve of every run logged in ``out/metrics.jsonl``, as ``out/loss.png``."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'tensorpar[plot]'): no loss.png")
-        return
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1)
-    ax.set(xlabel="step", ylabel="loss (nats / byte)", title="byte-level GPT training loss")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "loss.png", dpi=110)
-    plt.close(fig)
 
 
 def spawned(cfg: TrainConfig) -> dict[str, Any]:

@@ -171,10 +171,10 @@ SMALL = dict(steps=5, batch_size=8, grad_accum=2, block_size=16, n_layer=2, n_he
              clip=0.5, sample_tokens=6, progress=False)
 
 
-def run_training(worlds, out, tp, dp, **options):
+def run_training(worlds, out, tp, dp, *, rank_fn=train_here, **options):
     argv = [(f"--{k}" if v else f"--no-{k}") if isinstance(v, bool) else f"--{k}={v}"
             for k, v in ((k.replace("_", "-"), v) for k, v in (SMALL | options | dict(tp=tp, dp=dp, out=out)).items())]
-    result = worlds[tp * dp].run(train_here, argv, timeout=300)[0]
+    result = worlds[tp * dp].run(rank_fn, argv, timeout=300)[0]
     return result, (Path(out) / "metrics.jsonl").read_text().splitlines()
 
 
