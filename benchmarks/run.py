@@ -15,7 +15,8 @@ rank. ``--write`` records the tables in benchmarks/RESULTS.md.
   DTensor (``ColwiseParallel``/``RowwiseParallel``), fairscale and
   Megatron-Core at tp=2 (the ``bench`` extra; a missing peer is reported).
 * Strong scaling, tp=2 (2 ranks x 1 thread) against tp=1 (1 thread): the MLP
-  at h=768 and a GPT block (n_embd 768, 12 heads, 4 x 256 tokens).
+  at h=768 and a GPT block (n_embd 768, 12 heads, 4 x 256 tokens); the same
+  block compiled whole by ``torch.compile`` (inductor) against eager, at tp 1 and 2.
 * Communication: bytes one block moves forward+backward against Megatron's
   formula, and the all-reduce bandwidth, gloo's and ours, measured in the same run.
 * Memory: per-rank parameter bytes of GPT-2 small against total / tp.
@@ -71,11 +72,19 @@ def time_mlp(lib: str, h: int, tokens: int, steps: int) -> list[float]:
     return step_times(_CACHE[(lib, h)], torch.randn(tokens, h, requires_grad=True), steps)
 
 
-def time_block(n_embd: int, n_head: int, batch: int, seq: int, steps: int) -> list[float]:
-    if ("block", n_embd) not in _CACHE:
-        torch.manual_seed(0)
-        _CACHE[("block", n_embd)] = Block(GPTConfig(n_embd=n_embd, n_head=n_head, block_size=seq))
-    return step_times(_CACHE[("block", n_embd)], torch.randn(batch, seq, n_embd, requires_grad=True), steps)
+def gpt_block(n_embd: int, n_head: int, seq: int, compiled: bool) -> nn.Module:
+    """A GPT block, eager or compiled whole by inductor (its first call compiles)."""
+    torch.manual_seed(0)
+    block = Block(GPTConfig(n_embd=n_embd, n_head=n_head, block_size=seq))
+    if compiled:
+        block.compile(fullgraph=True)
+    return block
+
+
+def time_block(n_embd: int, n_head: int, batch: int, seq: int, steps: int, compiled: bool = False) -> list[float]:
+    if ("block", compiled) not in _CACHE:
+        _CACHE[("block", compiled)] = gpt_block(n_embd, n_head, seq, compiled)
+    return step_times(_CACHE[("block", compiled)], torch.randn(batch, seq, n_embd, requires_grad=True), steps)
 
 
 def all_reduce_bandwidth(numel: int, repeats: int, ours: bool) -> float:
@@ -107,8 +116,7 @@ def slowest_rank(per_rank: list[list[float]]) -> list[float]:
 def measure(pool: World, rounds: int, libs: list[str]) -> dict[str, Any]:
     samples: dict[Any, list[float]] = {}
     local = {h: peers.dense(h) for h in SIZES} | {("tp1", h): peers.ours(h) for h in SIZES}
-    torch.manual_seed(0)
-    block = Block(GPTConfig(n_embd=BLOCK["n_embd"], n_head=BLOCK["n_head"], block_size=BLOCK["seq"]))
+    blocks = {compiled: gpt_block(BLOCK["n_embd"], BLOCK["n_head"], BLOCK["seq"], compiled) for compiled in (False, True)}
     for r in range(rounds):
         for h, (tokens, steps) in SIZES.items():
             x = torch.randn(tokens, h, requires_grad=True)
@@ -118,8 +126,10 @@ def measure(pool: World, rounds: int, libs: list[str]) -> dict[str, Any]:
                 per_rank = pool.run(time_mlp, lib, h, tokens, steps)
                 samples.setdefault((lib, h), []).extend(slowest_rank(per_rank))
         xb = torch.randn(BLOCK["batch"], BLOCK["seq"], BLOCK["n_embd"], requires_grad=True)
-        samples.setdefault(("block", 1), []).extend(step_times(block, xb, BLOCK["steps"]))
-        samples.setdefault(("block", 2), []).extend(slowest_rank(pool.run(time_block, *BLOCK.values())))
+        for compiled in (r % 2 == 1, r % 2 == 0):  # the first step of each compiles, untimed
+            samples.setdefault(("block", 1, compiled), []).extend(step_times(blocks[compiled], xb, BLOCK["steps"]))
+            samples.setdefault(("block", 2, compiled), []).extend(
+                slowest_rank(pool.run(time_block, *BLOCK.values(), compiled)))
         print(f"round {r + 1}/{rounds} done", file=sys.stderr)
     return {k: statistics.median(v) for k, v in samples.items()}
 
@@ -160,8 +170,12 @@ def main() -> None:
         "h=64; tensorpar / best peer ≤ 0.80 at h=64 and ≤ 0.97 at h=768; speed-up ≥ 1.85× at h=768.", "",
         *rows, "",
         f"GPT block (n_embd {BLOCK['n_embd']}, {BLOCK['n_head']} heads, {BLOCK['batch']}×{BLOCK['seq']} tokens) "
-        f"forward+backward: tp=1 {m[('block', 1)] * 1e3:.1f} ms, tp=2 {m[('block', 2)] * 1e3:.1f} ms, speed-up "
-        f"{m[('block', 1)] / m[('block', 2)]:.2f}×.", "",
+        f"forward+backward: tp=1 {m[('block', 1, False)] * 1e3:.1f} ms, tp=2 {m[('block', 2, False)] * 1e3:.1f} ms, "
+        f"speed-up {m[('block', 1, False)] / m[('block', 2, False)]:.2f}×.", "",
+        "The same block compiled whole (`torch.compile(fullgraph=True)`, inductor; target: compiled tp=2 faster "
+        "than eager): " + ", ".join(
+            f"tp={tp} eager {m[('block', tp, False)] * 1e3:.1f} ms, compiled {m[('block', tp, True)] * 1e3:.1f} ms "
+            f"(compiled / eager {m[('block', tp, True)] / m[('block', tp, False)]:.3f})" for tp in (1, 2)) + ".", "",
         f"Communication of one block at tp=2 (B=2, T=256, C=768): {n} collectives, {sent} bytes; Megatron's formula "
         f"{formula} bytes; ratio {sent / formula:.3f}. All-reduce of 16 MB between the 2 ranks, bus bandwidth: "
         f"gloo {bandwidth[False]:.2f} GB/s, tensorpar (shared memory) {bandwidth[True]:.2f} GB/s.", "",

@@ -11,6 +11,7 @@ backend on a Block and a GPT.
 
 import collections
 
+import pytest
 import torch
 import torch._inductor.config
 from gpt_cases import batch, gpt_configs, twins
@@ -154,10 +155,10 @@ def test_blocks_compile_whole_with_megatrons_collectives_in_the_graphs(worlds, t
             assert graphs["forward"] == {"all_reduce": 2} and graphs["backward"] == {"all_reduce": 2}
 
 
-def check_compiled_gpt(cfg, b, t, dtype, seed, backend):
+def check_compiled_gpt(cfg, b, t, dtype, seed, backend, device="cpu"):
     """Loss, logits and every gradient of the compiled GPT against the eager GPT and the reference."""
-    reference, model = twins(cfg, dtype, seed)
-    idx, targets = batch(cfg, b, t, seed)
+    reference, model = (m.to(device) for m in twins(cfg, dtype, seed))
+    idx, targets = (ids.to(device) for ids in batch(cfg, b, t, seed))
     eager_loss = model(idx, targets)
     eager_loss.backward()
     eager_grads = tensorpar.full_grads(model)
@@ -215,3 +216,14 @@ def test_training_with_compiled_blocks_follows_the_eager_trajectory(worlds, tmp_
     size = torch.cat([v.flatten() for v in eager["state"].values()]).norm().item()
     assert_all_close({k: (compiled["state"][k], v, size) for k, v in eager["state"].items()}, rtol=1e-5,
                      what="parameters differ from the eager tp=1 run")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("tp", [1, 2])
+def test_inductor_compiles_the_gpt_on_cuda(worlds, tp):
+    """CUDA tensors (at tp=2 the pool's gloo group stages them through host memory)."""
+    cfg = dict(n_layer=2, n_head=3, n_kv_head=3, n_embd=12, vocab_size=37, block_size=8, bias=True, mlp="gelu")
+    for err, breaks in worlds[tp].run(check_compiled_gpt, cfg, 2, 7, torch.float32, 1, "inductor", "cuda",
+                                      timeout=600):
+        assert err <= TOLERANCES[torch.float32] and breaks == 0
