@@ -1,17 +1,17 @@
-"""Checkpoints to test the checkpoint code with: a small trained GPT, forgers' edits of a checkpoint
-directory (each with the words its refusal must contain), a bitwise picture of everything a load could
-modify, a save killed part-way, a model of mixed dtypes, and replacements for every way to unpickle."""
+"""Checkpoints to test the checkpoint code with: a small trained GPT, every tensor of a checkpoint read
+through torch's own planner, a bitwise picture of everything a load could modify, a save killed
+part-way, a model of mixed dtypes, and replacements for every way to unpickle (forgeries of a
+checkpoint are in ``checkpoint_damages``)."""
 
+import contextlib
 import copy
 import hashlib
-import json
 import os
 import pickle
-import shutil
 import subprocess
+import warnings
 from pathlib import Path
 
-import safetensors.torch
 import torch
 
 import tensorpar
@@ -21,7 +21,7 @@ from tensorpar import checkpoint
 CFG = GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16)
 
 
-# --- building, damaging and photographing checkpoints ------------------------------------------
+# --- building and photographing checkpoints ------------------------------------------
 
 def trained(seed):
     """A small GPT and its AdamW after one step (so both hold state that a load would overwrite)."""
@@ -34,147 +34,18 @@ def trained(seed):
     return model, optimizer
 
 
-def canonical_sha256(meta):
-    body = {k: v for k, v in meta.items() if k != "meta_sha256"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+def everything(path):
+    """Every tensor of a checkpoint, unsharded, read through torch's own DCP load planner."""
+    import torch.distributed.checkpoint as dcp
 
-
-def edit_meta(path, edit, rehash=True):
-    """Apply ``edit`` to meta.json's object; with ``rehash``, recompute its self-hash as a forger would."""
-    meta = json.loads((path / "meta.json").read_text())
-    edit(meta)
-    if rehash:
-        meta["meta_sha256"] = canonical_sha256(meta)
-    (path / "meta.json").write_text(json.dumps(meta))
-
-
-def edit_tensors(path, name, edit):
-    """Apply ``edit`` to a safetensors file's dict and record the new file in meta.json as a forger would."""
-    tensors = safetensors.torch.load_file(path / name)
-    edit(tensors)
-    safetensors.torch.save_file(tensors, path / name)
-    data = (path / name).read_bytes()
-    entry = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-    edit_meta(path, lambda meta: meta["files"].update({name: entry}))
-
-
-def in_meta(edit, rehash=True):
-    return lambda path: edit_meta(path, edit, rehash)
-
-
-def in_file(name, edit):
-    return lambda path: edit_tensors(path, name, edit)
-
-
-def group(key, value):
-    """Set hyper-parameter ``key`` of the first optimizer group."""
-    return lambda meta: meta["param_groups"][0].update({key: value})
-
-
-def pointer(text):
-    return lambda path: (path.parent / "latest").write_text(text)
-
-
-def replace_file(path, name, data):
-    (path / name).write_bytes(data)
-    digest = hashlib.sha256(data).hexdigest()
-    edit_meta(path, lambda meta: meta["files"].update({name: {"sha256": digest, "bytes": len(data)}}))
-
-
-def link_outside(path, name):
-    """Replace a file of the checkpoint by a link to an identical file outside it (its hash still matches)."""
-    outside = path.parent.parent / "outside"
-    outside.mkdir(exist_ok=True)
-    (outside / name).write_bytes((path / name).read_bytes())
-    (path / name).unlink()
-    (path / name).symlink_to(outside / name)
-
-
-def latest_outside(path, via_link):
-    """Point ``latest`` at a valid copy of the checkpoint outside the directory: by a relative path,
-    or through a checkpoint-named link inside the directory."""
-    outside = path.parent.parent / "elsewhere" / path.name
-    shutil.copytree(path, outside)
-    if via_link:
-        (path.parent / "step-000999").symlink_to(outside)
-    (path.parent / "latest").write_text("step-000999\n" if via_link else f"../elsewhere/{path.name}\n")
-
-
-def latest_a_link(path):
-    (path.parent / "latest").unlink()
-    (path.parent / "latest").symlink_to(path / "meta.json")
-
-
-def first(tensors, suffix):
-    return next(k for k in sorted(tensors) if k.endswith(suffix))
-
-
-GROUP0, NO_SHA = "meta.json: param_groups[0]", "meta.json was modified (its SHA-256 does not match)"
-FILES = "meta.json: files must list exactly"
-RANK1 = "rng of rank 1 missing"  # a damage for 2 ranks
-#: damage name -> (what it does to the checkpoint directory, words the error must contain). A forger
-#: edits the JSON, a file, or both, and records the new hashes; a plain edit records nothing.
-DAMAGES = {
-    "weight decay edited": (in_meta(group("weight_decay", 9.1), rehash=False), [NO_SHA]),
-    "betas edited": (in_meta(group("betas", "x"), rehash=False), [NO_SHA]),
-    "sha256 entry removed": (in_meta(lambda m: m["files"].pop("rng.safetensors"), rehash=False), [NO_SHA]),
-    "old format": (in_meta(lambda m: m.update(format="tensorpar-checkpoint/1"), rehash=False),
-                   ["is not a tensorpar-checkpoint/2 checkpoint (format 'tensorpar-checkpoint/1')"]),
-    "forged betas": (in_meta(group("betas", "x")), [f"{GROUP0}.betas must be a list of 2", "(it is 'x')"]),
-    "forged betas of 3": (in_meta(group("betas", [0.9, 0.9, 0.9])), [f"{GROUP0}.betas must be a list of 2"]),
-    "forged weight decay": (in_meta(group("weight_decay", "0.1")), [f"{GROUP0}.weight_decay must be float"]),
-    "forged flag": (in_meta(group("amsgrad", 1)), [f"{GROUP0}.amsgrad must be bool"]),
-    "forged hyper-parameter": (in_meta(group("momentum", 0.9)),
-                               [f"{GROUP0} has ['momentum'], which the optimizer lacks"]),
-    "forged missing lr": (in_meta(lambda m: m["param_groups"][0].pop("lr")), [f"{GROUP0} lacks ['lr']"]),
-    "forged step": (in_meta(lambda m: m.update(step=-1)), ["meta.json: step must be an integer >= 0"]),
-    "forged tp": (in_meta(lambda m: m.update(tp="1")), ["meta.json: tp must be an integer >= 1"]),
-    "forged groups": (in_meta(lambda m: m.update(param_groups={})), ["meta.json: param_groups must be a list"]),
-    "forged files": (in_meta(lambda m: m["files"].pop("rng.safetensors")), [FILES, "rng.safetensors"]),
-    "absolute file name": (in_meta(lambda m: m["files"].update({"/etc/hostname": m["files"]["rng.safetensors"]})),
-                           [FILES, "/etc/hostname"]),
-    "dotdot file name": (in_meta(lambda m: m["files"].update({"../meta.json": m["files"].pop("model.safetensors")})),
-                         [FILES, "../meta.json"]),
-    "bad files entry": (in_meta(lambda m: m["files"]["model.safetensors"].update(bytes="12")),
-                        ["meta.json: files['model.safetensors'] must be"]),
-    "meta not json": (lambda p: (p / "meta.json").write_text("{not json"), ["meta.json is not valid JSON"]),
-    "meta a list": (lambda p: (p / "meta.json").write_text("[]"), ["meta.json does not hold a JSON object"]),
-    "model truncated": (lambda p: (p / "model.safetensors").write_bytes((p / "model.safetensors").read_bytes()[:99]),
-                        ["model.safetensors is corrupt or truncated (SHA-256 does not match meta.json)"]),
-    "model garbage": (lambda p: replace_file(p, "model.safetensors", b"\x10" + b"\0" * 7 + b"garbage!"),
-                      ["model.safetensors cannot be read"]),
-    "model a link outside": (lambda p: link_outside(p, "model.safetensors"), ["model.safetensors is not a regular"]),
-    "model lacks a key": (in_file("model.safetensors", lambda t: t.pop("lm_head.weight")),
-                          ["model.safetensors: the checkpoint lacks ['lm_head.weight']"]),
-    "model holds another key": (in_file("model.safetensors", lambda t: t.update(x=torch.ones(1))),
-                                ["model.safetensors: the checkpoint holds ['x']"]),
-    "model in bf16": (in_file("model.safetensors", lambda t: t.update({k: v.bfloat16() for k, v in t.items()})),
-                      ["model.safetensors: ", " is stored as torch.bfloat16, the model's is torch.float32"]),
-    "optimizer lacks a key": (in_file("optimizer.safetensors", lambda t: t.pop(first(t, "/exp_avg"))),
-                              ["optimizer.safetensors: the state of ",
-                               " holds ['exp_avg_sq', 'step'], the optimizer's holds ['exp_avg', "]),
-    "optimizer holds another key": (in_file("optimizer.safetensors", lambda t: t.update(x=torch.ones(1))),
-                                    ["optimizer.safetensors: x is not the state of a parameter"]),
-    "optimizer state misshapen": (in_file("optimizer.safetensors", lambda t: t.update({first(t, "/exp_avg"):
-                                                                                         torch.ones(3)})),
-                                  ["optimizer.safetensors: ", "/exp_avg: the checkpoint holds shape (3,)"]),
-    "rng state wrong size": (in_file("rng.safetensors", lambda t: t.update({"rank0/cpu": t["rank0/cpu"][:100]})),
-                             ["rng.safetensors: rank0/cpu must be ", " bytes (it is torch.uint8 of shape (100,))"]),
-    "rng state garbage": (in_file("rng.safetensors", lambda t: t["rank0/tp/cpu"].fill_(255)),
-                          ["rng.safetensors: rank0/tp/cpu is no valid generator state"]),
-    "rng rank missing": (in_file("rng.safetensors", lambda t: t.pop("rank0/cpu")),
-                         ["rng.safetensors: rank0/cpu is missing"]),
-    "rng rank unknown": (in_file("rng.safetensors", lambda t: t.update({"rank7/cpu": t["rank0/cpu"].clone()})),
-                         ["rng.safetensors: rank7/cpu is not a generator state of ranks 0-0"]),
-    "latest outside": (lambda p: latest_outside(p, via_link=False), ["latest must hold one checkpoint name"]),
-    "latest absolute": (pointer("/etc\n"), ["latest must hold one checkpoint name"]),
-    "latest a link outside": (lambda p: latest_outside(p, via_link=True),
-                              ["latest names step-000999, which is no directory in"]),
-    "latest names nothing": (pointer("step-000042\n"), ["latest names step-000042, which does not exist"]),
-    "latest itself a link": (latest_a_link, ["latest is not a regular file"]),
-    RANK1: (in_file("rng.safetensors", lambda t: [t.pop(k) for k in list(t) if k.startswith("rank1/")]),
-            ["rng.safetensors: rank1/cpu is missing"]),
-}
+    index = checkpoint.read_meta(path)["tensors"]
+    dtypes = {"BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64, "I32": torch.int32,
+              "I64": torch.int64, "U8": torch.uint8}
+    tensors = {k: torch.empty(e["size"], dtype=dtypes[e["dtype"]]) for k, e in index.items()}
+    with warnings.catch_warnings():  # that no_dist means one process: here it does
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(tensors, storage_reader=checkpoint.ShardReader.open(path), no_dist=True)
+    return tensors
 
 
 def disk(root):
@@ -288,3 +159,16 @@ BLOCKED = [(pickle, "Unpickler", RefusedUnpickler)] + [
                                                                                  "broadcast_object_list",
                                                                                  "scatter_object_list")))
     for name in names]
+
+
+@contextlib.contextmanager
+def blocked():
+    """Every way to unpickle, and the object collectives, raise inside the block."""
+    originals = [(module, name, getattr(module, name)) for module, name, _ in BLOCKED]
+    try:
+        for module, name, replacement in BLOCKED:
+            setattr(module, name, replacement)
+        yield
+    finally:
+        for module, name, original in originals:
+            setattr(module, name, original)

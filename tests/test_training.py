@@ -137,8 +137,8 @@ def check_bad_checkpoints(out):
         except checkpoint.CheckpointError as e:
             messages[name] = str(e)
     if tensorpar.current_mesh().rank == 0:
-        data = (path / "model.safetensors").read_bytes()
-        (path / "model.safetensors").write_bytes(data[: len(data) // 2])  # a crash mid-copy, say
+        data = (path / "shard-00000-of-00002.safetensors").read_bytes()
+        (path / "shard-00000-of-00002.safetensors").write_bytes(data[: len(data) // 2])  # a crash mid-copy, say
     torch.distributed.barrier()
     files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in path.iterdir()}
     try:
@@ -157,13 +157,13 @@ def check_bad_checkpoints(out):
 def test_broken_checkpoints_get_clear_errors_and_change_nothing(worlds, tmp_path):
     messages, unchanged = worlds[2].run(check_bad_checkpoints, str(tmp_path))[0]
     assert unchanged
-    assert messages["n_embd"] == ("the checkpoint's model config does not match the model's "
+    assert messages["n_embd"] == ("rank 0: the checkpoint's model config does not match the model's "
                                   "(n_embd: checkpoint 32, model 64)")
-    assert messages["vocab"] == ("the checkpoint's model config does not match the model's "
+    assert messages["vocab"] == ("rank 0: the checkpoint's model config does not match the model's "
                                  "(vocab_size: checkpoint 256, model 300)")
-    assert messages["truncated"].endswith("model.safetensors is corrupt or truncated (SHA-256 does not match "
-                                          "meta.json)")
-    assert messages["missing"].startswith("no checkpoint at ")
+    assert messages["truncated"].endswith("shard-00000-of-00002.safetensors is corrupt or truncated (SHA-256 does "
+                                          "not match meta.json)")
+    assert messages["missing"].startswith("rank 0: no checkpoint at ")
 
 
 def check_exported_checkpoint(out):
@@ -280,4 +280,5 @@ def check_pruning(out):
 def test_pruning_keeps_the_newest_and_a_mismatched_optimizer_changes_nothing(worlds, tmp_path):
     kept, latest, message, unchanged = worlds[1].run(check_pruning, str(tmp_path))[0]
     assert kept == ["step-000100", "step-1000000"] and latest == 100
-    assert message == "the optimizer's parameters (or their grouping) differ from the checkpoint's" and unchanged
+    assert message == "rank 0: the optimizer's parameters (or their grouping) differ from the checkpoint's"
+    assert unchanged

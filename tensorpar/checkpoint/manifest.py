@@ -79,11 +79,17 @@ def fsync(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(directory: Path, fields: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
+def write_manifest(directory: Path, fields: Mapping[str, Any], names: Sequence[str],
+                   entries: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """Write ``directory/meta.json``: ``fields``, the size and hash of each file in ``names``, and its
-    own hash. Every file and the manifest are on disk when this returns the manifest it wrote."""
+    own hash. ``entries`` gives files already flushed and hashed by their writers
+    (``{name: {"sha256": ..., "bytes": ...}}``); the others are flushed and hashed here. Every file
+    and the manifest are on disk when this returns the manifest it wrote."""
     files = {}
     for name in names:
+        if entries is not None and name in entries:
+            files[name] = dict(entries[name])
+            continue
         fsync(directory / name)
         files[name] = {"sha256": sha256_file(directory / name), "bytes": regular_file(directory / name)}
     body = dict(fields) | {"files": files}
@@ -115,13 +121,15 @@ def read_manifest(directory: Path, format: str) -> dict[str, Any]:
     return meta
 
 
-def verify_files(directory: Path, meta: Mapping[str, Any], names: Sequence[str]) -> None:
-    """Check that the manifest lists exactly ``names``, then each file's size and SHA-256."""
+def check_listing(directory: Path, meta: Mapping[str, Any], names: Sequence[str]) -> None:
+    """Check that the manifest lists exactly ``names``, each with a well-formed size and SHA-256
+    (no file is read: see :func:`check_file`)."""
     where = directory / MANIFEST
     files = meta.get("files")
     if not isinstance(files, dict) or set(files) != set(names):
         listed = sorted(files) if isinstance(files, dict) else files
-        raise CheckpointError(f"{where}: files must list exactly {sorted(names)} (it lists {listed!r})")
+        shown = sorted(names) if len(names) <= 8 else f"{len(names)} names: {sorted(names)[:2]}..."
+        raise CheckpointError(f"{where}: files must list exactly {shown} (it lists {listed!r})"[:2000])
     for name in names:
         entry = files[name]
         if not (isinstance(entry, dict) and set(entry) == {"sha256", "bytes"}
@@ -129,6 +137,17 @@ def verify_files(directory: Path, meta: Mapping[str, Any], names: Sequence[str])
                 and type(entry["bytes"]) is int and entry["bytes"] >= 0):
             raise CheckpointError(f"{where}: files[{name!r}] must be {{'sha256': 64 hex digits, "
                                   f"'bytes': a size}} (it is {entry!r})")
-        path = directory / name
-        if regular_file(path) != entry["bytes"] or sha256_file(path) != entry["sha256"]:
-            raise CheckpointError(f"{path} is corrupt or truncated (SHA-256 does not match meta.json)")
+
+
+def check_file(directory: Path, name: str, entry: Mapping[str, Any]) -> None:
+    """Check one file (a name from the reader's code) against its listed size and SHA-256."""
+    path = directory / name
+    if regular_file(path) != entry["bytes"] or sha256_file(path) != entry["sha256"]:
+        raise CheckpointError(f"{path} is corrupt or truncated (SHA-256 does not match meta.json)")
+
+
+def verify_files(directory: Path, meta: Mapping[str, Any], names: Sequence[str]) -> None:
+    """Check that the manifest lists exactly ``names``, then each file's size and SHA-256."""
+    check_listing(directory, meta, names)
+    for name in names:
+        check_file(directory, name, meta["files"][name])

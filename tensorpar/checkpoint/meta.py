@@ -1,10 +1,16 @@
-"""The tensorpar checkpoint format: its files, its directory names, and the fields of its
-``meta.json``, each checked for type before anything uses it.
+"""The tensorpar checkpoint format: its files, its directory names, its state-dict keys, and the
+fields of its ``meta.json``, each checked for type before anything uses it.
 
 ``meta.json`` holds ``format``, ``step``, ``tp``, ``dp``, the model's ``config``
 (a dataclass as a JSON object, or null), ``param_groups`` (each optimizer group's
 hyper-parameters and its parameters' names), ``extra`` (the caller's JSON object),
-and the manifest's ``files`` and ``meta_sha256`` (see :mod:`.manifest`).
+``tensors`` (where every chunk of every tensor lies, see :mod:`.index`), and the
+manifest's ``files`` and ``meta_sha256`` (see :mod:`.manifest`).
+
+The tensors are named as ``torch.distributed.checkpoint`` names a flattened
+``{"model": model.state_dict(), "optim": optimizer_state_dict}``:
+``model.<key>``, ``optim.state.<parameter>.<field>``; each rank's generator
+states are ``rng.rank<r>.<generator>``.
 """
 
 from __future__ import annotations
@@ -20,11 +26,20 @@ from torch import nn
 
 from .manifest import CheckpointError
 
-FORMAT = "tensorpar-checkpoint/2"
-MODEL, OPTIMIZER, RNG = "model.safetensors", "optimizer.safetensors", "rng.safetensors"
-FILES = (MODEL, OPTIMIZER, RNG)
+FORMAT = "tensorpar-checkpoint/3"
+MODEL, OPTIM, RNG = "model.", "optim.state.", "rng."
 #: a checkpoint directory's name: ``step-`` and the step, at least 6 digits
 NAME = re.compile(r"step-\d{6,}")
+
+
+def shard_file(rank: int, world: int) -> str:
+    """The name of the file that global rank ``rank`` of ``world`` writes."""
+    return f"shard-{rank:05d}-of-{world:05d}.safetensors"
+
+
+def shard_files(world: int) -> list[str]:
+    """The data files of a checkpoint saved by ``world`` ranks, in rank order."""
+    return [shard_file(r, world) for r in range(world)]
 
 
 def dirname(step: int) -> str:
@@ -58,12 +73,17 @@ def config_dict(model: nn.Module) -> dict[str, Any] | None:
     return as_json(dataclasses.asdict(config), "the model's config")
 
 
+MAX_WORLD = 1 << 16  # a larger tp x dp is no checkpoint this library wrote
+
+
 def check_fields(meta: Mapping[str, Any], where: Path) -> None:
     """Raise a CheckpointError naming ``where`` and the field unless every field the loader uses
     has the type it expects (the values are checked against the model and optimizer later)."""
     for key, minimum in (("step", 0), ("tp", 1), ("dp", 1)):
         if not whole(meta.get(key), minimum):
             raise CheckpointError(f"{where}: {key} must be an integer >= {minimum} (it is {meta.get(key)!r})")
+    if meta["tp"] * meta["dp"] > MAX_WORLD:
+        raise CheckpointError(f"{where}: tp x dp must be at most {MAX_WORLD} (it is {meta['tp'] * meta['dp']})")
     config = meta.get("config")
     if config is not None and not isinstance(config, dict):
         raise CheckpointError(f"{where}: config must be an object or null (it is {config!r})")

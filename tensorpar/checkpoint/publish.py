@@ -53,6 +53,12 @@ def _entry(kind: str, parent: Path, name: str) -> Path:
     return parent / f".{kind}-{os.getpid()}-{_host()}-{secrets.token_hex(4)}-{name}"
 
 
+def scratch(parent: Path, name: str) -> Path:
+    """A fresh temporary path for ``name`` in ``parent``, of this process (removed by :func:`recover`
+    once the process is gone)."""
+    return _entry("tmp", parent, name)
+
+
 def _writer_gone(pid: int, host: str) -> bool:
     """True when the process that made an entry is certainly gone (on this host, no such process)."""
     if host != _host() or pid == os.getpid():

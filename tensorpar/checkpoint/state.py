@@ -1,50 +1,85 @@
-"""This rank's part of the model's state from a checkpoint, checked against the model.
+"""The model's part of a checkpoint: the chunks this rank writes, and, on load, this rank's boxes of
+each tensor, checked against the model before anything is read.
 
-A checkpoint holds unsharded tensors; each rank reads only the slice of each
-split tensor that its shard covers (see :mod:`tensorpar.full`), after checking
-the tensor's full shape and dtype against the model's.
+Tensors are named ``model.<state-dict key>``. Each rank holds a box of each
+full tensor (see :mod:`.boxes`); it writes the boxes that fall to it and, on
+load, reads its own boxes whatever layout wrote the checkpoint.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from pathlib import Path
+
 import torch
 from torch import nn
-from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
 
-from ..full import Placements, full_shape
-from ..mesh import group_rank_size
-from ..sharding import Shard
+from ..full import placements
+from ..mesh import Mesh
+from .boxes import Box, locate, writes
+from .index import Entry
 from .manifest import CheckpointError
-from .tensors import Reader
+from .meta import MODEL
 
 
-def read_local(f: Reader, key: str, placement: Shard | None, group: ProcessGroup | None,
-               shape: torch.Size | tuple[int, ...], dtype: torch.dtype, *, cast: bool) -> torch.Tensor:
-    """This rank's part of tensor ``key`` of ``f``, whose local shard has ``shape`` and ``dtype``:
-    a slice along the placement's dim, or all of it. A full shape other than the model's, or a dtype
-    other than ``dtype`` (unless ``cast``), is a CheckpointError naming the file, the key and both."""
-    full, stored = f.info(key)
-    want = full_shape(shape, placement)
-    if full != want:
-        raise CheckpointError(f"{f.path}: {key}: the checkpoint holds shape {full}, the model's full shape is {want}")
-    if stored != dtype and not cast:
-        raise CheckpointError(f"{f.path}: {key} is stored as {stored}, the model's is {dtype} "
+def pieces(model: nn.Module, mesh: Mesh) -> tuple[dict[str, torch.Tensor], dict[str, Box]]:
+    """``(tensors, boxes)``: the model's chunks that this rank writes, by name."""
+    where = placements(model)
+    tensors, boxes = {}, {}
+    for key, value in model.state_dict().items():
+        placement, group = where.get(key, (None, None))
+        local, box, dp_split = locate(value, placement, group)
+        name = MODEL + key
+        if not box.empty and writes(name, tp_split=placement is not None, dp_split=dp_split, mesh=mesh):
+            tensors[name], boxes[name] = local.detach(), box
+    return tensors, boxes
+
+
+def check_entry(name: str, entry: Entry, box: Box, dtype: torch.dtype, where: Path, *, cast: bool) -> None:
+    """Raise unless the checkpoint's tensor ``name`` has the full shape of ``box`` and, unless ``cast``,
+    ``dtype``."""
+    if entry.size != box.size:
+        raise CheckpointError(f"{where}: {name}: the checkpoint holds shape {entry.size}, "
+                              f"the model's full shape is {box.size}")
+    if entry.dtype != dtype and not cast:
+        raise CheckpointError(f"{where}: {name} is stored as {entry.dtype}, the model's is {dtype} "
                               "(load(..., cast=True) converts it)")
-    if placement is None or group is None:
-        value = f.read(key)
-    else:
-        rank, n = group_rank_size(group)
-        value = f.read(key, placement.index(len(full), n, rank))
-    return value.to(dtype)
 
 
-def read_model(f: Reader, model: nn.Module, where: Placements, *, cast: bool) -> dict[str, torch.Tensor]:
-    """The model's local state dict from ``f`` (the model's keys exactly), checked before returning."""
+def destinations(model: nn.Module, entries: Mapping[str, Entry], where: Path, *,
+                 cast: bool) -> tuple[dict[str, torch.Tensor], dict[str, Box]]:
+    """``(tensors to read into, their boxes)`` for the model's state, by name, after checking that the
+    checkpoint holds exactly the model's keys, each of the model's full shape and dtype."""
     state = model.state_dict()
-    missing, unexpected = sorted(set(state) - set(f.keys())), sorted(set(f.keys()) - set(state))
+    stored = {k.removeprefix(MODEL) for k in entries if k.startswith(MODEL)}
+    missing, unexpected = sorted(set(state) - stored), sorted(stored - set(state))
     if missing:
-        raise CheckpointError(f"{f.path}: the checkpoint lacks {missing}")
+        raise CheckpointError(f"{where}: the checkpoint lacks {missing}")
     if unexpected:
-        raise CheckpointError(f"{f.path}: the checkpoint holds {unexpected}, which the model lacks")
-    return {key: read_local(f, key, *where.get(key, (None, None)), value.shape, value.dtype, cast=cast)
-            for key, value in state.items()}
+        raise CheckpointError(f"{where}: the checkpoint holds {unexpected}, which the model lacks")
+    found = placements(model)
+    tensors, boxes = {}, {}
+    for key, value in state.items():
+        local, box, _ = locate(value, *found.get(key, (None, None)))
+        name = MODEL + key
+        check_entry(name, entries[name], box, local.dtype, where, cast=cast)
+        tensors[name], boxes[name] = torch.empty(box.sizes, dtype=entries[name].dtype), box
+    return tensors, boxes
+
+
+def like(value: torch.Tensor, current: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``value`` (this rank's local part) on the device and of the kind of ``current`` (a DTensor of the
+    same mesh and placements where ``current`` is one), in ``dtype`` (default: ``current``'s)."""
+    dtype = dtype or current.dtype
+    if isinstance(current, DTensor):
+        local = value.to(dtype=dtype, device=current.to_local().device)
+        return DTensor.from_local(local, current.device_mesh, current.placements, run_check=False,
+                                  shape=current.shape, stride=current.stride())
+    return value.to(dtype=dtype, device=current.device)
+
+
+def apply(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Load the local parts read by :func:`destinations` into ``model``."""
+    state = model.state_dict()
+    model.load_state_dict({key: like(tensors[MODEL + key], value) for key, value in state.items()})

@@ -1,29 +1,31 @@
-"""Tensors in safetensors form: written and exchanged without numpy or pickle, read lazily, with
-every failure a :class:`CheckpointError` naming the file and the tensor.
+"""Tensors in safetensors files: written without numpy or pickle, one tensor at a time while hashing,
+read lazily, with every failure a :class:`CheckpointError` naming the file and the tensor.
 
-Files are written here (a JSON header, then the raw little-endian bytes of each
-tensor: the layout safetensors reads), keeping each tensor's own dtype; reading
-goes through ``safetensors.safe_open``, which reads just the slices asked for.
-:func:`gather` moves dicts of tensors between ranks as such bytes over tensor
-collectives, so no rank ever unpickles what another sent.
+A safetensors file is an 8-byte little-endian header length, a JSON header
+(``{key: {"dtype", "shape", "data_offsets"}}``, padded with spaces to 8 bytes)
+and then the raw little-endian bytes of each tensor. :class:`FileWriter` writes
+that layout from a list of planned ``(key, shape, dtype)`` entries, so a file
+is streamed tensor by tensor: the writer never holds more than the tensor it is
+writing. Reading goes through ``safetensors.safe_open``, which reads just the
+slices asked for.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import json
+import os
 import struct
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed import ProcessGroup
 
-from ..comm.collectives import all_gather_along
 from .manifest import CheckpointError
 
 #: the dtypes a checkpoint may hold, with their safetensors names
@@ -31,57 +33,106 @@ DTYPES: tuple[tuple[torch.dtype, str], ...] = (
     (torch.float64, "F64"), (torch.float32, "F32"), (torch.float16, "F16"), (torch.bfloat16, "BF16"),
     (torch.int64, "I64"), (torch.int32, "I32"), (torch.int16, "I16"), (torch.int8, "I8"),
     (torch.uint64, "U64"), (torch.uint32, "U32"), (torch.uint16, "U16"), (torch.uint8, "U8"), (torch.bool, "BOOL"))
+NAMES: Mapping[torch.dtype, str] = MappingProxyType(dict(DTYPES))
+BY_NAME: Mapping[str, torch.dtype] = MappingProxyType({name: dtype for dtype, name in DTYPES})
 
 
-def _safetensors() -> Any:
+def safetensors_module() -> Any:
+    """The ``safetensors`` package (reading checkpoints needs it), or an ImportError naming the extra."""
     try:
         import safetensors
-        import safetensors.torch
     except ImportError as e:  # pragma: no cover - the train extra installs it
-        raise ImportError("checkpoints need safetensors: pip install 'tensorpar[train]'") from e
+        raise ImportError("reading checkpoints needs safetensors: pip install 'tensorpar[train]'") from e
     return safetensors
 
 
-def _layout(tensors: Mapping[str, torch.Tensor]) -> tuple[bytes, list[torch.Tensor]]:
-    """The safetensors header (its length, then JSON padded to 8 bytes) and the contiguous CPU tensors
-    whose bytes follow it, in the header's order."""
+def dtype_name(dtype: torch.dtype, key: str) -> str:
+    """The safetensors name of ``dtype``, or a CheckpointError naming the tensor ``key``."""
+    if dtype not in NAMES:
+        raise CheckpointError(f"{key}: tensors of dtype {dtype} cannot be stored in a checkpoint")
+    return NAMES[dtype]
+
+
+def header(entries: Sequence[tuple[str, Sequence[int], torch.dtype]]) -> bytes:
+    """The length-prefixed safetensors header for tensors ``(key, shape, dtype)``, laid out in that order."""
     if sys.byteorder != "little":  # pragma: no cover
         raise CheckpointError("checkpoints are written on little-endian machines only")
-    names = dict(DTYPES)
-    header: dict[str, Any] = {}
-    blobs, offset = [], 0
-    for key in sorted(tensors):
-        t = tensors[key].detach().to("cpu").contiguous()
-        if t.dtype not in names:
-            raise CheckpointError(f"{key}: tensors of dtype {t.dtype} cannot be stored in a checkpoint")
-        size = t.numel() * t.element_size()
-        header[key] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
-        blobs.append(t)
+    layout: dict[str, Any] = {}
+    offset = 0
+    for key, shape, dtype in entries:
+        if key in layout:
+            raise CheckpointError(f"{key} appears twice in one file")
+        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        layout[key] = {"dtype": dtype_name(dtype, key), "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
-    text = json.dumps(header, separators=(",", ":")).encode()
+    text = json.dumps(layout, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text, blobs
+    return struct.pack("<Q", len(text)) + text
 
 
-def _memory(t: torch.Tensor) -> memoryview:
+def memory(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy (valid while ``t`` lives)."""
     size = t.numel() * t.element_size()
     return memoryview((ctypes.c_char * size).from_address(t.data_ptr())).cast("B") if size else memoryview(b"")
 
 
-def _to_bytes(t: torch.Tensor) -> bytes:
-    """A copy of the bytes of tensor ``t`` (on any device)."""
-    host = t.cpu().contiguous()
-    return bytes(_memory(host))
+class FileWriter:
+    """Streams one safetensors file: the header of every planned tensor first, then each tensor's bytes
+    in the planned order, hashing as it goes; :meth:`close` flushes it to disk and returns
+    ``{"sha256": ..., "bytes": ...}``.
+
+    Example::
+
+        with FileWriter(path, [("w", (2, 3), torch.float32)]) as f:
+            f.write("w", torch.ones(2, 3))
+        entry = f.entry
+    """
+
+    def __init__(self, path: Path, entries: Sequence[tuple[str, Sequence[int], torch.dtype]]) -> None:
+        self.path, self._planned = path, [(k, tuple(s), d) for k, s, d in entries]
+        self._hash, self._next, self.entry = hashlib.sha256(), 0, {}
+        self._file = open(path, "xb")  # never over an existing file
+        self._put(header(self._planned))
+
+    def _put(self, data: bytes | memoryview) -> None:
+        self._file.write(data)
+        self._hash.update(data)
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        """Write the next planned tensor (its key, shape and dtype must be the planned ones)."""
+        planned = self._planned[self._next] if self._next < len(self._planned) else None
+        got = (key, tuple(tensor.shape), tensor.dtype)
+        if planned != got:
+            raise CheckpointError(f"{self.path}: wrote {got} where the plan has {planned}")
+        self._put(memory(tensor.detach().to("cpu").contiguous()))
+        self._next += 1
+
+    def __enter__(self) -> FileWriter:
+        return self
+
+    def __exit__(self, kind: object, *exc: object) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self._file.close()
+
+    def close(self) -> dict[str, Any]:
+        if self._next != len(self._planned):
+            raise CheckpointError(f"{self.path}: {len(self._planned) - self._next} planned tensors were not written")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self.entry = {"sha256": self._hash.hexdigest(), "bytes": os.path.getsize(self.path)}
+        return self.entry
 
 
-def write_file(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Write ``tensors`` (each in its own dtype) to the safetensors file ``path``."""
-    header, blobs = _layout(tensors)
-    with open(path, "wb") as f:
-        f.write(header)
-        for t in blobs:
-            f.write(_memory(t))
+def write_file(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Write ``tensors`` (each in its own dtype, sorted by key) to the safetensors file ``path``."""
+    keys = sorted(tensors)
+    with FileWriter(path, [(k, tensors[k].shape, tensors[k].dtype) for k in keys]) as f:
+        for k in keys:
+            f.write(k, tensors[k])
+    return f.entry
 
 
 @contextlib.contextmanager
@@ -97,13 +148,13 @@ def failures(path: Path, key: str | None = None) -> Iterator[None]:
 
 
 class Reader:
-    """An open safetensors file: its keys, each tensor's full shape and dtype, and lazy (sliced) reads.
+    """An open safetensors file: its keys, each tensor's shape and dtype, and lazy (sliced) reads.
 
     Example::
 
-        with Reader(path / "model.safetensors") as f:
-            shape, dtype = f.info("wte.weight")
-            rows = f.read("wte.weight", (slice(0, 10),))
+        with Reader(path / "shard-00000-of-00002.safetensors") as f:
+            shape, dtype = f.info("model.wte.weight")
+            rows = f.read("model.wte.weight", (slice(0, 10),))
     """
 
     def __init__(self, path: Path) -> None:
@@ -111,8 +162,9 @@ class Reader:
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> Reader:
+        safetensors = safetensors_module()  # an ImportError names the extra
         with failures(self.path):
-            self._handle = self._stack.enter_context(_safetensors().safe_open(str(self.path), framework="pt"))
+            self._handle = self._stack.enter_context(safetensors.safe_open(str(self.path), framework="pt"))
             self._keys = list(self._handle.keys())
         return self
 
@@ -123,43 +175,17 @@ class Reader:
         return list(self._keys)
 
     def info(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
-        """The full shape and the dtype of ``key`` (from the header: no data is read)."""
+        """The shape and the dtype of ``key`` (from the header: no data is read)."""
         if key not in self._keys:
             raise CheckpointError(f"{self.path}: {key} is missing")
         with failures(self.path, key):
             view = self._handle.get_slice(key)
             shape, name = tuple(view.get_shape()), view.get_dtype()
-        dtype = {n: d for d, n in DTYPES}.get(name)
-        if dtype is None:
+        if name not in BY_NAME:
             raise CheckpointError(f"{self.path}: {key} has dtype {name}, which checkpoints do not use")
-        return shape, dtype
+        return shape, BY_NAME[name]
 
     def read(self, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         """Tensor ``key``, or just ``key[index]`` (only those bytes are read)."""
         with failures(self.path, key):
             return self._handle.get_tensor(key) if index is None else self._handle.get_slice(key)[index]
-
-
-def gather(tensors: Mapping[str, torch.Tensor], group: ProcessGroup | None,
-           device: torch.device) -> list[dict[str, torch.Tensor]] | None:
-    """Every rank's ``tensors`` (any keys, shapes and dtypes) in group-rank order on the group's first
-    rank, None on the others. A collective: every rank of ``group`` calls it.
-
-    Each rank's dict travels as safetensors bytes in a uint8 tensor (the lengths all-gathered, then
-    the padded payloads gathered), so nothing is pickled and no object collective runs.
-    """
-    header, blobs = _layout(tensors)
-    payload = torch.cat([torch.frombuffer(bytearray(header), dtype=torch.uint8),
-                         *(t.reshape(-1).view(torch.uint8) for t in blobs)])
-    n = dist.get_world_size(group)
-    lengths = all_gather_along(torch.tensor([payload.numel()], device=device), 0, [1] * n,
-                               group or dist.group.WORLD).tolist()
-    send = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
-    send[:payload.numel()] = payload.to(device)
-    first = dist.get_rank(group) == 0
-    parts = [torch.empty_like(send) for _ in range(n)] if first else None
-    dist.gather(send, parts, dst=0 if group is None else dist.get_global_rank(group, 0), group=group)
-    if parts is None:
-        return None
-    load = _safetensors().torch.load
-    return [{k: v.clone() for k, v in load(_to_bytes(part[:size])).items()} for part, size in zip(parts, lengths)]

@@ -1,0 +1,180 @@
+"""``torch.distributed.checkpoint`` storage: one safetensors file per rank, the index as JSON, nothing
+pickled and no numpy.
+
+Why not DCP's own storage: ``FileSystemWriter``/``FileSystemReader`` pickle the
+``.metadata`` file (and load it with ``pickle``). torch's safetensors storage
+(``HuggingFaceStorageWriter``/``HuggingFaceStorageReader``) keeps the index in
+the files' JSON headers, but its writer serialises each file with
+``safetensors.torch.save``, which needs numpy and builds the whole file in
+memory; its distributed file names come from the coordinated global plan (an
+object collective: pickled, and numpy again); and its reader takes every
+``*.safetensors`` file of the directory as part of the checkpoint, with no
+record of which files belong there or of their hashes. So the storage here is
+small and our own:
+
+* :class:`ShardWriter` streams this rank's chunks into its own safetensors file
+  (:class:`~.tensors.FileWriter`: a JSON header, then the raw bytes, tensor by
+  tensor, hashed as written), one chunk per tensor, under the tensor's name;
+* :class:`ShardReader` describes the checkpoint to DCP from the index in
+  ``meta.json`` (JSON, see :mod:`.index`), checks the size and SHA-256 of each
+  file a load plan reads before reading it, checks each chunk's header against
+  the index, and reads just the slices the plan asks for.
+
+Both work with DCP's own planners too: ``dcp.load`` with the default planner
+and a :class:`ShardReader` loads a tensorpar checkpoint into plain or ``DTensor``
+state dicts, resharding as DCP does.
+
+Example::
+
+    sd = {"model": plain_model.state_dict()}
+    dcp.load(sd, storage_reader=ShardReader.open("out"), no_dist=True)   # the newest checkpoint
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from . import index
+from .checked import read_checked
+from .manifest import CheckpointError, check_file
+from .tensors import FileWriter, Reader, dtype_name
+
+
+def _done(value: Any) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+class ShardWriter(StorageWriter):
+    """Writes a rank's save plan to the safetensors file ``path``; :attr:`entry` then holds its size and
+    SHA-256 and :attr:`report` its chunks (``{name: [dtype, full size, offsets, sizes]}``)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = path
+        self.entry: dict[str, Any] = {}
+        self.report: dict[str, list[Any]] = {}
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        planned, results = [], []
+        for item in plan.items:
+            data = item.tensor_data
+            if data is None:
+                raise CheckpointError(f"{item.index.fqn} is not a tensor: checkpoints hold tensors only")
+            planned.append((item.index.fqn, data.chunk.sizes, data.properties.dtype))
+        with FileWriter(self.path, planned) as f:
+            for item, (name, sizes, dtype) in zip(plan.items, planned):
+                f.write(name, planner.resolve_data(item))  # type: ignore[arg-type]
+                assert item.tensor_data is not None
+                self.report[name] = [dtype_name(dtype, name), list(item.tensor_data.size),
+                                     list(item.tensor_data.chunk.offsets), list(sizes)]
+                results.append(WriteResult(index=item.index, size_in_bytes=torch.Size(sizes).numel(),
+                                           storage_data=self.path.name))
+        self.entry = f.entry
+        return _done(results)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        pass  # the index and the manifest are written once every rank has written its file
+
+    def storage_meta(self) -> None:
+        return None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False
+
+
+class ShardReader(StorageReader):
+    """Reads the chunks of checkpoint ``directory`` (whose checked ``meta.json`` is ``meta``: its chunk
+    index and file hashes) for any DCP load plan. :meth:`open` makes one from a path."""
+
+    def __init__(self, directory: Path, meta: Mapping[str, Any], entries: Mapping[str, index.Entry],
+                 files: Sequence[str]) -> None:
+        super().__init__()
+        self.directory, self.files, self.entries = directory, list(files), dict(entries)
+        self.hashes: Mapping[str, Any] = meta["files"]
+        self.verified: set[str] = set()
+        self.sizes = {(name, c.offsets): (files[c.rank], c.sizes) for name, e in entries.items() for c in e.chunks}
+
+    @classmethod
+    def open(cls, path: str | Path) -> ShardReader:
+        """A reader of the checkpoint ``path`` names (its ``latest`` one, or itself); the manifest and
+        index are checked now, each file before the first read from it."""
+        directory, meta, entries, files = read_checked(path)
+        return cls(directory, meta, entries, files)
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return index.metadata(self.entries, self.files)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def verify(self, names: Sequence[str]) -> None:
+        """Check each file of ``names`` against its size and SHA-256 in ``meta.json`` (once per reader)."""
+        for name in names:
+            if name not in self.verified:
+                check_file(self.directory, name, self.hashes[name])
+                self.verified.add(name)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        self.verify(sorted({self._where(item.storage_index)[0] for item in plan.items}))
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def _where(self, at: MetadataIndex) -> tuple[str, tuple[int, ...]]:
+        key = (at.fqn, tuple(at.offset or ()))
+        if key not in self.sizes:
+            raise CheckpointError(f"{self.directory}: no chunk of {at.fqn} at {list(key[1])}")
+        return self.sizes[key]
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        per_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            per_file.setdefault(self._where(item.storage_index)[0], []).append(item)
+        self.verify(sorted(per_file))
+        for name, items in sorted(per_file.items()):
+            with Reader(self.directory / name) as f:
+                for item in items:
+                    key = item.storage_index.fqn
+                    sizes = self._where(item.storage_index)[1]
+                    if f.info(key) != (sizes, self.entries[key].dtype):
+                        raise CheckpointError(f"{f.path}: {key} is {f.info(key)[1]} of shape {f.info(key)[0]}, "
+                                              f"meta.json says {self.entries[key].dtype} of shape {sizes}")
+                    whole = tuple(item.lengths) == sizes
+                    value = f.read(key, None if whole else tuple(slice(o, o + n) for o, n in
+                                                                 zip(item.storage_offsets, item.lengths)))
+                    target = planner.resolve_tensor(item).detach()
+                    assert target.shape == value.shape, (key, target.shape, value.shape)
+                    target.copy_(value)
+                    planner.commit_tensor(item, target)
+        return _done(None)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False
