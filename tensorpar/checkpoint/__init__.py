@@ -20,11 +20,11 @@ its boxes, resharded by DCP's planner from whatever chunks were written
 renamed into place when complete; then the ``latest`` file is replaced
 atomically, so a crash at any moment loses nothing (:mod:`.publish`).
 
-Nothing is unpickled and numpy is not needed: the storage is safetensors files
-with a JSON index of our own (:mod:`.storage` says why not DCP's pickled
-``.metadata`` or torch's ``HuggingFaceStorageWriter``), the ranks exchange JSON
-over tensor collectives (:mod:`.agree`). Reading needs the ``safetensors``
-package (``pip install 'tensorpar[train]'``).
+Nothing is unpickled and nothing but torch is needed (no numpy, no
+``safetensors`` package): the storage is safetensors files with a JSON index,
+written and read by our own code (:mod:`.storage` says why not DCP's pickled
+``.metadata`` or torch's ``HuggingFaceStorageWriter``), and the ranks exchange
+JSON over tensor collectives (:mod:`.agree`).
 
 A load checks everything before it modifies anything, on every rank, and the
 ranks agree: a refused checkpoint changes nothing anywhere, and every refusal is

@@ -19,7 +19,8 @@ from .index import Entry
 from .manifest import CheckpointError, check_file
 from .meta import MODEL
 from .publish import remove, scratch
-from .tensors import FileWriter, Reader
+from .reader import Reader
+from .tensors import FileWriter
 
 
 def _tensors(path: str | Path) -> Iterator[tuple[str, Entry, torch.Tensor]]:
@@ -40,7 +41,7 @@ def _tensors(path: str | Path) -> Iterator[tuple[str, Entry, torch.Tensor]]:
                 if f.info(name) != (chunk.sizes, entry.dtype):
                     raise CheckpointError(f"{f.path}: {name} is not the chunk meta.json describes")
                 box = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
-                full[box] = f.read(name)
+                f.read(name, out=full[box])
             yield name.removeprefix(MODEL), entry, full
 
 

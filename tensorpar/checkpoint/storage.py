@@ -45,7 +45,8 @@ from torch.futures import Future
 from . import index
 from .checked import read_checked
 from .manifest import CheckpointError, check_file
-from .tensors import FileWriter, Reader, dtype_name
+from .reader import Reader
+from .tensors import FileWriter, dtype_name
 
 
 def _done(value: Any) -> Future:
@@ -166,12 +167,8 @@ class ShardReader(StorageReader):
                     if f.info(key) != (sizes, self.entries[key].dtype):
                         raise CheckpointError(f"{f.path}: {key} is {f.info(key)[1]} of shape {f.info(key)[0]}, "
                                               f"meta.json says {self.entries[key].dtype} of shape {sizes}")
-                    whole = tuple(item.lengths) == sizes
-                    value = f.read(key, None if whole else tuple(slice(o, o + n) for o, n in
-                                                                 zip(item.storage_offsets, item.lengths)))
                     target = planner.resolve_tensor(item).detach()
-                    assert target.shape == value.shape, (key, target.shape, value.shape)
-                    target.copy_(value)
+                    f.read(key, tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths)), out=target)
                     planner.commit_tensor(item, target)
         return _done(None)
 

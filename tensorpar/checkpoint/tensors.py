@@ -1,25 +1,22 @@
-"""Tensors in safetensors files: written without numpy or pickle, one tensor at a time while hashing,
-read lazily, with every failure a :class:`CheckpointError` naming the file and the tensor.
+"""Writing safetensors files without numpy or pickle, one tensor at a time while hashing.
 
 A safetensors file is an 8-byte little-endian header length, a JSON header
 (``{key: {"dtype", "shape", "data_offsets"}}``, padded with spaces to 8 bytes)
 and then the raw little-endian bytes of each tensor. :class:`FileWriter` writes
 that layout from a list of planned ``(key, shape, dtype)`` entries, so a file
 is streamed tensor by tensor: the writer never holds more than the tensor it is
-writing. Reading goes through ``safetensors.safe_open``, which reads just the
-slices asked for.
+writing. :mod:`.reader` reads such files.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import json
 import os
 import struct
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -35,15 +32,6 @@ DTYPES: tuple[tuple[torch.dtype, str], ...] = (
     (torch.uint64, "U64"), (torch.uint32, "U32"), (torch.uint16, "U16"), (torch.uint8, "U8"), (torch.bool, "BOOL"))
 NAMES: Mapping[torch.dtype, str] = MappingProxyType(dict(DTYPES))
 BY_NAME: Mapping[str, torch.dtype] = MappingProxyType({name: dtype for dtype, name in DTYPES})
-
-
-def safetensors_module() -> Any:
-    """The ``safetensors`` package (reading checkpoints needs it), or an ImportError naming the extra."""
-    try:
-        import safetensors
-    except ImportError as e:  # pragma: no cover - the train extra installs it
-        raise ImportError("reading checkpoints needs safetensors: pip install 'tensorpar[train]'") from e
-    return safetensors
 
 
 def dtype_name(dtype: torch.dtype, key: str) -> str:
@@ -133,59 +121,3 @@ def write_file(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         for k in keys:
             f.write(k, tensors[k])
     return f.entry
-
-
-@contextlib.contextmanager
-def failures(path: Path, key: str | None = None) -> Iterator[None]:
-    """Turn any error of reading ``path`` (tensor ``key`` of it) into a CheckpointError naming both."""
-    try:
-        yield
-    except CheckpointError:
-        raise
-    except Exception as e:  # safetensors' own error, an OSError, a malformed header or slice
-        where = f"{path}: {key}" if key is not None else f"{path}"
-        raise CheckpointError(f"{where} cannot be read ({type(e).__name__}: {e})") from None
-
-
-class Reader:
-    """An open safetensors file: its keys, each tensor's shape and dtype, and lazy (sliced) reads.
-
-    Example::
-
-        with Reader(path / "shard-00000-of-00002.safetensors") as f:
-            shape, dtype = f.info("model.wte.weight")
-            rows = f.read("model.wte.weight", (slice(0, 10),))
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._stack = contextlib.ExitStack()
-
-    def __enter__(self) -> Reader:
-        safetensors = safetensors_module()  # an ImportError names the extra
-        with failures(self.path):
-            self._handle = self._stack.enter_context(safetensors.safe_open(str(self.path), framework="pt"))
-            self._keys = list(self._handle.keys())
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stack.close()
-
-    def keys(self) -> list[str]:
-        return list(self._keys)
-
-    def info(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
-        """The shape and the dtype of ``key`` (from the header: no data is read)."""
-        if key not in self._keys:
-            raise CheckpointError(f"{self.path}: {key} is missing")
-        with failures(self.path, key):
-            view = self._handle.get_slice(key)
-            shape, name = tuple(view.get_shape()), view.get_dtype()
-        if name not in BY_NAME:
-            raise CheckpointError(f"{self.path}: {key} has dtype {name}, which checkpoints do not use")
-        return shape, BY_NAME[name]
-
-    def read(self, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
-        """Tensor ``key``, or just ``key[index]`` (only those bytes are read)."""
-        with failures(self.path, key):
-            return self._handle.get_tensor(key) if index is None else self._handle.get_slice(key)[index]
