@@ -106,6 +106,8 @@ class Reader:
         shape, dtype, offset = self._tensors[key]
         row = math.prod(shape[1:]) * out.element_size()
         assert self._file is not None and out.is_contiguous() and out.numel() * out.element_size() == count * row
+        if not count * row:
+            return
         try:
             self._file.seek(offset + first * row)
             got = self._file.readinto(memory(out))
