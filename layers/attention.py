@@ -44,7 +44,8 @@ class ParallelSelfAttention(nn.Module):
     Parameters (full shapes, as the unsharded twin's ``nn.Linear``\\ s): ``q_proj``
     ``(C, C)``, ``k_proj`` and ``v_proj`` ``(n_kv_head * head_dim, C)``, ``c_proj``
     ``(C, C)``. ``dropout`` applies to the attention probabilities (a different
-    mask on each rank: the heads differ, drawn from the mesh's tp stream) and to
+    mask on each rank: the heads differ, drawn from the mesh's tp stream; in a
+    ``torch.compile`` graph, this rank's heads of one draw for all heads) and to
     the output (the same mask on every rank: the output is replicated).
 
     Example::
@@ -91,7 +92,7 @@ class ParallelSelfAttention(nn.Module):
             self.kv_lo, kv_hi = 0, kv_heads  # local indices: this rank's KV weights are its own heads only
             self.k_proj = skip_init(ColumnParallelLinear, n_embd, n_kv_head * d, bias, unit=d, **column)
             self.v_proj = skip_init(ColumnParallelLinear, n_embd, n_kv_head * d, bias, unit=d, **column)
-        self.local_kv_heads = kv_hi - self.kv_lo
+        self.local_kv_heads, self.q_lo = kv_hi - self.kv_lo, q_lo
         # local KV head read by each local query head (None: the trivial 1:1 map)
         kv_of_q = [(q_lo + i) // g - (q_lo // g) for i in range(self.local_heads)]
         self._kv_index = None if kv_of_q == list(range(self.local_kv_heads)) else kv_of_q
@@ -118,7 +119,9 @@ class ParallelSelfAttention(nn.Module):
         if self._kv_index is not None:  # grouped-query: each query head reads its group's KV head
             k, v = k[:, self._kv_index], v[:, self._kv_index]  # (B, h, T, d)
         p = self.dropout if self.training else 0.0
-        if p:
+        if p and torch.compiler.is_compiling():  # no stream can be swapped in a graph: see below
+            y = _attention_dropping_heads_of_one_draw(q, k, v, p, self.n_head, self.q_lo)
+        elif p:
             with self.rng.fork(x.device):  # heads differ per rank: so do their masks
                 y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         else:
@@ -130,6 +133,26 @@ class ParallelSelfAttention(nn.Module):
         return (f"n_embd={self.n_embd}, n_head={self.n_head}, n_kv_head={self.n_kv_head}, "
                 f"local heads={self.local_heads}, local kv heads={self.local_kv_heads}"
                 + (" (replicated)" if self.kv_replicated else "") + f", dropout={self.dropout}")
+
+
+def _attention_dropping_heads_of_one_draw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float,
+                                          n_head: int, lo: int) -> torch.Tensor:
+    """Causal attention of this rank's heads ``lo:lo + h`` with dropout ``p`` on the probabilities,
+    inside a ``torch.compile`` graph.
+
+    A graph cannot swap the tp stream in and out around SDPA, so the mask is drawn
+    instead for *all* ``n_head`` heads from the default generator, which every rank
+    keeps in step, and this rank keeps its own heads' slice: each head still gets
+    its own mask, the ranks' generators stay in step, and the masks are those an
+    unsharded model drawing one ``(B, n_head, T, T)`` mask would use. The draw is
+    tp times this rank's share. ``(B, h, T, d)`` each -> ``(B, h, T, d)``.
+    """
+    b, h, t, d = q.shape
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(d)  # (B, h, T, T)
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    keep = torch.rand(b, n_head, t, t, device=q.device)[:, lo:lo + h] >= p  # (B, h, T, T) of one full draw
+    return (probs * keep / (1 - p)) @ v
 
 
 def _rng_tracker(group: ProcessGroup, rank: int) -> tensorpar.RNGStatesTracker:

@@ -227,3 +227,44 @@ def test_inductor_compiles_the_gpt_on_cuda(worlds, tp):
     for err, breaks in worlds[tp].run(check_compiled_gpt, cfg, 2, 7, torch.float32, 1, "inductor", "cuda",
                                       timeout=600):
         assert err <= TOLERANCES[torch.float32] and breaks == 0
+
+
+def attention_by_hand(dense, x, keep, p):
+    """The plain twin's attention written out, its probabilities dropped by the mask ``keep``."""
+    b, t, _ = x.shape
+    h, d = dense.n_head, dense.head_dim
+    q, k, v = (proj(x).view(b, t, -1, d).transpose(1, 2) for proj in (dense.q_proj, dense.k_proj, dense.v_proj))
+    k, v = (z.repeat_interleave(h // z.shape[1], dim=1) for z in (k, v))  # grouped-query: a KV head per group
+    scores = (q @ k.transpose(-2, -1)) / d ** 0.5
+    probs = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+    return dense.c_proj(((probs * keep / (1 - p)) @ v).transpose(1, 2).reshape(b, t, h * d))
+
+
+def check_compiled_attention_dropout(cfg, b, t, p, seed):
+    """The compiled attention drops its heads' slice of one mask for all heads, drawn from the
+    default generator: the plain twin fed that mask gives the same output and input gradient."""
+    torch.manual_seed(seed)
+    sharded, dense = sharded_twin("attention", cfg, torch.float64)
+    sharded.dropout = p  # on the probabilities alone (the twins are built without dropout)
+    compile_(sharded, "graphs")
+    x = torch.randn(b, t, cfg["n_embd"], dtype=torch.float64)
+    xs, xd = x.clone().requires_grad_(), x.clone().requires_grad_()
+    torch.manual_seed(seed + 1)
+    y = sharded(xs)
+    torch.manual_seed(seed + 1)
+    keep = torch.rand(b, cfg["n_head"], t, t) >= p
+    y_dense = attention_by_hand(dense, xd, keep, p)
+    y.sum().backward()
+    y_dense.sum().backward()
+    errors = assert_all_close({"output": (y, y_dense), "input grad": (xs.grad, xd.grad)})
+    return max(errors.values()), graph_breaks()
+
+
+@settings(max_examples=4)
+@given(tp=tp_sizes(), data=st.data())
+def test_compiled_attention_dropout_draws_each_heads_mask_once(worlds, tp, data):
+    cfg = data.draw(gpt_configs(tp, max_layer=1))
+    b, t = data.draw(st.integers(1, 3)), data.draw(st.integers(2, 9))
+    for err, breaks in worlds[tp].run(check_compiled_attention_dropout, cfg, b, t, 0.5,
+                                      data.draw(st.integers(0, 2**31))):
+        assert err <= TOLERANCES[torch.float64] and breaks == 0
