@@ -19,7 +19,10 @@ rank. ``--write`` records the tables in benchmarks/RESULTS.md.
   block compiled whole by ``torch.compile`` (inductor) against eager, at tp 1 and 2.
 * Communication: bytes one block moves forward+backward against Megatron's
   formula, and the all-reduce bandwidth, gloo's and ours, measured in the same run.
-* Memory: per-rank parameter bytes of GPT-2 small against total / tp.
+* Memory: per-rank parameter bytes of GPT-2 small against total / tp; saved
+  activations per rank with and without activation checkpointing
+  (``activation_memory.py``); distributed checkpoint save and load time and
+  peak memory per rank (``checkpoint_bench.py``), at tp 1, 2 and 4.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ import torch.distributed as dist
 from torch import nn
 
 import accounting
+import activation_memory
+import checkpoint_bench
 import peers
 from results import machine, write_section
 
@@ -45,6 +50,7 @@ from tensorpar.testing import World
 
 SIZES = {64: (64, 300), 256: (1024, 12), 768: (1024, 3)}  # hidden: (tokens, steps per measurement)
 BLOCK = dict(n_embd=768, n_head=12, batch=4, seq=256, steps=2)
+ACTIVATIONS = dict(activation_memory.GPT2_WIDTH, n_layer=4, block_size=256)  # the saved-activation GPT
 
 
 def step_times(model: nn.Module, x: torch.Tensor, steps: int) -> list[float]:
@@ -153,6 +159,8 @@ def main() -> None:
     finally:
         pool.close()
     memory = {tp: accounting.spawned_parameter_bytes(tp) for tp in (2, 4)}
+    saved = activation_memory.measure([1, 2, 4], ACTIVATIONS, 1, 256)
+    checkpoints = checkpoint_bench.measure([1, 2, 4], checkpoint_bench.CONFIG)
 
     peer_libs = [lib for lib in libs if lib != "tensorpar"]
     head = ("| h | tokens | dense ms | tp=1 ms | tp=1 / dense | " + " | ".join(f"{lib} tp=2 ms" for lib in libs)
@@ -181,7 +189,11 @@ def main() -> None:
         f"gloo {bandwidth[False]:.2f} GB/s, tensorpar (shared memory) {bandwidth[True]:.2f} GB/s.", "",
         "Per-rank parameter bytes of GPT-2 small (largest rank) / (total / tp): "
         + ", ".join(f"tp={tp}: {local / (full / tp):.4f}" for tp, (local, full) in memory.items())
-        + " (target ≤ 1.003).",
+        + " (target ≤ 1.003).", "",
+        "Saved activations per rank with and without activation checkpointing (largest rank; fp32, B=1, T=256, "
+        "GPT-2 width, 4 layers):", "", activation_memory.table(saved, ACTIVATIONS, 1, 256), "",
+        "Distributed checkpoints: save and load of the model and its AdamW state, each rank its own shards "
+        f"(GPT {checkpoint_bench.CONFIG}):", "", checkpoint_bench.table(checkpoints), "",
     ] + ([f"Not measured: {lib} ({why})." for lib, why in missing.items()]))
     print(text)
     if args.write:
