@@ -4,6 +4,7 @@
 import hashlib
 import json
 import shutil
+import struct
 
 import safetensors.torch
 
@@ -25,15 +26,38 @@ def edit_meta(path, edit, rehash=True):
 SHARD = "shard-00000-of-00001.safetensors"  # the one data file of a checkpoint saved by one rank
 
 
+def digests(path):
+    """The SHA-256 of each tensor's bytes in a safetensors file, from its header's offsets."""
+    data = path.read_bytes()
+    length = struct.unpack("<Q", data[:8])[0]
+    header, start = json.loads(data[8:8 + length]), 8 + length
+    return {k: hashlib.sha256(data[start + v["data_offsets"][0]:start + v["data_offsets"][1]]).hexdigest()
+            for k, v in header.items() if k != "__metadata__"}
+
+
 def edit_tensors(path, edit, index_edit=None):
     """Apply ``edit`` to the data file's dict (and ``index_edit`` to meta.json's index) and record the
-    new file in meta.json as a forger would."""
+    new file and its chunks' hashes in meta.json as a forger would."""
     tensors = safetensors.torch.load_file(path / SHARD)
     edit(tensors)
     safetensors.torch.save_file(tensors, path / SHARD)
-    data = (path / SHARD).read_bytes()
+    data, chunks = (path / SHARD).read_bytes(), digests(path / SHARD)
     entry = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-    edit_meta(path, lambda meta: [meta["files"].update({SHARD: entry}), index_edit and index_edit(meta["tensors"])])
+
+    def forge(meta):
+        meta["files"][SHARD] = entry
+        if index_edit:
+            index_edit(meta["tensors"])
+        for name, e in meta["tensors"].items():
+            if name in chunks:
+                e["chunks"][0][3] = chunks[name]
+    edit_meta(path, forge)
+
+
+def flip_last_bytes(path):
+    data = bytearray((path / SHARD).read_bytes())
+    data[-4:] = bytes(255 - b for b in data[-4:])
+    (path / SHARD).write_bytes(data)
 
 
 def in_meta(edit, rehash=True):
@@ -103,7 +127,7 @@ def bf16_index(index):
 
 
 def scalar(dtype, size):
-    return {"dtype": dtype, "size": [size], "chunks": [[0, [0], [size]]]}
+    return {"dtype": dtype, "size": [size], "chunks": [[0, [0], [size], "0" * 64]]}
 
 
 def add(name, entry):
@@ -148,14 +172,16 @@ DAMAGES = {
     "meta not json": (lambda p: (p / "meta.json").write_text("{not json"), ["meta.json is not valid JSON"]),
     "meta a list": (lambda p: (p / "meta.json").write_text("[]"), ["meta.json does not hold a JSON object"]),
     "shard truncated": (lambda p: (p / SHARD).write_bytes((p / SHARD).read_bytes()[:99]),
-                        [f"{SHARD} is corrupt or truncated (SHA-256 does not match meta.json)"]),
+                        [f"{SHARD} is corrupt or truncated (its size does not match meta.json)"]),
+    "shard bytes flipped": (flip_last_bytes, [f"{SHARD}: ", " is corrupt (its SHA-256 does not match meta.json)"]),
     "shard garbage": (lambda p: replace_file(p, SHARD, b"\x10" + b"\0" * 7 + b"garbage!"),
                       [f"{SHARD}", "cannot be read"]),
     "shard a link outside": (lambda p: link_outside(p, SHARD), [f"{SHARD} is not a regular"]),
     "index not an object": (in_meta(lambda m: m.update(tensors=[])), ["meta.json: tensors must be an object"]),
     "index entry malformed": (in_index(lambda t: t[WTE].update(dtype="F13")), [f"meta.json: tensors['{WTE}'] must be"]),
     "chunk of another rank": (in_index(lambda t: t[WTE]["chunks"][0].__setitem__(0, 1)),
-                              [f"meta.json: tensors['{WTE}']: chunk [1, ", "must be [a rank of 0-0"]),
+                              [f"meta.json: tensors['{WTE}']: chunk [1, ",
+                               "must be [a rank of 0-0, 2 offsets, 2 sizes, 64 hex digits]"]),
     "chunk missing": (in_index(lambda t: t[WTE].update(chunks=[])), [f"meta.json: {WTE}: the chunks hold 0 of its"]),
     "chunk outside": (in_index(lambda t: t[WTE]["chunks"][0][1].__setitem__(0, 1)),
                       [f"meta.json: {WTE}: chunk [1, 0] + ", "lies outside its size"]),

@@ -194,7 +194,7 @@ def written_and_held(cfg, mode, out):
     for name, entry in meta["tensors"].items():
         element = size[entry["dtype"]]
         total += math.prod(entry["size"]) * element
-        for rank, offsets, sizes in entry["chunks"]:
+        for rank, offsets, sizes, _ in entry["chunks"]:
             if rank != mesh.rank:
                 continue
             if name.startswith("rng."):

@@ -161,7 +161,7 @@ def test_broken_checkpoints_get_clear_errors_and_change_nothing(worlds, tmp_path
                                   "(n_embd: checkpoint 32, model 64)")
     assert messages["vocab"] == ("rank 0: the checkpoint's model config does not match the model's "
                                  "(vocab_size: checkpoint 256, model 300)")
-    assert messages["truncated"].endswith("shard-00000-of-00002.safetensors is corrupt or truncated (SHA-256 does "
+    assert messages["truncated"].endswith("shard-00000-of-00002.safetensors is corrupt or truncated (its size does "
                                           "not match meta.json)")
     assert messages["missing"].startswith("rank 0: no checkpoint at ")
 

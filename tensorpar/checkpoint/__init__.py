@@ -10,8 +10,8 @@ A checkpoint is a directory ``step-NNNNNN`` holding
   its optimizer state likewise, and its own generator states;
 * ``meta.json``: step, tp, dp, model config, optimizer hyper-parameters, the
   caller's ``extra``, the chunk index (where each box of each full tensor
-  lies: :mod:`.index`), the size and SHA-256 of each file, and a SHA-256 of
-  itself (:mod:`.manifest`).
+  lies, and the SHA-256 of its bytes: :mod:`.index`), the size and SHA-256 of
+  each file, and a SHA-256 of itself (:mod:`.manifest`).
 
 No rank ever holds the full model or the full optimizer state: saving streams a
 rank's chunks to its file tensor by tensor; loading reads into each rank just

@@ -3,10 +3,11 @@ and as the ``Metadata`` that ``torch.distributed.checkpoint`` plans reads from.
 
 ``meta.json["tensors"]`` maps each tensor's name to::
 
-    {"dtype": "F32", "size": [full shape], "chunks": [[rank, [offsets], [sizes]], ...]}
+    {"dtype": "F32", "size": [full shape], "chunks": [[rank, [offsets], [sizes], sha256], ...]}
 
 Each chunk is a box of the full tensor, stored under the tensor's name in the
-file of the rank that wrote it (one chunk per tensor per file). The chunks of a
+file of the rank that wrote it (one chunk per tensor per file), with the SHA-256
+of its bytes: a load checks just the chunks it reads. The chunks of a
 tensor lie inside it, do not overlap, and cover it exactly (their volumes add up
 to the tensor's): this is checked when the index is assembled at save and again
 on load, so a missing, duplicated or moved chunk is an error naming the tensor,
@@ -25,17 +26,18 @@ import torch
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties,
                                                    TensorStorageMetadata)
 
-from .manifest import CheckpointError
+from .manifest import HEX64, CheckpointError
 from .meta import MAX_WORLD
 from .tensors import BY_NAME, NAMES
 
 
 class Chunk(NamedTuple):
-    """A box of a full tensor: the rank whose file holds it, its offsets and its sizes."""
+    """A box of a full tensor: the rank whose file holds it, its offsets, its sizes and its bytes' SHA-256."""
 
     rank: int
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
+    sha256: str
 
 
 @dataclass
@@ -50,7 +52,7 @@ class Entry:
 def to_json(entries: Mapping[str, Entry]) -> dict[str, Any]:
     """The index as ``meta.json`` stores it (sorted by name, chunks by rank)."""
     return {name: {"dtype": NAMES[e.dtype], "size": list(e.size),
-                   "chunks": [[c.rank, list(c.offsets), list(c.sizes)] for c in sorted(e.chunks)]}
+                   "chunks": [[c.rank, list(c.offsets), list(c.sizes), c.sha256] for c in sorted(e.chunks)]}
             for name, e in sorted(entries.items())}
 
 
@@ -88,33 +90,33 @@ def parse(tensors: Any, where: Path, world: int) -> dict[str, Entry]:
         raise CheckpointError(f"{where}: tensors must be an object (it is {type(tensors).__name__})")
     entries = {}
     for name, e in tensors.items():
-        shape = "{'dtype': a dtype name, 'size': [sizes], 'chunks': [[rank, [offsets], [sizes]], ...]}"
+        shape = "{'dtype': a dtype name, 'size': [sizes], 'chunks': [[rank, [offsets], [sizes], sha256], ...]}"
         if not (isinstance(e, dict) and set(e) == {"dtype", "size", "chunks"} and e["dtype"] in BY_NAME
                 and _ints(e["size"], None) and isinstance(e["chunks"], list)):
             raise CheckpointError(f"{where}: tensors[{name!r}] must be {shape} (it is {e!r})"[:2000])
         dims, chunks = len(e["size"]), []
         for c in e["chunks"]:
-            if not (isinstance(c, list) and len(c) == 3 and type(c[0]) is int and 0 <= c[0] < min(world, MAX_WORLD)
-                    and _ints(c[1], dims) and _ints(c[2], dims)):
+            if not (isinstance(c, list) and len(c) == 4 and type(c[0]) is int and 0 <= c[0] < min(world, MAX_WORLD)
+                    and _ints(c[1], dims) and _ints(c[2], dims) and isinstance(c[3], str) and HEX64.fullmatch(c[3])):
                 raise CheckpointError(f"{where}: tensors[{name!r}]: chunk {c!r} must be [a rank of 0-{world - 1}, "
-                                      f"{dims} offsets, {dims} sizes]"[:2000])
-            chunks.append(Chunk(c[0], tuple(c[1]), tuple(c[2])))
+                                      f"{dims} offsets, {dims} sizes, 64 hex digits]"[:2000])
+            chunks.append(Chunk(c[0], tuple(c[1]), tuple(c[2]), c[3]))
         entries[name] = Entry(BY_NAME[e["dtype"]], tuple(e["size"]), chunks)
         check_cover(name, entries[name], where)
     return entries
 
 
 def merge(reports: Sequence[Mapping[str, Sequence[Any]]]) -> dict[str, Entry]:
-    """The index from every rank's report ``{name: [dtype name, size, offsets, sizes]}`` of the chunks it
-    wrote (rank order); the same dtype and size for a tensor on every rank, its chunks covering it."""
+    """The index from every rank's report ``{name: [dtype name, size, offsets, sizes, sha256]}`` of the
+    chunks it wrote (rank order); the same dtype and size for a tensor on every rank, its chunks covering it."""
     entries: dict[str, Entry] = {}
     for rank, report in enumerate(reports):
-        for name, (dtype, size, offsets, sizes) in report.items():
+        for name, (dtype, size, offsets, sizes, sha256) in report.items():
             entry = entries.setdefault(name, Entry(BY_NAME[dtype], tuple(size)))
             if (entry.dtype, entry.size) != (BY_NAME[dtype], tuple(size)):
                 raise CheckpointError(f"{name}: rank {rank} holds it as {dtype} of size {list(size)}, an earlier "
                                       f"rank as {NAMES[entry.dtype]} of size {list(entry.size)}")
-            entry.chunks.append(Chunk(rank, tuple(offsets), tuple(sizes)))
+            entry.chunks.append(Chunk(rank, tuple(offsets), tuple(sizes), sha256))
     for name, entry in entries.items():
         check_cover(name, entry, "the ranks' shards")
     return entries

@@ -7,8 +7,8 @@ its index covering each tensor); the model's keys, full shapes and dtypes, the
 optimizer's groups and state fields, and the generator states' names and sizes
 are checked against it; ``dcp.load`` plans this rank's reads from the index
 (:class:`~.planner.BoxLoadPlanner`, DCP's resharding) and
-:class:`~.storage.ShardReader` checks the hash of each file before reading the
-slices it needs into fresh buffers; the generator states read are checked. Then
+:class:`~.storage.ShardReader` checks the SHA-256 of each chunk it needs before
+reading its rows into fresh buffers; the generator states read are checked. Then
 the ranks share whether they succeeded (:mod:`.agree`): if any failed, every
 rank raises and nothing is modified anywhere; otherwise each copies its buffers
 into the model, the optimizer and the generators.

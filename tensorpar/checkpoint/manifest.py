@@ -36,7 +36,7 @@ from typing import Any
 MANIFEST = "meta.json"
 SELF_HASH = "meta_sha256"
 MAX_MANIFEST_BYTES = 64 << 20  # a larger meta.json is no manifest this library wrote
-_HEX64 = re.compile(r"[0-9a-f]{64}")
+HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 class CheckpointError(ValueError):
@@ -133,17 +133,24 @@ def check_listing(directory: Path, meta: Mapping[str, Any], names: Sequence[str]
     for name in names:
         entry = files[name]
         if not (isinstance(entry, dict) and set(entry) == {"sha256", "bytes"}
-                and isinstance(entry["sha256"], str) and _HEX64.fullmatch(entry["sha256"])
+                and isinstance(entry["sha256"], str) and HEX64.fullmatch(entry["sha256"])
                 and type(entry["bytes"]) is int and entry["bytes"] >= 0):
             raise CheckpointError(f"{where}: files[{name!r}] must be {{'sha256': 64 hex digits, "
                                   f"'bytes': a size}} (it is {entry!r})")
 
 
+def check_size(directory: Path, name: str, entry: Mapping[str, Any]) -> None:
+    """Check that one file (a name from the reader's code) is a regular file of its listed size."""
+    path = directory / name
+    if regular_file(path) != entry["bytes"]:
+        raise CheckpointError(f"{path} is corrupt or truncated (its size does not match meta.json)")
+
+
 def check_file(directory: Path, name: str, entry: Mapping[str, Any]) -> None:
     """Check one file (a name from the reader's code) against its listed size and SHA-256."""
-    path = directory / name
-    if regular_file(path) != entry["bytes"] or sha256_file(path) != entry["sha256"]:
-        raise CheckpointError(f"{path} is corrupt or truncated (SHA-256 does not match meta.json)")
+    check_size(directory, name, entry)
+    if sha256_file(directory / name) != entry["sha256"]:
+        raise CheckpointError(f"{directory / name} is corrupt or truncated (SHA-256 does not match meta.json)")
 
 
 def verify_files(directory: Path, meta: Mapping[str, Any], names: Sequence[str]) -> None:

@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -100,6 +101,24 @@ class Reader:
             raise self._fail(f"{key} is missing")
         shape, dtype, _ = self._tensors[key]
         return shape, dtype
+
+    def sha256(self, key: str) -> str:
+        """The SHA-256 of the bytes of ``key``, read in blocks of 1 MiB."""
+        shape, dtype, offset = self._tensors[key]
+        left = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        digest = hashlib.sha256()
+        assert self._file is not None
+        try:
+            self._file.seek(offset)
+            while left:
+                block = self._file.read(min(left, 1 << 20))
+                if not block:
+                    raise self._fail(f"{key} cannot be read (the file ends {left} bytes early)")
+                digest.update(block)
+                left -= len(block)
+        except OSError as e:
+            raise self._fail(f"{key} cannot be read ({e})") from None
+        return digest.hexdigest()
 
     def _rows(self, key: str, first: int, count: int, out: torch.Tensor) -> None:
         """Read rows ``[first, first + count)`` of ``key`` (all of a 0-dim tensor) into contiguous ``out``."""

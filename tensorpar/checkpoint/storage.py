@@ -16,9 +16,11 @@ small and our own:
   (:class:`~.tensors.FileWriter`: a JSON header, then the raw bytes, tensor by
   tensor, hashed as written), one chunk per tensor, under the tensor's name;
 * :class:`ShardReader` describes the checkpoint to DCP from the index in
-  ``meta.json`` (JSON, see :mod:`.index`), checks the size and SHA-256 of each
-  file a load plan reads before reading it, checks each chunk's header against
-  the index, and reads just the slices the plan asks for.
+  ``meta.json`` (JSON, see :mod:`.index`); before reading a chunk it checks the
+  file's size, the chunk's shape and dtype in the file's header, and the
+  SHA-256 of its bytes against the index (so a load reads and checks the chunks
+  it needs, not the whole checkpoint), then reads just the rows the plan asks
+  for (:mod:`.reader`).
 
 Both work with DCP's own planners too: ``dcp.load`` with the default planner
 and a :class:`ShardReader` loads a tensorpar checkpoint into plain or ``DTensor``
@@ -44,7 +46,7 @@ from torch.futures import Future
 
 from . import index
 from .checked import read_checked
-from .manifest import CheckpointError, check_file
+from .manifest import CheckpointError, check_size
 from .reader import Reader
 from .tensors import FileWriter, dtype_name
 
@@ -57,7 +59,7 @@ def _done(value: Any) -> Future:
 
 class ShardWriter(StorageWriter):
     """Writes a rank's save plan to the safetensors file ``path``; :attr:`entry` then holds its size and
-    SHA-256 and :attr:`report` its chunks (``{name: [dtype, full size, offsets, sizes]}``)."""
+    SHA-256 and :attr:`report` its chunks (``{name: [dtype, full size, offsets, sizes, SHA-256]}``)."""
 
     def __init__(self, path: Path) -> None:
         super().__init__()
@@ -89,7 +91,7 @@ class ShardWriter(StorageWriter):
                 f.write(name, planner.resolve_data(item))  # type: ignore[arg-type]
                 assert item.tensor_data is not None
                 self.report[name] = [dtype_name(dtype, name), list(item.tensor_data.size),
-                                     list(item.tensor_data.chunk.offsets), list(sizes)]
+                                     list(item.tensor_data.chunk.offsets), list(sizes), f.digests[name]]
                 results.append(WriteResult(index=item.index, size_in_bytes=torch.Size(sizes).numel(),
                                            storage_data=self.path.name))
         self.entry = f.entry
@@ -107,21 +109,22 @@ class ShardWriter(StorageWriter):
 
 
 class ShardReader(StorageReader):
-    """Reads the chunks of checkpoint ``directory`` (whose checked ``meta.json`` is ``meta``: its chunk
-    index and file hashes) for any DCP load plan. :meth:`open` makes one from a path."""
+    """Reads the chunks of checkpoint ``directory`` (whose checked ``meta.json`` is ``meta``, its chunk
+    index ``entries``, its data files ``files`` by rank) for any DCP load plan. :meth:`open` makes one
+    from a path."""
 
     def __init__(self, directory: Path, meta: Mapping[str, Any], entries: Mapping[str, index.Entry],
                  files: Sequence[str]) -> None:
         super().__init__()
         self.directory, self.files, self.entries = directory, list(files), dict(entries)
-        self.hashes: Mapping[str, Any] = meta["files"]
-        self.verified: set[str] = set()
-        self.sizes = {(name, c.offsets): (files[c.rank], c.sizes) for name, e in entries.items() for c in e.chunks}
+        self.listed: Mapping[str, Any] = meta["files"]
+        self.verified: set[tuple[str, str]] = set()
+        self.chunks = {(name, c.offsets): (files[c.rank], c) for name, e in entries.items() for c in e.chunks}
 
     @classmethod
     def open(cls, path: str | Path) -> ShardReader:
         """A reader of the checkpoint ``path`` names (its ``latest`` one, or itself); the manifest and
-        index are checked now, each file before the first read from it."""
+        index are checked now, each chunk before it is first read."""
         directory, meta, entries, files = read_checked(path)
         return cls(directory, meta, entries, files)
 
@@ -134,41 +137,50 @@ class ShardReader(StorageReader):
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def verify(self, names: Sequence[str]) -> None:
-        """Check each file of ``names`` against its size and SHA-256 in ``meta.json`` (once per reader)."""
-        for name in names:
-            if name not in self.verified:
-                check_file(self.directory, name, self.hashes[name])
-                self.verified.add(name)
+    def _where(self, at: MetadataIndex) -> tuple[str, index.Chunk]:
+        key = (at.fqn, tuple(at.offset or ()))
+        if key not in self.chunks:
+            raise CheckpointError(f"{self.directory}: no chunk of {at.fqn} at {list(key[1])}")
+        return self.chunks[key]
+
+    def verify(self, wanted: Sequence[tuple[str, str]]) -> None:
+        """Check each ``(file, tensor)`` chunk of ``wanted`` before it is read: the file's size, the chunk's
+        shape and dtype against the index, and the SHA-256 of its bytes (each once per reader)."""
+        by_file: dict[str, set[str]] = {}
+        for file, name in wanted:
+            if (file, name) not in self.verified:
+                by_file.setdefault(file, set()).add(name)
+        for file, names in sorted(by_file.items()):
+            check_size(self.directory, file, self.listed[file])
+            with Reader(self.directory / file) as f:
+                for name in sorted(names):
+                    chunk = next(c for c in self.entries[name].chunks if self.files[c.rank] == file)
+                    shape, dtype = f.info(name)
+                    if (shape, dtype) != (chunk.sizes, self.entries[name].dtype):
+                        raise CheckpointError(f"{f.path}: {name} is {dtype} of shape {shape}, meta.json says "
+                                              f"{self.entries[name].dtype} of shape {chunk.sizes}")
+                    if f.sha256(name) != chunk.sha256:
+                        raise CheckpointError(f"{f.path}: {name} is corrupt (its SHA-256 does not match meta.json)")
+                    self.verified.add((file, name))
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        self.verify(sorted({self._where(item.storage_index)[0] for item in plan.items}))
+        self.verify([(self._where(item.storage_index)[0], item.storage_index.fqn) for item in plan.items])
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
-    def _where(self, at: MetadataIndex) -> tuple[str, tuple[int, ...]]:
-        key = (at.fqn, tuple(at.offset or ()))
-        if key not in self.sizes:
-            raise CheckpointError(f"{self.directory}: no chunk of {at.fqn} at {list(key[1])}")
-        return self.sizes[key]
-
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         per_file: dict[str, list[Any]] = {}
         for item in plan.items:
             per_file.setdefault(self._where(item.storage_index)[0], []).append(item)
-        self.verify(sorted(per_file))
-        for name, items in sorted(per_file.items()):
-            with Reader(self.directory / name) as f:
+        self.verify([(file, item.storage_index.fqn) for file, items in per_file.items() for item in items])
+        for file, items in sorted(per_file.items()):
+            with Reader(self.directory / file) as f:
                 for item in items:
-                    key = item.storage_index.fqn
-                    sizes = self._where(item.storage_index)[1]
-                    if f.info(key) != (sizes, self.entries[key].dtype):
-                        raise CheckpointError(f"{f.path}: {key} is {f.info(key)[1]} of shape {f.info(key)[0]}, "
-                                              f"meta.json says {self.entries[key].dtype} of shape {sizes}")
                     target = planner.resolve_tensor(item).detach()
-                    f.read(key, tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths)), out=target)
+                    box = tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))
+                    f.read(item.storage_index.fqn, box, out=target)
                     planner.commit_tensor(item, target)
         return _done(None)
 

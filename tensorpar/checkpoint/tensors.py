@@ -66,8 +66,8 @@ def memory(t: torch.Tensor) -> memoryview:
 
 class FileWriter:
     """Streams one safetensors file: the header of every planned tensor first, then each tensor's bytes
-    in the planned order, hashing as it goes; :meth:`close` flushes it to disk and returns
-    ``{"sha256": ..., "bytes": ...}``.
+    in the planned order, hashing as it goes: :attr:`digests` holds each tensor's SHA-256, and
+    :meth:`close` flushes the file to disk and returns ``{"sha256": ..., "bytes": ...}`` of the whole.
 
     Example::
 
@@ -79,6 +79,7 @@ class FileWriter:
     def __init__(self, path: Path, entries: Sequence[tuple[str, Sequence[int], torch.dtype]]) -> None:
         self.path, self._planned = path, [(k, tuple(s), d) for k, s, d in entries]
         self._hash, self._next, self.entry = hashlib.sha256(), 0, {}
+        self.digests: dict[str, str] = {}
         self._file = open(path, "xb")  # never over an existing file
         self._put(header(self._planned))
 
@@ -92,7 +93,9 @@ class FileWriter:
         got = (key, tuple(tensor.shape), tensor.dtype)
         if planned != got:
             raise CheckpointError(f"{self.path}: wrote {got} where the plan has {planned}")
-        self._put(memory(tensor.detach().to("cpu").contiguous()))
+        data = memory(tensor.detach().to("cpu").contiguous())
+        self._put(data)
+        self.digests[key] = hashlib.sha256(data).hexdigest()
         self._next += 1
 
     def __enter__(self) -> FileWriter:
