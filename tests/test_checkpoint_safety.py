@@ -124,8 +124,16 @@ def stale_and_live(root):
             else:
                 (out / name).mkdir()
                 (out / name / "model.safetensors").write_bytes(b"partial")
+        try:  # this process's own entry is a save it has not finished (an async_save not yet waited for)
+            checkpoint.save(out, trained(0)[0], step=9, keep=3)
+            refusal = ""
+        except checkpoint.CheckpointError as e:
+            refusal = str(e)
+        (out / entries[4] / "model.safetensors").unlink()
+        (out / entries[4]).rmdir()  # waited for, say
         checkpoint.save(out, trained(0)[0], step=9, keep=3)
-        return sorted(p.name for p in out.iterdir() if p.name.startswith(".")), sorted(entries[3:])
+        left = sorted(p.name for p in out.iterdir() if p.name.startswith("."))
+        return left, sorted(entries[3:4] + entries[5:]), refusal
     finally:
         live.kill()
         live.wait()
@@ -133,10 +141,11 @@ def stale_and_live(root):
 
 def test_the_next_save_removes_what_dead_writers_left_and_nothing_else(worlds, tmp_path):
     """Stale: a dead writer's temporary directory, pointer file and aside copy. Kept: the entries of a
-    live writer, of the saving process itself, of another host (whose processes cannot be seen), and
-    a name that is not the library's."""
-    left, kept = worlds[1].run(stale_and_live, str(tmp_path / "run"))[0]
+    live writer, of another host (whose processes cannot be seen), and a name that is not the
+    library's. An unfinished save of the saving process itself is refused by name until it is gone."""
+    left, kept, refusal = worlds[1].run(stale_and_live, str(tmp_path / "run"))[0]
     assert left == kept
+    assert "-0123abcd-step-000004 is a save of this process still being written: call the wait()" in refusal
 
 
 # --- dtypes ---------------------------------------------------------------------------------------

@@ -54,6 +54,8 @@ def pieces(model: nn.Module, optimizer: torch.optim.Optimizer,
     for param, fields in _owned(optimizer).items():
         name = names[id(param)]
         for field, value in fields.items():
+            if value is None:  # SGD without momentum keeps momentum_buffer = None: nothing to store
+                continue
             value, key = torch.as_tensor(value), f"{OPTIM}{name}.{field}"
             if value.dim() and tuple(value.shape) != tuple(param.shape):
                 raise CheckpointError(f"{key} has shape {tuple(value.shape)}, its parameter {tuple(param.shape)}: "
@@ -92,7 +94,8 @@ def destinations(meta: Mapping[str, Any], entries: Mapping[str, Entry], where: P
     checking the groups and, for every parameter with state, its fields, full shapes and dtypes."""
     groups, order = check_groups(meta, where, model, optimizer), positions(model, optimizer)
     params, names, found = dict(model.named_parameters()), _names(model), placements(model)
-    current = {names[id(p)]: fields for p, fields in _owned(optimizer).items() if fields and id(p) in names}
+    current = {names[id(p)]: {k: v for k, v in fields.items() if v is not None}
+               for p, fields in _owned(optimizer).items() if fields and id(p) in names}
     local = _spread(optimizer)
     wanted = {names[id(p)] for group in (local or optimizer).param_groups for p in group["params"]}
     stored = _stored_fields(entries, order, where)

@@ -88,6 +88,15 @@ def temporary(parent: Path, name: str) -> Path:
     return path
 
 
+def unfinished(parent: Path, pattern: re.Pattern[str]) -> list[Path]:
+    """The temporary checkpoint directories in ``parent`` that this very process is still writing
+    (a save in a background thread, say)."""
+    if not parent.is_dir():
+        return []
+    return sorted(p for p in parent.iterdir() if (m := _ENTRY.fullmatch(p.name)) and m[1] == "tmp"
+                  and int(m[2]) == os.getpid() and m[3] == _host() and pattern.fullmatch(m[5]))
+
+
 def recover(parent: Path, pattern: re.Pattern[str]) -> None:
     """Finish what crashed writers left in ``parent``: put back an aside copy whose checkpoint is
     missing; delete other aside copies and temporary entries. Entries of live writers stay."""

@@ -105,6 +105,9 @@ def prepare(directory: str | Path, model: nn.Module, optimizer: torch.optim.Opti
         if stage:
             tensors = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
         if mesh.rank == 0:
+            for pending in publish.unfinished(final.parent, NAME):
+                raise CheckpointError(f"{pending} is a save of this process still being written: call the wait() "
+                                      "of its async_save before saving again into the same directory")
             publish.recover(final.parent, NAME)
             tmp = publish.temporary(final.parent, final.name)
     except Exception as e:  # every rank learns of it below, then every rank raises
