@@ -18,7 +18,10 @@ dim give a box of the full tensor, for example::
 
 A box held by several ranks (a replicated tensor; a tp shard on every dp
 replica) is written by exactly one of them, chosen from a hash of its name so
-that the writing is spread over the ranks (:func:`writes`).
+that the writing is spread over the ranks (:func:`writes`). DCP would dedup
+such boxes itself, but in the coordinator's global plan, which travels between
+ranks as pickled objects (and needs numpy); every rank can tell on its own
+which boxes fall to it, so each plans alone and no plan travels.
 """
 
 from __future__ import annotations
