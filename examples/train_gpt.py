@@ -11,9 +11,12 @@ NCCL when there is a GPU per rank); under ``torchrun`` each process is one
 rank and dp = world / tp. Tensor parallelism is inside a node-local group of
 tp ranks, data parallelism (``DistributedDataParallel`` on the dp group,
 optionally ``ZeroRedundancyOptimizer``) across them, or FSDP2 with the tp
-shards inside (``--fsdp``: ``tensorpar.fully_shard_dp``; no checkpoints yet).
-AdamW, cosine LR with warmup, gradient clipping by the norm of the whole
-unsharded gradient, gradient accumulation; float32 on CPU, bf16 autocast on GPU.
+shards inside (``--fsdp``: ``tensorpar.fully_shard_dp``). AdamW, cosine LR with
+warmup, gradient clipping by the norm of the whole unsharded gradient,
+gradient accumulation; float32 on CPU, bf16 autocast on GPU. ``--compile``
+compiles each block whole (``torch.compile``), ``--activation-checkpointing``
+recomputes each block in backward. Checkpoints go through
+``torch.distributed.checkpoint``: each rank writes its own shards.
 
 The data is bytes of text (the built-in corpus unless ``--data``), drawn
 deterministically per step: a run resumed from a checkpoint (``--resume``, at
@@ -26,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import importlib.util
 import json
 import math
 import os
@@ -81,8 +83,6 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.fsdp and self.zero:
             raise ValueError("--fsdp and --zero exclude each other: --fsdp shards the optimizer state over dp itself")
-        if self.fsdp and self.resume:
-            raise ValueError("--resume cannot be used with --fsdp: checkpoints do not hold FSDP-sharded state yet")
 
 
 def build(cfg: TrainConfig, mesh: tensorpar.Mesh) -> tuple[GPT, torch.optim.Optimizer]:
@@ -157,7 +157,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             loss_sum /= mesh.dp
         losses[step], norms[step] = loss_sum.item(), norm.item()
         seconds = time.perf_counter() - began
-        if out and not cfg.fsdp and ((cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0) or step == last):
+        if out and ((cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0) or step == last):
             checkpoint.save(out, model, optimizer, step=step, mesh=mesh,
                             extra={"data_position": {"step": step + 1, "tokens": (step + 1) * tokens_per_step},
                                    "train_config": dataclasses.asdict(cfg)})
@@ -219,18 +219,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     return cfg
 
 
-def _installed(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ImportError:
-        return False
-
-
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
-    if cfg.out and not _installed("safetensors"):  # say so now, not on every rank at the first checkpoint
-        raise SystemExit("checkpoints need safetensors: pip install 'tensorpar[train]' "
-                         "(or --out none to train without writing any)")
     began = time.perf_counter()
     if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         mesh = tensorpar.init(cfg.tp, None if cfg.dp == 1 else cfg.dp)
@@ -246,8 +236,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"loss {first:.3f} -> {last:.3f} over steps {min(losses)}-{max(losses)} "
               f"in {time.perf_counter() - began:.0f} s (tp={cfg.tp}, dp={cfg.dp})")
     if cfg.out:
-        print(f"metrics: {cfg.out}/metrics.jsonl, curve: {cfg.out}/loss.png"
-              + ("" if cfg.fsdp else f", checkpoint: {cfg.out}/latest"))
+        print(f"metrics: {cfg.out}/metrics.jsonl, curve: {cfg.out}/loss.png, checkpoint: {cfg.out}/latest")
     if result.get("sample"):
         print("sample:\n" + result["sample"])
     if losses and not math.isfinite(losses[max(losses)]):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -63,7 +63,7 @@ class GPTConfig:
     bias: bool = True
     n_kv_head: int | None = None
     mlp: str = "gelu"
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = field(default=False, metadata={"state": False})  # how it runs: not checkpointed
 
     def __post_init__(self) -> None:
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):

@@ -109,14 +109,18 @@ def test_resume_reaches_the_uninterrupted_parameters_at_any_tp(worlds, tmp_path)
     run_training(worlds, out, 2, **common, stop_at=4)  # checkpoints after steps 2 and 4
     assert checkpoint.read_meta(out)["step"] == 4
     logged = (out / "metrics.jsonl").read_text().splitlines()
-    for tp in (2, 1, 4):  # each resumes from the step-4 checkpoint, written at tp=2
-        shutil.copytree(out, f"{out}-{tp}")
-        resumed = run_training(worlds, Path(f"{out}-{tp}"), tp, **common, resume=True)
-        lines = Path(f"{out}-{tp}", "metrics.jsonl").read_text().splitlines()
+    # each resumes from the step-4 checkpoint, written at tp=2 dp=1; the last with FSDP2 over dp=2 and
+    # activation checkpointing (neither changes what a checkpoint holds)
+    for tp, dp, extra in ((2, 1, {}), (1, 1, {}), (4, 1, {}), (2, 2, dict(fsdp=True, activation_checkpointing=True))):
+        where = Path(f"{out}-{tp}x{dp}")
+        shutil.copytree(out, where)
+        resumed = run_training(worlds, where, tp, dp, **common, **extra, resume=True)
+        lines = (where / "metrics.jsonl").read_text().splitlines()
         assert lines[:5] == logged and sorted(resumed["losses"]) == list(range(8)), \
-            f"tp={tp} did not resume after step 4"  # steps 0-4 kept as logged (timings included), not re-run
+            f"tp={tp} dp={dp} did not resume after step 4"  # steps 0-4 kept as logged (timings included), not re-run
         errors = compare_states(resumed["state"], straight)
-        assert max(errors.values()) <= (0.0 if tp == 2 else 1e-5), f"tp={tp}: {max(errors.values())}"
+        same = (tp, dp, extra) == (2, 1, {})
+        assert max(errors.values()) <= (0.0 if same else 1e-5), f"tp={tp} dp={dp}: {max(errors.values())}"
 
 
 def check_bad_checkpoints(out):

@@ -66,11 +66,13 @@ def as_json(value: Any, what: str) -> Any:
 
 
 def config_dict(model: nn.Module) -> dict[str, Any] | None:
-    """The model's ``config`` dataclass as JSON gives it back, or None when it has none."""
+    """The model's ``config`` dataclass as JSON gives it back, or None when it has none. Fields whose
+    metadata says ``{"state": False}`` (how the model runs, not what it holds) are left out."""
     config = getattr(model, "config", None)
     if not dataclasses.is_dataclass(config) or isinstance(config, type):
         return None
-    return as_json(dataclasses.asdict(config), "the model's config")
+    fields = {f.name for f in dataclasses.fields(config) if f.metadata.get("state", True)}
+    return as_json({k: v for k, v in dataclasses.asdict(config).items() if k in fields}, "the model's config")
 
 
 MAX_WORLD = 1 << 16  # a larger tp x dp is no checkpoint this library wrote
