@@ -117,7 +117,7 @@ def _n_rank():
     return mesh.tp, mesh.tp_rank
 
 
-@settings(max_examples=8)
+@settings(max_examples=6)
 @given(tp=tp_sizes(), kind=st.sampled_from(["column", "row", "embedding"]), tp_opt=st.booleans(),
        dtype=FLOATS, data=st.data())
 def test_layers_compile_whole_and_equal_their_plain_twins(worlds, tp, kind, tp_opt, dtype, data):
@@ -190,8 +190,9 @@ def test_gpt_compiles_whole_and_equals_eager_and_reference(worlds, tp, dtype, da
 
 
 def test_inductor_compiles_the_gpt_on_cpu(worlds):
-    """The real CPU backend, at an uneven tp: 3 heads over tp 2, a vocabulary of 37."""
-    cfg = dict(n_layer=2, n_head=3, n_kv_head=3, n_embd=12, vocab_size=37, block_size=8, bias=True, mlp="gelu")
+    """The real CPU backend, at an uneven tp: 3 heads over tp 2, a vocabulary of 37 (one layer: the
+    compiled training run below compiles blocks with inductor too)."""
+    cfg = dict(n_layer=1, n_head=3, n_kv_head=3, n_embd=12, vocab_size=37, block_size=8, bias=True, mlp="gelu")
     # inductor generates and builds C++ kernels in each rank: a minute or more on a busy machine
     for err, breaks in worlds[2].run(check_compiled_gpt, cfg, 2, 7, torch.float64, 1, "inductor", timeout=600):
         assert err <= TOLERANCES[torch.float64] and breaks == 0
