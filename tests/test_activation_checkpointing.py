@@ -124,7 +124,7 @@ def cases(draw, max_layer=2):
     return tp, cfg, draw(st.integers(1, 3)), draw(st.integers(1, cfg["block_size"])), draw(st.integers(0, 2**31))
 
 
-@settings(max_examples=12)
+@settings(max_examples=8)
 @given(case=cases(), dtype=st.sampled_from([torch.float64, torch.float32]))
 def test_checkpointing_changes_nothing_but_memory(worlds, case, dtype):
     tp, cfg, b, t, seed = case
