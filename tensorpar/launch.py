@@ -13,7 +13,9 @@ re-raised naming the rank most likely to be the root cause, so a failure never
 leaves the caller waiting on ranks blocked in a collective.
 
 :class:`LocalRanks` is that machinery; :func:`spawn` runs a function once on
-its ranks, and :class:`tensorpar.testing.World` keeps them serving tasks.
+its ranks, and :class:`tensorpar.testing.World` keeps them serving tasks. Both
+send the function as its module and name (:mod:`tensorpar.sendable`): one that
+a new process cannot import is refused before any rank starts.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import pickle
 import socket
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -36,6 +38,7 @@ import torch.distributed as dist
 
 from . import lifeline
 from .mesh import DEFAULT_TIMEOUT, default_backend, shutdown
+from .sendable import Packed, missing_main_file_hidden, pack, unpack
 
 _LOOPBACK = "127.0.0.1"
 
@@ -155,14 +158,15 @@ class LocalRanks:
                                     wait_for_workers=False, master_listen_fd=self._listener.fileno())
         self.procs: list[Any] = []
         self.conns: list[multiprocessing.connection.Connection] = []
-        for rank in range(nprocs):
-            parent_end, child_end = ctx.Pipe()
-            p = ctx.Process(target=_rank_process, args=(main, rank, nprocs, self._store.port, backend,
-                                                        collective_timeout, threads, child_end), daemon=True)
-            p.start()
-            child_end.close()
-            self.procs.append(p)
-            self.conns.append(parent_end)
+        with missing_main_file_hidden():
+            for rank in range(nprocs):
+                parent_end, child_end = ctx.Pipe()
+                p = ctx.Process(target=_rank_process, args=(main, rank, nprocs, self._store.port, backend,
+                                                            collective_timeout, threads, child_end), daemon=True)
+                p.start()
+                child_end.close()
+                self.procs.append(p)
+                self.conns.append(parent_end)
 
     def send(self, message: Any) -> None:
         """Pickle ``message`` once and send it to every rank."""
@@ -229,9 +233,11 @@ class LocalRanks:
             p.join()
 
 
-def _run_once(fn: Callable[..., Any], args: Sequence[Any], timeout: timedelta,
-              conn: multiprocessing.connection.Connection) -> None:
-    if reply(conn, lambda: fn(*args)):
+def _run_once(packed: Packed, timeout: timedelta, conn: multiprocessing.connection.Connection) -> None:
+    def work() -> Any:
+        fn, args = unpack(packed)
+        return fn(*args)
+    if reply(conn, work):
         shutdown(timeout)  # leave the group together with the other ranks
 
 
@@ -240,7 +246,10 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None =
     """Run ``fn(*args)`` on ``nprocs`` local processes in one process group; return the per-rank results.
 
     The group is gloo on CPU, NCCL when there are at least ``nprocs`` GPUs (one
-    per rank). ``fn`` must be importable (defined at module level). A rank that
+    per rank). ``fn`` must be importable: defined at the top level of a .py
+    file, not in a REPL, on stdin, with ``python -c`` or in a notebook cell
+    (``ValueError``), nor a lambda or a function inside a function
+    (``TypeError``); both are raised before any rank starts. A rank that
     raises or exits makes the whole call raise :class:`RankError` naming it; so
     does a run longer than ``timeout`` seconds. Collectives inside time out
     after ``collective_timeout``.
@@ -253,7 +262,8 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None =
 
         tensorpar.spawn(work, 2)   # [torch.Size([2, 8]), torch.Size([2, 8])]
     """
-    ranks = LocalRanks(functools.partial(_run_once, fn, args, collective_timeout), nprocs, backend=backend,
+    packed = pack(fn, args, caller="tensorpar.spawn")
+    ranks = LocalRanks(functools.partial(_run_once, packed, collective_timeout), nprocs, backend=backend,
                        collective_timeout=collective_timeout)
     clean_exit = 0.0
     try:

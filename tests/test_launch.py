@@ -1,10 +1,15 @@
-"""tensorpar.spawn: per-rank results, errors tagged with the rank, and no hang when a rank fails."""
+"""tensorpar.spawn: per-rank results, errors tagged with the rank, no hang when a rank fails, and a
+function that new processes cannot find refused by name before any rank starts."""
 
 import contextlib
 import dataclasses
 import os
+import re
 import signal
+import subprocess
+import sys
 import time
+import types
 import weakref
 
 import pytest
@@ -123,3 +128,100 @@ def open_channels_and_check_without_unpickling():
 def test_setting_up_shared_memory_and_checking_calls_unpickle_nothing(worlds):
     for out, shared in worlds[2].run(open_channels_and_check_without_unpickling):
         assert out == [4.0] * 5 and shared
+
+
+# ---------------------------------------------------------------- functions a new process cannot find
+
+FIX = "define it at the top level of a .py file and import it, e.g. `from mywork import train`"
+FROM_MAIN = '''
+import multiprocessing.context, os, sys, time
+import tensorpar
+from tensorpar.testing import World
+
+started = []
+start = multiprocessing.context.SpawnProcess.start
+multiprocessing.context.SpawnProcess.start = lambda self: started.append(self) or start(self)
+
+def train(steps):
+    return steps
+
+for call in (lambda: tensorpar.spawn(train, 2, 3), lambda: World(2).run(train, 3)):
+    began = time.monotonic()
+    try:
+        call()
+    except ValueError as e:
+        print(f"{time.monotonic() - began:.3f}", len(started), e)
+if sys.argv[-1] == "then-an-imported-function":  # <stdin> names no file: the ranks must not try to run it
+    print(len(set(tensorpar.spawn(os.getpid, 2))))
+'''
+
+
+def run_python(*args, stdin=None):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    done = subprocess.run([sys.executable, *args], input=stdin, capture_output=True, text=True, env=env,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.splitlines()
+
+
+def assert_refused_up_front(lines, callers):
+    for line, caller in zip(lines, callers, strict=True):
+        seconds, started, message = line.split(" ", 2)
+        assert float(seconds) < 5 and started == "0", line  # refused in the parent: no rank started
+        assert message.startswith(f"{caller} cannot run `train`: it is defined in the `__main__` of an "
+                                  "interactive session, stdin, `python -c` or a notebook cell"), message
+        assert FIX in message
+
+
+def test_a_function_defined_on_stdin_is_refused_before_any_rank_starts_and_an_imported_one_runs():
+    *refused, pids = run_python("-", "then-an-imported-function", stdin=FROM_MAIN)
+    assert_refused_up_front(refused, ["tensorpar.spawn", "World.run"])
+    assert pids == "2"
+
+
+IN_A_NOTEBOOK_CELL = "from IPython.core.interactiveshell import InteractiveShell\n" \
+                     "InteractiveShell.instance().run_cell(sys.argv[1])\n"
+
+
+def test_a_function_defined_with_python_c_or_in_a_notebook_cell_is_refused_before_any_rank_starts():
+    lines = run_python("-c", FROM_MAIN + IN_A_NOTEBOOK_CELL, FROM_MAIN)  # IPython runs cells in its own __main__
+    assert_refused_up_front(lines, ["tensorpar.spawn", "World.run"] * 2)
+
+
+def test_a_lambda_or_a_local_function_is_refused_before_any_rank_starts(worlds):
+    def local_train():
+        return 1
+
+    for run in (lambda fn: tensorpar.spawn(fn, 2), worlds[2].run):
+        with pytest.raises(TypeError, match=r"cannot run the lambda `test_launch\..*<lambda>`: .* has no name; "
+                                            + re.escape(FIX)):
+            run(lambda: 1)
+        with pytest.raises(TypeError, match=r"cannot run `test_launch\.test_a_lambda_or_a_local_function_is_"
+                                            r"refused_before_any_rank_starts\.<locals>\.local_train`: it is "
+                                            r"defined inside the function `test_a_lambda.*`.*" + re.escape(FIX)):
+            run(local_train)
+
+
+def fake_module_function():  # its module is made one that the ranks cannot import
+    return 1
+
+
+@pytest.fixture
+def unimportable():
+    module = types.ModuleType("tensorpar_no_such_module")
+    module.fake_module_function = fake_module_function
+    sys.modules[module.__name__] = module
+    fake_module_function.__module__ = module.__name__
+    yield fake_module_function
+    fake_module_function.__module__ = __name__
+    del sys.modules[module.__name__]
+
+
+def test_a_rank_that_cannot_load_the_function_says_why(worlds, unimportable):
+    said = (r"RuntimeError: this new process cannot load `tensorpar_no_such_module\.fake_module_function` "
+            r"to run it \(ModuleNotFoundError: No module named 'tensorpar_no_such_module'\): .*" + re.escape(FIX))
+    with pytest.raises(tensorpar.RankError, match=r"rank \d: " + said):
+        tensorpar.spawn(unimportable, 2)
+    with pytest.raises(tensorpar.RankError, match=r"rank \d: " + said):
+        worlds[2].run(unimportable)
+    assert worlds[2].run(report, 0)[1][:2] == (1, 2)  # the pool serves on

@@ -4,7 +4,7 @@ A :class:`World` is ``size`` processes joined in one gloo group through
 :class:`tensorpar.launch.LocalRanks` (the launcher :func:`tensorpar.spawn`
 uses), kept alive between calls: an example costs a few milliseconds instead
 of the ~1 s of starting processes. A function sent to a world must be
-importable (defined at module level).
+importable (defined at the top level of a .py file), as for :func:`tensorpar.spawn`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 
 from ..launch import LocalRanks, RankError, RanksTimedOut, reply
 from ..mesh import Mesh, init, shutdown, use_mesh
+from ..sendable import pack, unpack
 
 
 def _serve(conn: multiprocessing.connection.Connection) -> None:
@@ -33,9 +34,10 @@ def _serve(conn: multiprocessing.connection.Connection) -> None:
         if kind == "path":
             sys.path[:] = payload
             continue
-        fn, args, tp, dp, with_mesh = payload
+        packed, tp, dp, with_mesh = payload
 
         def task() -> Any:
+            fn, args = unpack(packed)
             mesh = None
             if with_mesh:
                 mesh = meshes.get((tp, dp)) or meshes.setdefault((tp, dp), init(tp, dp))
@@ -84,6 +86,7 @@ class World:
 
         ``mesh=False`` runs with no default mesh (to test code that needs one).
         """
+        packed = pack(fn, args, caller="World.run")  # before any worker starts
         if self._ranks is None:
             self._ranks = self._start()
         ranks = self._ranks
@@ -91,7 +94,7 @@ class World:
             self._path = list(sys.path)
             ranks.send(("path", self._path))
         self.runs += 1
-        ranks.send(("run", (fn, args, tp or self.size, dp, mesh)))
+        ranks.send(("run", (packed, tp or self.size, dp, mesh)))
         name = getattr(fn, "__name__", repr(fn))
         try:
             return ranks.collect(f"pool worker running {name}", self.timeout if timeout is None else timeout,
