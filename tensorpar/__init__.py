@@ -10,6 +10,8 @@ outside the core. The ``nn.Module``\\ s built on this core live in a package of
 their own.
 """
 
+import importlib.metadata
+
 from . import checkpoint, tiled_init
 from .clipping import clip_grad_norm_, grad_norm
 from .comm import (
@@ -42,6 +44,18 @@ from .mesh import (
 )
 from .random import RNGStatesTracker
 from .sharding import Shard, partition_bounds, partition_offsets, partition_sizes, shard
+
+
+def _installed_version() -> str:
+    """This distribution's version, as installed (``pip install``); ``0+unknown`` in a source tree
+    that was never installed."""
+    try:
+        return importlib.metadata.version("tensorpar")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+__version__ = _installed_version()
 
 __all__ = [
     "CollectiveCounter",

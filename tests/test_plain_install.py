@@ -8,16 +8,23 @@ path finder by one blind to them, so the ranks that ``tensorpar.spawn`` starts a
 through the shared-memory all-reduce), ``layers.parallelize``, a GPT (loss, gradients, clipping,
 full state dict, generation, export to GPT-2 files) and a short ``examples/train_gpt.py`` run.
 This file is also that subprocess's program: ``python tests/test_plain_install.py DIR``.
+
+A wheel built from the source tree ships the LICENSE, each package's ``py.typed`` marker and the
+version that ``tensorpar.__version__`` reads from the installed metadata.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 import importlib.util
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import torch
@@ -154,7 +161,7 @@ def readme_examples(directory: str) -> dict[str, object]:
     written = export_gpt2(gpt, directory)  # plain files: neither transformers nor safetensors needed
     found = [name for name in OPTIONAL_PACKAGES if importlib.util.find_spec(name) is not None]
     return {"errors": errors, "routes": routes, "tokens": out.tolist(), "found": found,
-            "files": sorted(p.name for p in written.iterdir())}
+            "files": sorted(p.name for p in written.iterdir()), "version": tensorpar.__version__}
 
 
 TRAIN_SMALL = ["--steps", "2", "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "8",
@@ -184,6 +191,7 @@ def test_readme_examples_run_without_any_extra(tmp_path):
         assert all(err <= TOLERANCES[torch.float32] for err in rank["errors"].values()), rank["errors"]
         assert rank["routes"] == {"column backward": 1, "row forward": 1, "channel open": 1}
         assert rank["files"] == ["config.json", "model.safetensors"] and rank["found"] == []
+        assert rank["version"] == importlib.metadata.version("tensorpar")
     assert "tqdm is not installed (pip install 'tensorpar[train]'): no progress bar" in train
     assert any(line.startswith("loss ") and "over steps 0-1" in line for line in train), train
     assert (tmp_path / "gpt2-run" / "latest").exists()  # checkpoints need no extra
@@ -223,6 +231,37 @@ def test_each_missing_extra_is_named(tmp_path):
     assert said["checkpoint"] == "works"  # checkpoints need no extra
     assert said["hf_gpt2_generate.py"] == ("exit 2, hf_gpt2_generate.py: error: this example reads the model "
                                            "with transformers: pip install 'tensorpar[hf]'")
+
+
+def test_the_wheel_ships_the_license_the_type_markers_and_the_installed_version(tmp_path, monkeypatch):
+    source = tmp_path / "source"  # a copy: building writes build/ and *.egg-info beside the sources
+    for folder in (p.parent for p in ROOT.glob("*/__init__.py")):  # every package the build could find
+        shutil.copytree(folder, source / folder.name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, source / name)
+    build = "import sys; from setuptools import build_meta; print(build_meta.build_wheel(sys.argv[1]))"
+    done = subprocess.run([sys.executable, "-c", build, str(tmp_path)], cwd=source, capture_output=True,
+                          text=True, timeout=TIMEOUT, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    with zipfile.ZipFile(tmp_path / done.stdout.splitlines()[-1]) as wheel:
+        names = set(wheel.namelist())
+        info = next(n for n in names if n.endswith(".dist-info/METADATA")).rpartition("/")[0]
+        metadata = wheel.read(f"{info}/METADATA").decode()
+        shipped_license = wheel.read(f"{info}/licenses/LICENSE").decode()
+    assert {"tensorpar/py.typed", "layers/py.typed", "tensorpar/__init__.py", "layers/__init__.py"} <= names
+    assert {n.partition("/")[0] for n in names} == {"tensorpar", "layers", info}  # nothing else is shipped
+    assert shipped_license == (ROOT / "LICENSE").read_text() and "Apache License\n" in shipped_license
+    version = re.search(r'^version = "(.+)"$', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)[1]
+    fields = [line.partition(": ") for line in metadata.splitlines()]
+    assert ("Version", ": ", version) in fields and ("License-Expression", ": ", "Apache-2.0") in fields
+    assert ("Classifier", ": ", "Typing :: Typed") in fields
+    assert tensorpar.__version__ == importlib.metadata.version("tensorpar") == version  # as installed here
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    assert tensorpar._installed_version() == "0+unknown"  # a source tree that was never installed
 
 
 if __name__ == "__main__":
