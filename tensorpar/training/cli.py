@@ -1,0 +1,232 @@
+"""The training script's command line: every option with its help and default, and every check that
+can be made before a rank starts (sizes, world, data files, the checkpoint to resume, the logger's
+package), each failing as an argument error (exit code 2, one line naming the numbers)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint import CheckpointError
+from ..checkpoint.checked import read_checked
+from .data import SCANNED_TOKENS, VOCAB_SIZE, open_splits
+
+GROUPS = ("model", "parallelism", "optimisation", "data and validation", "checkpoints and output")
+RESUME = ("never", "auto", "must")
+LOGGERS = ("none", "tensorboard", "wandb")
+#: the package each logger needs, and how to install it
+LOGGER_PACKAGES = (("tensorboard", "tensorboard", "pip install -e \".[tensorboard]\""),
+                   ("wandb", "wandb", "pip install wandb"))
+#: model config fields a resumed run must share with its checkpoint
+MODEL_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "bias")
+
+
+def _opt(default: Any, group: str, help: str, **argparse_options: Any) -> Any:
+    return field(default=default, metadata={"group": group, "help": help, **argparse_options})
+
+
+@dataclass
+class TrainConfig:
+    """One training run's options; the command line is made from these fields."""
+
+    n_layer: int = _opt(4, "model", "transformer blocks")
+    n_head: int = _opt(4, "model", "attention heads (split over tp by whole heads; at least tp)")
+    n_embd: int = _opt(128, "model", "embedding width (a multiple of --n-head)")
+    block_size: int = _opt(64, "model", "context length in tokens")
+    dropout: float = _opt(0.0, "model", "dropout probability (attention, residual, embedding)")
+    bias: bool = _opt(False, "model", "biases in linears and LayerNorms (nanoGPT's default: none)")
+    vocab_size: int | None = _opt(None, "model", "vocabulary size; required with token data, at least 256 "
+                                  "for bytes", shown="256 (bytes)")
+    tp: int = _opt(2, "parallelism", "tensor-parallel ranks (one node)")
+    dp: int | None = _opt(None, "parallelism", "data-parallel ranks; tp x dp ranks in all",
+                          shown="world / tp under torchrun, else 1")
+    zero: bool = _opt(False, "parallelism", "shard the optimizer state over dp (ZeroRedundancyOptimizer)")
+    fsdp: bool = _opt(False, "parallelism", "FSDP2 over dp: parameters, gradients and optimizer state sharded "
+                      "(instead of DDP; excludes --zero)")
+    compile: bool = _opt(False, "parallelism", "torch.compile each block whole (fullgraph)")
+    activation_checkpointing: bool = _opt(False, "parallelism", "recompute each block in backward: less memory, "
+                                          "one more forward")
+    steps: int = _opt(500, "optimisation", "optimizer steps in the whole run (a resumed run continues to it)")
+    batch_size: int = _opt(16, "optimisation", "sequences per optimizer step, over all dp ranks and micro-batches "
+                           "(a multiple of dp x --grad-accum)")
+    grad_accum: int = _opt(1, "optimisation", "micro-batches per optimizer step (gradient accumulation)")
+    lr: float = _opt(3e-3, "optimisation", "peak learning rate (AdamW, betas 0.9, 0.95)")
+    min_lr: float = _opt(3e-4, "optimisation", "learning rate at the end of the cosine decay")
+    warmup: int = _opt(20, "optimisation", "steps of linear warmup")
+    weight_decay: float = _opt(0.1, "optimisation", "AdamW weight decay of matrices (none on biases and norms)")
+    clip: float = _opt(1.0, "optimisation", "clip the norm of the whole unsharded gradient to this; 0: no clipping")
+    seed: int = _opt(1337, "optimisation", "seed of the weights, the batches and dropout")
+    data: str | None = _opt(None, "data and validation", "a text file (trained on as bytes), or a directory "
+                            "holding nanoGPT's train.bin and val.bin (uint16 token ids; needs --vocab-size)",
+                            shown="the built-in corpus", metavar="PATH")
+    val_fraction: float = _opt(0.1, "data and validation", "the last part of a text kept for validation")
+    eval_every: int = _opt(100, "data and validation", "validation loss after every N steps; 0: never",
+                           metavar="N")
+    eval_iters: int = _opt(20, "data and validation", "batches in each validation (the same ones each time)",
+                           metavar="M")
+    out: str | None = _opt("out", "checkpoints and output", "directory of checkpoints, metrics.jsonl and "
+                           "loss.png; 'none': write nothing", metavar="DIR")
+    ckpt_every: int = _opt(100, "checkpoints and output", "checkpoint every N steps (and at the last one); 0: "
+                           "at the last one only", metavar="N")
+    resume: str = _opt("never", "checkpoints and output", "continue from the newest checkpoint in --out: 'must' "
+                       "(what --resume alone means) fails without one, 'auto' starts afresh without one",
+                       nargs="?", const="must", choices=RESUME)
+    stop_at: int | None = _opt(None, "checkpoints and output", "end this run after step N, with a checkpoint "
+                               "(--resume continues it to --steps)", shown="--steps", metavar="N")
+    sample_tokens: int = _opt(200, "checkpoints and output", "tokens to sample at the end; 0: none")
+    progress: bool = _opt(True, "checkpoints and output", "progress bar (needs tqdm)")
+    logger: str = _opt("none", "checkpoints and output", "also log to TensorBoard (OUT/tensorboard) or Weights & "
+                       "Biases (offline unless WANDB_MODE says otherwise)", choices=LOGGERS)
+
+    def __post_init__(self) -> None:
+        """Checks of the options among themselves (the environment is checked by :func:`resolve`)."""
+        if self.fsdp and self.zero:
+            raise ValueError("--fsdp and --zero exclude each other: --fsdp shards the optimizer state over dp itself")
+        for name in ("n_layer", "n_head", "n_embd", "block_size", "tp", "steps", "batch_size", "grad_accum",
+                     "eval_iters") + (("dp",) if self.dp is not None else ()):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
+        for name in ("warmup", "ckpt_every", "eval_every", "sample_tokens", "clip", "weight_decay", "lr", "min_lr"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{_flag(name)} must be at least 0, got {getattr(self, name)}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
+        if not 0 < self.val_fraction < 1:
+            raise ValueError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"--n-embd {self.n_embd} is not divisible by --n-head {self.n_head}")
+        if self.n_head < self.tp:
+            raise ValueError(f"--n-head {self.n_head} is smaller than --tp {self.tp}: each tp rank needs a head")
+        if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
+            raise ValueError(f"--stop-at {self.stop_at} is not a step of the run (1 to --steps {self.steps})")
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def build_parser(prog: str | None = None, *, description: str = "", epilog: str = "") -> argparse.ArgumentParser:
+    """The parser of :class:`TrainConfig`'s fields, grouped, each option's help ending with its default."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    groups = {name: parser.add_argument_group(name) for name in GROUPS}
+    for f in dataclasses.fields(TrainConfig):
+        meta = dict(f.metadata)
+        group, shown = groups[meta.pop("group")], meta.pop("shown", None)
+        kind = str(f.type).removesuffix(" | None")
+        if kind == "bool":
+            action = group.add_argument("--" + _flag(f.name), action=argparse.BooleanOptionalAction,
+                                        default=f.default, **meta)
+        else:
+            meta.setdefault("type", {"int": int, "float": float}.get(kind, str))
+            action = group.add_argument("--" + _flag(f.name), default=f.default, **meta)
+        if "(default:" not in (action.help or ""):  # some Python versions add it to boolean flags themselves
+            action.help = f"{action.help} (default: {shown or '%(default)s'})"
+    return parser
+
+
+def parse_args(argv: list[str] | None = None, *, prog: str | None = None, description: str = "",
+               epilog: str = "") -> TrainConfig:
+    """The run's options from the command line, checked and resolved (:func:`resolve`); a bad one exits
+    as an argument error (code 2) before any rank starts.
+
+    Example::
+
+        cfg = parse_args(["--tp=2", "--steps=100"])
+    """
+    parser = build_parser(prog, description=description, epilog=epilog)
+    options = vars(parser.parse_args(argv))
+    if options["out"] in ("", "none"):
+        options["out"] = None
+    try:
+        return resolve(TrainConfig(**options))
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def resolve(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with ``dp`` and ``vocab_size`` filled in, after checking it against the world (torchrun's
+    ``WORLD_SIZE``), the data, the checkpoint to resume and the logger's package (``ValueError``)."""
+    dp = _world_dp(cfg)
+    if cfg.vocab_size is not None and cfg.vocab_size < cfg.tp:
+        raise ValueError(f"--vocab-size {cfg.vocab_size} is smaller than --tp {cfg.tp}")
+    if cfg.batch_size % (dp * cfg.grad_accum):
+        raise ValueError(f"--batch-size {cfg.batch_size} is not divisible by dp ({dp}) x --grad-accum "
+                         f"({cfg.grad_accum})")
+    cfg = dataclasses.replace(cfg, dp=dp, vocab_size=_check_data(cfg))
+    _check_resume(cfg)
+    for name, package, install in LOGGER_PACKAGES:
+        if cfg.logger == name and importlib.util.find_spec(package) is None:
+            raise ValueError(f"--logger {name} needs the {package} package: {install}")
+    if cfg.logger != "none" and cfg.out is None:
+        raise ValueError(f"--logger {cfg.logger} writes into --out, which is 'none'")
+    return cfg
+
+
+def _world_dp(cfg: TrainConfig) -> int:
+    """dp: as given, or the world over tp under torchrun (checked against it), else 1."""
+    if "WORLD_SIZE" not in os.environ:
+        return cfg.dp or 1
+    world = int(os.environ["WORLD_SIZE"])
+    if world % cfg.tp:
+        raise ValueError(f"--tp {cfg.tp} does not divide the world of {world} ranks")
+    if cfg.dp is not None and cfg.tp * cfg.dp != world:
+        raise ValueError(f"--tp {cfg.tp} x --dp {cfg.dp} = {cfg.tp * cfg.dp} ranks, but the world has {world}")
+    return world // cfg.tp
+
+
+def _check_data(cfg: TrainConfig) -> int:
+    """The vocabulary size, after checking that the data exists, has room for a block in each split
+    and (small token files: all of them) holds ids below the vocabulary."""
+    tokens = cfg.data is not None and Path(cfg.data).is_dir()
+    if cfg.data is not None and not Path(cfg.data).exists():
+        raise ValueError(f"--data {cfg.data}: no such file or directory")
+    if tokens:
+        missing = [name for name in ("train.bin", "val.bin") if not (Path(cfg.data) / name).is_file()]
+        if missing:
+            raise ValueError(f"--data {cfg.data}: a directory of token data needs train.bin and val.bin; "
+                             f"{' and '.join(missing)} missing")
+        if cfg.vocab_size is None:
+            raise ValueError(f"--data {cfg.data} holds token ids: give their --vocab-size (GPT-2's: 50257)")
+    elif (cfg.vocab_size or VOCAB_SIZE) < VOCAB_SIZE:
+        raise ValueError(f"--vocab-size {cfg.vocab_size} is below 256, the number of byte values")
+    vocab = cfg.vocab_size or VOCAB_SIZE
+    splits = open_splits(cfg.data, seed=cfg.seed, val_fraction=cfg.val_fraction, vocab_size=vocab)
+    for name, split in zip(("train", "val"), splits):
+        where = f"{cfg.data}/{name}.bin" if tokens else f"the {name} split of {cfg.data or 'the built-in corpus'}"
+        if len(split) <= cfg.block_size:
+            raise ValueError(f"{where} holds {len(split)} tokens, fewer than --block-size + 1 ({cfg.block_size + 1})")
+        if len(split) <= SCANNED_TOKENS:
+            split.check_ids(where)
+    return vocab
+
+
+def _check_resume(cfg: TrainConfig) -> None:
+    """With ``--resume must``: a checkpoint exists; with any resume, a checkpoint found is of the same
+    model and has steps left to run."""
+    if cfg.resume == "never":
+        return
+    if cfg.out is None:
+        raise ValueError(f"--resume needs --out (the directory holding the checkpoint)")
+    try:
+        _, meta, _, _ = read_checked(cfg.out)  # the manifest only: each rank checks the files it reads
+    except CheckpointError as e:
+        if cfg.resume == "auto" and not Path(cfg.out, "latest").exists() and not Path(cfg.out, "meta.json").exists():
+            return
+        raise ValueError(f"--resume: nothing to resume from: {e}") from None
+    saved = meta.get("config") or {}
+    ours = dataclasses.asdict(cfg)
+    diff = ", ".join(f"--{_flag(k)}: checkpoint {saved[k]}, now {ours[k]}" for k in MODEL_FIELDS
+                     if k in saved and saved[k] != ours[k])
+    if diff:
+        raise ValueError(f"--resume: the checkpoint in {cfg.out} is of another model ({diff})")
+    last = cfg.stop_at or cfg.steps
+    if meta["step"] >= last:
+        raise ValueError(f"--resume: the checkpoint in {cfg.out} is at step {meta['step']}, nothing left to run "
+                         f"up to step {last} (raise --steps to train further)")
+

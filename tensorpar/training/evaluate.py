@@ -1,0 +1,50 @@
+"""Validation loss of a tp x dp model: the mean loss over fixed batches of held-out tokens."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..mesh import Mesh
+from .data import TokenData
+
+
+def autocast_for(device: torch.device) -> Any:
+    """bf16 autocast on a GPU, nothing on CPU (float32 there)."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def validation_loss(model: nn.Module, data: TokenData, *, iters: int, batch_size: int, block_size: int,
+                    mesh: Mesh) -> float:
+    """The mean of ``model(x, y)`` (a mean loss over tokens) over ``data``'s batches ``0 .. iters - 1``,
+    each of ``batch_size`` rows over all dp ranks; a collective over dp.
+
+    Every dp rank computes its own ``batch_size / dp`` rows of each batch, and
+    as the parts are equal, the mean of the ranks' means is the mean over the
+    whole batch: ``L = (1 / (iters * dp)) * sum_i sum_r L_ir``. The batches are
+    the same at every call, so successive values compare the model, not the
+    draw. The model runs in eval mode (no dropout) without gradients, and is
+    put back in the mode it was in.
+
+    Example::
+
+        val = validation_loss(model, val_data, iters=20, batch_size=16, block_size=64, mesh=mesh)
+    """
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), device=mesh.device, dtype=torch.float32)
+    try:
+        with torch.no_grad():
+            for i in range(iters):
+                x, y = data.batch(i, batch_size=batch_size, block_size=block_size, dp=mesh.dp, dp_rank=mesh.dp_rank)
+                with autocast_for(mesh.device):
+                    total += model(x.to(mesh.device), y.to(mesh.device)).float()
+    finally:
+        model.train(was_training)
+    if mesh.dp > 1:
+        dist.all_reduce(total, group=mesh.dp_group)
+    return total.item() / (iters * mesh.dp)
