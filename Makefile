@@ -1,29 +1,40 @@
 # `make test` and `make demo` work from a clean clone: they create (or reuse) a
-# virtualenv in .venv, install what they need, and run.
+# virtualenv in .venv, install what they need, and run. Each target has its own
+# stamp: the demo installs only what it uses (torch, the progress bar, the plot);
+# the tests install every extra, also after a `make demo`.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed
+TORCH  := $(VENV)/.torch
+DEMO   := $(VENV)/.installed-demo
+TEST   := $(VENV)/.installed-test
 
 .PHONY: test demo bench clean
 
-$(STAMP): pyproject.toml Makefile
+$(TORCH):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@# A CPU-only machine gets the CPU build explicitly so no CUDA wheels are pulled.
 	$(PY) -c "import torch" 2>/dev/null || { \
 	  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; \
 	  then $(PY) -m pip install "torch>=2.4"; \
 	  else $(PY) -m pip install torch==2.13.0; fi; }
-	$(PY) -m pip install -e ".[test,hf,train,plot]"
-	touch $(STAMP)
+	touch $@
 
-test: $(STAMP)
+$(DEMO): $(TORCH) pyproject.toml Makefile
+	$(PY) -m pip install -e ".[train,plot]"
+	touch $@
+
+$(TEST): $(TORCH) pyproject.toml Makefile
+	$(PY) -m pip install -e ".[test,hf,train,plot]"
+	touch $@
+
+test: $(TEST)
 	$(PY) -m pytest -q
 
-demo: $(STAMP)
+demo: $(DEMO)
 	$(PY) examples/train_gpt.py
 
-bench: $(STAMP)
+bench: $(TEST)
 	$(PY) -m pip install -e ".[bench]"
 	$(PY) -m pip install --no-deps megatron-core==0.16.1
 	$(PY) benchmarks/run.py
