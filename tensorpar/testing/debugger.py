@@ -1,0 +1,282 @@
+"""The equivalence debugger: where does a sharded model first differ from its dense twin?
+
+:func:`find_divergence` runs a sharded model and its dense twin (same weights,
+on every rank) on the same input with hooks on every submodule whose dotted
+name both share: forward hooks record each call's output in call order, full
+backward pre-hooks and hooks each call's output and input gradients in backward
+order (the gradient of a module's output is recorded when backward reaches the
+module, of its input when backward leaves it). It compares them, then every
+parameter and parameter gradient, and returns a
+:class:`~tensorpar.testing.findings.DivergenceReport` naming the first
+diverging module of each pass, with a diagnosis where a pattern says what went
+wrong (see :mod:`tensorpar.testing.divergence`).
+
+It is a collective over the tp group: every rank calls it alike. Before any
+comparison the ranks agree on the sequence of hooks that fired (a hash
+exchange), so a fault that changes control flow on one rank raises a
+rank-tagged ``RuntimeError`` instead of leaving the others waiting.
+
+A tensor whose ranks' copies sum to the dense one (a partial sum: a
+vocab-parallel embedding's unreduced lookup, the input gradient of a column
+layer whose ``f`` is shared) is a divergence only if the next diverging tensor
+comes before any that matches: when one matches first, a module the dense twin
+lacks (an ``f`` or ``g``) summed the partial results, as designed. A partial sum
+that a module elsewhere in the model reduces can hide a fault in between.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from ..comm.collectives import all_gather_along
+from ..full import placements
+from ..mesh import current_mesh, exchange_ints, group_rank_size
+from .divergence import Item, classify, diagnose, parameter_items
+from .findings import DivergenceReport, Finding
+
+#: ``(module name, call, [(slot, tensor or None), ...])`` in the order the hooks fired
+Record = tuple[str, int, list[tuple[str, torch.Tensor | None]]]
+
+
+def _slots(prefix: str, value: Any) -> list[tuple[str, torch.Tensor | None]]:
+    """The tensors of a module's output (or of a gradient tuple), each named by its place."""
+    if isinstance(value, torch.Tensor) or value is None:
+        return [(prefix, value)]
+    if isinstance(value, Mapping):
+        return [(f"{prefix}[{k}]", v) for k, v in value.items() if isinstance(v, torch.Tensor)]
+    if isinstance(value, (tuple, list)):
+        if len(value) == 1:
+            return _slots(prefix, value[0])
+        return [(f"{prefix}[{i}]", v) for i, v in enumerate(value) if isinstance(v, torch.Tensor) or v is None]
+    return []
+
+
+@contextmanager
+def _recording(model: nn.Module, names: set[str]) -> Iterator[tuple[list[Record], list[Record]]]:
+    """Hooks on the submodules ``names`` of ``model``: yields (forward, backward) records, filled as it runs."""
+    forward: list[Record] = []
+    backward: list[Record] = []
+    calls: Counter[tuple[str, str]] = Counter()
+
+    def on(name: str, slot: str, records: list[Record]) -> Callable[..., None]:
+        def hook(module: nn.Module, *args: Any) -> None:  # (inputs, output), (grad_input, _) or (grad_output,)
+            tensors = _slots(slot, args[1] if slot == "output" else args[0])
+            records.append((name, calls[name, slot], [(s, None if t is None else t.detach().clone())
+                                                      for s, t in tensors]))
+            calls[name, slot] += 1
+        return hook
+
+    handles = []
+    for name, module in model.named_modules():
+        if name in names:
+            handles += [module.register_forward_hook(on(name, "output", forward)),
+                        module.register_full_backward_pre_hook(on(name, "output gradient", backward)),
+                        module.register_full_backward_hook(on(name, "input gradient", backward))]
+    try:
+        with warnings.catch_warnings():  # hooks on modules without tensor inputs or outputs say so: expected here
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            warnings.filterwarnings("ignore", message="For backward hooks to be called")
+            yield forward, backward
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _agree_on_sequence(what: str, labels: Sequence[str], group: ProcessGroup, device: torch.device | None) -> None:
+    """Raise the same rank-tagged ``RuntimeError`` on every rank unless all ranks recorded ``labels``."""
+    def digest(text: str) -> int:
+        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+
+    rank, n = group_rank_size(group)
+    everyone = exchange_ints([len(labels), digest("\n".join(labels))], group, device)
+    if all(row == everyone[0] for row in everyone):
+        return
+    longest = max(row[0] for row in everyone)
+    hashes = exchange_ints([digest(s) for s in labels] + [0] * (longest - len(labels)), group, device)
+    at = next(i for i in range(longest) if len({row[i] for row in hashes}) > 1)
+    counts = ", ".join(f"rank {r}: {row[0]}" for r, row in enumerate(everyone))
+    here = labels[at] if at < len(labels) else "nothing"
+    raise RuntimeError(f"rank {rank}: the ranks ran different {what} ({counts} hook calls); they first differ "
+                       f"at call {at}, where this rank ran {here}: a fault changed control flow on some rank, "
+                       "so no tensors are compared")
+
+
+def _items(phase: str, sharded: list[Record], dense: list[Record], model: nn.Module) -> list[Item]:
+    """The items of one pass, in the sharded model's order; forward outputs carry their module's
+    replicated bias (for the partial-sums-with-bias pattern)."""
+    found = {(name, call, slot): t for name, call, slots in dense for slot, t in slots}
+    split = placements(model)
+    items = []
+    for name, call, slots in sharded:
+        bias = None
+        if phase == "forward output":
+            key = f"{name}.bias" if name else "bias"
+            b = getattr(model.get_submodule(name), "bias", None)
+            bias = b.detach() if isinstance(b, torch.Tensor) and key not in split else None
+        for slot, t in slots:
+            dim = -1 if t is not None and t.dim() else None
+            items.append(Item(name, phase, slot, t, found.get((name, call, slot)), dim, call, bias=bias))
+    return items
+
+
+def _labels(records: list[Record]) -> list[str]:
+    return [f"{name or '<model>'}#{call}:{','.join(slot for slot, _ in slots)}" for name, call, slots in records]
+
+
+def _first_in_order(items: list[Item], group: ProcessGroup) -> list[Finding]:
+    """The findings of one pass: the first divergence diagnosed, the later ones marked downstream.
+    Partial sums wait for the next non-partial tensor (see the module's docstring)."""
+    pending: list[Finding] = []
+    first: Finding | None = None
+    found: list[Finding] = []
+    for item in items:
+        if not item.diverging():
+            if first is None:
+                pending.clear()  # summed by a module the dense twin lacks: partial by design
+            continue
+        if first is not None:
+            found.append(item.finding(downstream=True))
+            continue
+        diagnosis, partial = diagnose(item, group)
+        finding = item.finding(diagnosis)
+        if partial:
+            pending.append(finding)
+            continue
+        first = pending[0] if pending else finding
+        found += [first] + [_downstream(f) for f in [*pending[1:], finding] if f is not first]
+        pending.clear()
+    if first is None and pending:
+        found += [pending[0]] + [_downstream(f) for f in pending[1:]]
+    return found
+
+
+def _downstream(finding: Finding) -> Finding:
+    """``finding`` marked as following the first divergence of its pass, undiagnosed."""
+    return dataclasses.replace(finding, diagnosis=None, downstream=True)
+
+
+def _backward(out_s: Any, out_d: Any, forward: list[Item], loss_fn: Callable[..., torch.Tensor] | None,
+              target: Any, seed: int, group: ProcessGroup) -> str | None:
+    """Backward through both models; a note instead when there is nothing to differentiate. An
+    output split along its last dim is gathered first, and its shard gets its slice of the gradient."""
+    root = next((i for i in forward if i.module == "" and i.call == 0 and i.what == "output"), None)
+    shard = full = None
+    if isinstance(out_s, torch.Tensor) and root is not None and root.kind == "sharded" and out_s.requires_grad:
+        shard, out_s = out_s, all_gather_along(out_s.detach(), -1, root.sizes, group).requires_grad_()  # (*, full)
+        full = out_s
+    if loss_fn is not None:
+        extra = () if target is None else (target,)
+        out_d, out_s = loss_fn(out_d, *extra), loss_fn(out_s, *extra)
+    elif not isinstance(out_d, torch.Tensor) or not isinstance(out_s, torch.Tensor):
+        raise TypeError(f"the models return {type(out_d).__name__} and {type(out_s).__name__}, not tensors: "
+                        "pass loss_fn= to reduce the output to a loss")
+    if not (isinstance(out_d, torch.Tensor) and isinstance(out_s, torch.Tensor) and out_d.requires_grad
+            and out_s.requires_grad and out_d.shape == out_s.shape):
+        return "no backward pass: the outputs differ in shape or do not require a gradient"
+    grad = None
+    if out_d.dim():  # a fixed random projection of the output (a sum would hide what a LayerNorm's gradient does)
+        grad = torch.randn(out_d.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        grad = grad.to(out_d.dtype).to(out_d.device)
+    out_d.backward(grad)
+    out_s.backward(grad)
+    if shard is not None and full is not None and root is not None and full.grad is not None:
+        rank = group_rank_size(group)[0]
+        shard.backward(full.grad.narrow(-1, sum(root.sizes[:rank]), root.sizes[rank]))
+    return None
+
+
+def _tp_group_of(model: nn.Module) -> ProcessGroup:
+    """The group of the model's first sharded module, else the default mesh's tp group."""
+    for module in model.modules():
+        group = getattr(module, "tp_group", None)
+        if isinstance(group, ProcessGroup):
+            return group
+    return current_mesh().tp_group
+
+
+def _from_rank_zero(report: DivergenceReport, group: ProcessGroup, device: torch.device | None) -> DivergenceReport:
+    """Rank 0's report on every rank (as JSON bytes: nothing is pickled)."""
+    rank, n = group_rank_size(group)
+    text = report.to_json().encode()
+    if n == 1:
+        return DivergenceReport.from_json(text.decode())
+    length = exchange_ints([len(text) if rank == 0 else 0], group, device)[0][0]
+    data = torch.frombuffer(bytearray(text), dtype=torch.uint8) if rank == 0 else torch.empty(length, dtype=torch.uint8)
+    data = data.to(device or "cpu")
+    dist.broadcast(data, src=dist.get_global_rank(group, 0), group=group)
+    return DivergenceReport.from_json(bytes(data.cpu().tolist()).decode())
+
+
+def find_divergence(sharded: nn.Module, dense: nn.Module, *inputs: Any,
+                    loss_fn: Callable[..., torch.Tensor] | None = None, target: Any = None,
+                    rtol: float | None = None, group: ProcessGroup | None = None, seed: int = 0) -> DivergenceReport:
+    """Find where ``sharded`` first differs from ``dense``, its unsharded twin; a collective.
+
+    Both models get ``inputs`` (the full inputs, the same on every rank; floating-point ones
+    are cloned to require gradients). Compared, for every submodule name both models have:
+    each call's output (a last dim split across ranks is gathered), then each call's output
+    and input gradients after backward of ``loss_fn(output[, target])``, or by default of the
+    output itself when it is a scalar and else of a fixed random projection of it (drawn from
+    ``seed``); then every parameter and parameter gradient (split ones by their
+    ``sharding()``). Norm-wise relative tolerance ``rtol``, by default per dtype
+    (:data:`~tensorpar.testing.TOLERANCES`). Both models' ``.grad`` are reset first and hold
+    this backward's gradients after. Run it with dropout off (``model.eval()`` or ``p=0``).
+
+    Example::
+
+        report = tensorpar.testing.find_divergence(model, dense, x)   # on every rank
+        print(report)                # the first diverging module of each pass, and why
+        assert report.ok, report
+    """
+    if loss_fn is None and target is not None:
+        raise ValueError("target= is given to loss_fn(output, target): pass loss_fn= too")
+    group = _tp_group_of(sharded) if group is None else group
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(group)) else None
+    for p in [*sharded.parameters(), *dense.parameters()]:
+        p.grad = None
+    names = {name for name, _ in sharded.named_modules()} & {name for name, _ in dense.named_modules()}
+
+    def fresh() -> list[Any]:
+        return [x.detach().clone().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
+                for x in inputs]
+
+    notes = []
+    with torch.enable_grad(), _recording(dense, names) as (dense_fwd, dense_bwd), \
+            _recording(sharded, names) as (fwd, bwd):
+        out_d, out_s = dense(*fresh()), sharded(*fresh())
+        _agree_on_sequence("forward passes", _labels(fwd) + ["|"] + _labels(dense_fwd), group, device)
+        forward_items = _items("forward output", fwd, dense_fwd, sharded)
+        classify(forward_items, group, rtol, device)
+        forward = _first_in_order(forward_items, group)
+        note = _backward(out_s, out_d, forward_items, loss_fn, target, seed, group)
+        if note is None:
+            _agree_on_sequence("backward passes", _labels(bwd) + ["|"] + _labels(dense_bwd), group, device)
+        else:
+            notes.append(note)
+            bwd.clear()
+        backward_items = _items("backward gradient", bwd, dense_bwd, sharded)
+        classify(backward_items, group, rtol, device)
+        backward = _first_in_order(backward_items, group)
+    values, grads, unmatched = parameter_items(sharded, dense)
+    classify(values + grads, group, rtol, device)
+    tensors = [i.finding(diagnose(i, group)[0]) for i in values + grads if i.diverging()]
+    if unmatched:
+        notes.append(f"parameters only one model has (not compared): {', '.join(unmatched)}")
+    counted = {"forward output": forward_items, "backward gradient": backward_items, "parameter": values,
+               "parameter gradient": grads}
+    compared = {phase: sum(i.kind != "absent" for i in items) for phase, items in counted.items()}
+    firsts = [next((f for f in found if not f.downstream), None) for found in (forward, backward)]
+    report = DivergenceReport(group_rank_size(group)[1], *firsts, tuple(forward + backward + tensors), compared,
+                              tuple(notes))
+    return _from_rank_zero(report, group, device)

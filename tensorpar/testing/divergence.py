@@ -1,0 +1,241 @@
+"""What the equivalence debugger compares, and the patterns that diagnose a difference.
+
+:func:`tensorpar.testing.find_divergence` compares tensors of a sharded model
+(module outputs, gradients, parameters) with their dense twins as *items*.
+Each rank holds an item's tensor in one of two ways, decided from every rank's
+shape (:func:`classify`):
+
+* **replicated**: the dense shape on every rank; each rank's copy is compared
+  with the dense tensor;
+* **sharded**: split along ``dim`` into shards whose sizes sum to the dense
+  size there; rank ``r``'s shard is compared with the dense tensor's slice at
+  its offset ``o_r = Σ_{s<r} size_s``.
+
+A diverging item is diagnosed from every rank's tensor (gathered), ``d`` being
+the dense one and ``a_r`` rank ``r``'s; each pattern is tested over the whole
+tensor with the comparison's tolerance, and nothing is said when none holds:
+
+* ``a_r = tp·d`` on every rank: a doubled ``f``/``g`` (an all-reduce applied twice);
+* ``a_r = d/tp``, ``Σ_r a_r = d`` (partial sums; with a replicated bias ``b``
+  added on each rank: ``Σ_r a_r − (tp−1)·b = d``), or ``a_r = 0`` on some ranks:
+  a missing ``f``/``g`` (the reduction over the tp group was not applied);
+* a shard equal to the dense slice at another balanced offset: a shard placed
+  at the wrong offset;
+* replicated copies that differ across ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from ..comm.checks import dtype_code
+from ..comm.collectives import all_gather_along
+from ..full import placements, tp_local
+from ..mesh import exchange_ints, group_rank_size
+from .compare import TOLERANCES, rel_error
+from .findings import Finding
+
+MISSING = "a missing f/g: the reduction over the tp group was not applied"
+DOUBLED = "a doubled f/g (an all-reduce applied twice)"
+_MAX_DIMS = 8  # dims of a shape that travel in a descriptor
+
+
+@dataclass
+class Item:
+    """A tensor to compare: this rank's ``local`` and the dense twin's ``dense`` (``None``: absent).
+    ``dim``: the dim it may be split along (``None``: it must be replicated); ``scale``: the norm
+    below which errors are measured absolutely (see :func:`~tensorpar.testing.rel_error`);
+    ``bias``: the module's replicated bias, for the partial-sums-with-bias pattern."""
+
+    module: str
+    phase: str
+    what: str
+    local: torch.Tensor | None
+    dense: torch.Tensor | None
+    dim: int | None = -1
+    call: int = 0
+    scale: float = 0.0
+    bias: torch.Tensor | None = None
+    # filled by classify():
+    kind: str = "absent"  # "replicated", "sharded", "shape" or "absent"
+    sizes: list[int] = field(default_factory=list)
+    shapes: list[tuple[int, ...]] = field(default_factory=list)
+    errors: list[float] = field(default_factory=list)
+    tol: float = 0.0
+
+    def diverging(self) -> list[int]:
+        return [r for r, e in enumerate(self.errors) if not e <= self.tol]
+
+    def finding(self, diagnosis: str | None = None, *, downstream: bool = False) -> Finding:
+        ranks = self.diverging()
+        assert self.dense is not None
+        return Finding(self.module, self.phase, self.what, tuple(ranks), max(self.errors[r] for r in ranks),
+                       tuple(self.errors), tuple(self.dense.shape), tuple(self.shapes), self.call, diagnosis,
+                       downstream)
+
+
+def tolerance(dtype: torch.dtype, rtol: float | None) -> float:
+    """``rtol``, else the default of ``dtype`` (bfloat16's for other low-precision floats; exact for the rest)."""
+    if rtol is not None:
+        return rtol
+    return TOLERANCES.get(dtype, TOLERANCES[torch.bfloat16] if dtype.is_floating_point else 0.0)
+
+
+def exchange_floats(values: Sequence[float], group: ProcessGroup, device: torch.device | None) -> list[list[float]]:
+    """Every rank's ``values`` (the same count on all), in rank order, bit for bit (as int64 words)."""
+    if not values:
+        return [[] for _ in range(dist.get_world_size(group))]
+    bits = torch.tensor(list(values), dtype=torch.float64).view(torch.int64).tolist()
+    rows = exchange_ints(bits, group, device)
+    return torch.tensor(rows, dtype=torch.int64).view(torch.float64).tolist()
+
+
+def _descriptor(item: Item) -> list[int]:
+    t = item.local
+    if t is None or item.dense is None or t.dim() > _MAX_DIMS:
+        return [0] * (_MAX_DIMS + 3)
+    return [1, dtype_code(t.dtype), t.dim(), *t.shape, *[0] * (_MAX_DIMS - t.dim())]
+
+
+def classify(items: Sequence[Item], group: ProcessGroup, rtol: float | None,
+             device: torch.device | None) -> None:
+    """Decide every item's kind from all ranks' shapes, and its per-rank errors (two small
+    exchanges, the same on every rank; no tensor data moves)."""
+    rank, n = group_rank_size(group)
+    width = _MAX_DIMS + 3
+    rows = exchange_ints([v for item in items for v in _descriptor(item)], group, device) if items else []
+    local_errors = []
+    for i, item in enumerate(items):
+        described = [row[i * width:(i + 1) * width] for row in rows]
+        if not all(d[0] for d in described) or len({d[1] for d in described}) > 1:
+            item.kind = "absent"  # missing on some rank or side, or dtypes that differ: not comparable
+            local_errors.append(0.0)
+            continue
+        assert item.dense is not None and item.local is not None
+        item.shapes = [tuple(d[3:3 + d[2]]) for d in described]
+        full = tuple(item.dense.shape)
+        item.tol = tolerance(item.dense.dtype, rtol)
+        dim = None if item.dim is None or not full else item.dim % len(full)
+        rest = [s[:dim] + s[dim + 1:] for s in item.shapes] if dim is not None else []
+        if all(s == full for s in item.shapes):
+            item.kind = "replicated"
+            local_errors.append(rel_error(item.local, item.dense, item.scale))
+        elif (dim is not None and n > 1 and all(len(s) == len(full) for s in item.shapes)
+              and all(r == full[:dim] + full[dim + 1:] for r in rest)
+              and sum(s[dim] for s in item.shapes) == full[dim]):
+            item.kind, item.dim = "sharded", dim
+            item.sizes = [s[dim] for s in item.shapes]
+            offset = sum(item.sizes[:rank])
+            local_errors.append(rel_error(item.local, item.dense.narrow(dim, offset, item.sizes[rank]), item.scale))
+        else:
+            item.kind = "shape"
+            local_errors.append(float("inf"))
+    errors = exchange_floats(local_errors, group, device)
+    for i, item in enumerate(items):
+        item.errors = [row[i] for row in errors] if item.kind != "absent" else []
+
+
+def gathered(item: Item, group: ProcessGroup) -> torch.Tensor:
+    """Every rank's tensor of ``item`` (a collective): replicated ones stacked ``(tp, *full)``,
+    sharded ones concatenated along their dim into the full shape."""
+    assert item.local is not None
+    local = item.local.detach()
+    if item.kind == "sharded":
+        assert item.dim is not None
+        return all_gather_along(local, item.dim, item.sizes, group)
+    return all_gather_along(local.unsqueeze(0), 0, [1] * len(item.errors), group)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
+    return rel_error(a, b) <= tol
+
+
+def _noun(phase: str) -> str:
+    return {"forward output": "output", "parameter": "parameter"}.get(phase, "gradient")
+
+
+def diagnose(item: Item, group: ProcessGroup) -> tuple[str | None, bool]:
+    """The diagnosis of a diverging item (a collective: every rank's tensor is gathered), and
+    whether the item is a partial sum (its ranks' tensors sum to the dense one)."""
+    assert item.dense is not None
+    d, tol, n, noun = item.dense.detach(), item.tol, len(item.errors), _noun(item.phase)
+    if item.kind == "shape":
+        shapes = "; ".join(f"rank {r}: {s}" for r, s in enumerate(item.shapes))
+        return f"shapes differ from the dense {tuple(d.shape)} ({shapes})", False
+    if n == 1:
+        return None, False
+    everyone = gathered(item, group)
+    parts = list(everyone) if item.kind == "replicated" else None
+    whole = everyone if item.kind == "sharded" else None
+    if (whole is not None and _close(whole, n * d, tol)) or (parts and all(_close(p, n * d, tol) for p in parts)):
+        return f"{noun} is tp× too large: {DOUBLED}", False
+    if (whole is not None and _close(whole, d / n, tol)) or (parts and all(_close(p, d / n, tol) for p in parts)):
+        return f"{noun} is 1/tp of the dense one: {MISSING}", False
+    if whole is not None:
+        return _misplaced(item, whole), False
+    assert parts is not None
+    total = everyone.sum(0)
+    if _close(total, d, tol):
+        zero = [r for r, p in enumerate(parts) if not p.any()]
+        only = f", zero on rank{'s' * (len(zero) > 1)} {', '.join(map(str, zero))}" if zero else ""
+        return f"only this rank's part (the ranks' {noun}s sum to the dense one{only}): {MISSING}", True
+    b = item.bias
+    if b is not None and b.dim() == 1 and d.dim() >= 1 and b.shape[0] == d.shape[-1] and \
+            _close(total - (n - 1) * b.detach().to(total.dtype), d, tol):
+        return f"only this rank's part (partial sums, each with the bias added): {MISSING}", False
+    zero = [r for r, p in enumerate(parts) if not p.any()]
+    if zero and d.any():
+        return f"{noun} is zero on rank{'s' * (len(zero) > 1)} {', '.join(map(str, zero))}: {MISSING}", False
+    good = [r for r in range(n) if item.errors[r] <= tol]
+    ref = good[0] if good else 0
+    differ = [(r, rel_error(parts[r], parts[ref])) for r in range(n) if r != ref]
+    differ = [(r, e) for r, e in differ if not e <= tol]
+    if differ:
+        return "; ".join(f"replicated tensor differs across ranks: rank {r} vs rank {ref}, rel err {e:.3g}"
+                         for r, e in differ), False
+    return None, False
+
+
+def _misplaced(item: Item, whole: torch.Tensor) -> str | None:
+    """Ranks whose shard equals the dense tensor's slice at another balanced offset."""
+    assert item.dense is not None and item.dim is not None
+    d, dim, sizes = item.dense.detach(), item.dim, item.sizes
+    offsets = [sum(sizes[:r]) for r in range(len(sizes))]
+    found = []
+    for r in item.diverging():
+        mine = whole.narrow(dim, offsets[r], sizes[r])
+        for o in offsets:
+            if o != offsets[r] and o + sizes[r] <= d.shape[dim] and _close(mine, d.narrow(dim, o, sizes[r]), item.tol):
+                found.append(f"rank {r} holds the shard for offset {o}:{o + sizes[r]} "
+                             f"but sits at {offsets[r]}:{offsets[r] + sizes[r]}")
+                break
+    return "; ".join(found) if found else None
+
+
+def parameter_items(sharded: nn.Module, dense: nn.Module) -> tuple[list[Item], list[Item], list[str]]:
+    """Items for every parameter both models name, and for its gradient (a missing gradient counts as
+    zeros where the twin has one); and the names only one model has. Gradients are measured against
+    the whole dense gradient's norm where that is larger (some are round-off alone in exact zero)."""
+    split = placements(sharded)
+    mine, theirs = dict(sharded.named_parameters()), dict(dense.named_parameters())
+    dense_grads = [q.grad.detach().double().norm() for q in theirs.values() if q.grad is not None]
+    scale = torch.stack(dense_grads).norm().item() if dense_grads else 0.0
+    values, grads = [], []
+    for name, p in mine.items():
+        if name not in theirs:
+            continue
+        q, (module, _, leaf) = theirs[name], name.rpartition(".")
+        dim = split[name][0].dim if name in split else None
+        local = tp_local(p)
+        values.append(Item(module, "parameter", leaf, local, q.detach(), dim))
+        g = None if p.grad is None and q.grad is None else tp_local(p.grad) if p.grad is not None \
+            else torch.zeros_like(local)
+        g_dense = None if g is None else q.grad.detach() if q.grad is not None else torch.zeros_like(q)
+        grads.append(Item(module, "parameter gradient", leaf, g, g_dense, dim, scale=scale))
+    return values, grads, sorted(set(mine) ^ set(theirs))
