@@ -228,5 +228,5 @@ def _check_resume(cfg: TrainConfig) -> None:
     last = cfg.stop_at or cfg.steps
     if meta["step"] >= last:
         raise ValueError(f"--resume: the checkpoint in {cfg.out} is at step {meta['step']}, nothing left to run "
-                         f"up to step {last} (raise --steps to train further)")
+                         f"up to step {last} (raise {'--stop-at' if cfg.stop_at else '--steps'} to train further)")
 
