@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .comm.collectives import all_gather_along
 from .mesh import group_rank_size
-from .sharding import Shard, shard
+from .sharding import Shard, join_shards, shard
 
 #: ``{state-dict key: (placement, group)}`` for the split tensors of a model.
 Placements = Mapping[str, tuple[Shard, ProcessGroup]]
@@ -56,8 +56,10 @@ def tp_local(x: torch.Tensor) -> torch.Tensor:
 
 def unshard(x: torch.Tensor, placement: Shard, group: ProcessGroup) -> torch.Tensor:
     """The full tensor from every rank's shard (a collective, no autograd; every rank gets it)."""
+    sizes = placement.sizes(group_rank_size(group)[1])
     with torch.no_grad():
-        return all_gather_along(x.detach(), placement.dim, placement.sizes(group_rank_size(group)[1]), group)
+        gathered = all_gather_along(x.detach(), placement.dim, sizes, group)  # the shards, in rank order
+        return gathered if placement.blocks == 1 else join_shards(gathered.split(sizes, placement.dim), placement)
 
 
 def shard_of(x: torch.Tensor, placement: Shard, group: ProcessGroup) -> torch.Tensor:
@@ -102,16 +104,26 @@ def shard_geometry(model: nn.Module) -> dict[str, dict[str, tuple[int, ...]]]:
         geometry = tensorpar.shard_geometry(model)
         for name, p in model.named_parameters():
             tensorpar.tiled_init.normal_(p, 0.0, 0.02, **geometry[name])
+
+    A parameter split in ``blocks > 1`` blocks (see :class:`~tensorpar.sharding.Shard`) is
+    no box of the full tensor, but its blocked view is: the geometry given is that of
+    ``p.unflatten(dim, (blocks, -1))`` in the full tensor viewed alike (one more dim), so
+    ``tiled_init.normal_(p.unflatten(dim, (blocks, -1)), **geometry[name])`` fills it.
     """
     where = placements(model)
     geometry = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         offset = [0] * p.dim()
         placement, group = where.get(name, (None, None))
+        shape = full_shape(p.shape, placement)
         if placement is not None:
             rank, n = group_rank_size(group)
-            offset[placement.dim] = placement.bounds(n, rank)[0]
-        geometry[name] = {"full_shape": full_shape(p.shape, placement), "offset": tuple(offset)}
+            dim = placement.dim % p.dim()
+            offset[dim] = placement.bounds(n, rank)[0]
+            if placement.blocks > 1:  # the blocked view: dim -> (blocks, block size)
+                offset.insert(dim, 0)
+                shape = (*shape[:dim], placement.blocks, placement.block_size(), *shape[dim + 1:])
+        geometry[name] = {"full_shape": shape, "offset": tuple(offset)}
     return geometry
 
 

@@ -17,6 +17,7 @@ is never taken for ``1``.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -104,31 +105,69 @@ class Shard:
 
     Sharded modules describe their parameters with a ``sharding()`` method
     returning ``{param_name: Shard(...)}``; parameters it omits are replicated.
+
+    ``blocks > 1`` describes a dim made of ``blocks`` equal blocks split alike
+    (Megatron's partition stride), such as a fused ``[Q | K | V]`` projection:
+    each block is split as a dim of ``size // blocks`` would be, and a rank's
+    shard is its piece of every block, in block order. With 2 ranks, ``[Q | K | V]``
+    gives rank 0 ``[Q_0 | K_0 | V_0]``. Such a shard is no single slice of the full tensor.
     """
 
     dim: int
     size: int
     unit: int = 1
+    blocks: int = 1
+
+    def block_size(self) -> int:
+        """Elements of one block along ``dim`` (``size`` when ``blocks == 1``)."""
+        check_int(self.blocks, "blocks")
+        if self.size % self.blocks:
+            raise ValueError(f"size ({self.size}) is not a whole number of {self.blocks} blocks")
+        return self.size // self.blocks
 
     def sizes(self, parts: int) -> list[int]:
-        return partition_sizes(self.size, parts, unit=self.unit)
+        """Every rank's shard size along ``dim`` (its pieces of all blocks together)."""
+        return [self.blocks * s for s in partition_sizes(self.block_size(), parts, unit=self.unit)]
 
     def bounds(self, parts: int, index: int) -> tuple[int, int]:
-        """``(offset, length)`` of shard ``index`` of ``parts``."""
-        return partition_bounds(self.size, parts, index, unit=self.unit)
+        """``(offset, length)`` of shard ``index`` of ``parts`` (with ``blocks > 1``: of its piece
+        of each block, in that block's coordinates)."""
+        return partition_bounds(self.block_size(), parts, index, unit=self.unit)
 
-    def index(self, ndim: int, parts: int, index: int) -> tuple[slice, ...]:
+    def index(self, ndim: int, parts: int, index: int) -> tuple[slice | list[int], ...]:
         """The subscript that takes shard ``index`` out of a full ``ndim``-dimensional tensor
-        (or out of anything indexed like one, such as a lazily read checkpoint tensor)."""
+        (or out of anything indexed like one, such as a lazily read checkpoint tensor): a slice,
+        or with ``blocks > 1`` the list of the shard's positions along ``dim``."""
         offset, length = self.bounds(parts, index)
-        subscript = [slice(None)] * ndim
-        subscript[self.dim] = slice(offset, offset + length)
+        subscript: list[slice | list[int]] = [slice(None)] * ndim
+        if self.blocks == 1:
+            subscript[self.dim] = slice(offset, offset + length)
+        else:
+            block = self.block_size()
+            subscript[self.dim] = [b * block + i for b in range(self.blocks) for i in range(offset, offset + length)]
         return tuple(subscript)
 
 
 def shard(tensor: torch.Tensor, placement: Shard, parts: int, index: int) -> torch.Tensor:
-    """Shard ``index`` of ``parts`` of a full tensor (a view; clone before writing in place)."""
+    """Shard ``index`` of ``parts`` of a full tensor (a view, a copy when ``placement.blocks > 1``;
+    clone before writing in place)."""
     shape = tuple(tensor.shape)
     if not -len(shape) <= placement.dim < len(shape) or shape[placement.dim] != placement.size:
         raise ValueError(f"expected size {placement.size} in dim {placement.dim}, got a tensor of shape {shape}")
     return tensor[placement.index(len(shape), parts, index)]
+
+
+def join_shards(shards: Sequence[torch.Tensor], placement: Shard) -> torch.Tensor:
+    """The full tensor from every rank's shard, in rank order (the inverse of :func:`shard`).
+
+    Example::
+
+        >>> full = torch.arange(6)  # [Q | K | V], 2 elements each, over 2 ranks
+        >>> pieces = [shard(full, Shard(0, 6, blocks=3), 2, r) for r in range(2)]  # [0, 2, 4], [1, 3, 5]
+        >>> join_shards(pieces, Shard(0, 6, blocks=3))
+        tensor([0, 1, 2, 3, 4, 5])
+    """
+    if placement.blocks == 1:
+        return torch.cat(list(shards), placement.dim)
+    per_rank = [s.chunk(placement.blocks, placement.dim) for s in shards]  # each rank's piece of each block
+    return torch.cat([pieces[b] for b in range(placement.blocks) for pieces in per_rank], placement.dim)

@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tensorpar import Shard, partition_bounds, partition_offsets, partition_sizes, shard
+from tensorpar.sharding import join_shards
 
 
 @given(parts=st.integers(1, 16), units=st.integers(0, 200), unit=st.integers(1, 8))
@@ -73,3 +74,28 @@ def test_shards_concatenate_to_the_tensor(rows, cols, dim, data):
 def test_shard_rejects_a_tensor_of_the_wrong_size():
     with pytest.raises(ValueError, match=r"expected size 5 in dim 1"):
         shard(torch.zeros(3, 4), Shard(1, 5), 2, 0)
+
+
+@given(blocks=st.integers(2, 4), units=st.integers(1, 9), unit=st.integers(1, 3), cols=st.integers(1, 3),
+       dim=st.integers(0, 1), data=st.data())
+def test_shards_of_blocks_are_each_blocks_piece_and_join_back(blocks, units, unit, cols, dim, data):
+    """A fused ``[Q | K | V]`` dim (``blocks=3``): each rank holds its balanced piece of every block,
+    in block order, and the pieces of all ranks join back into the full tensor."""
+    parts = data.draw(st.integers(1, units))
+    size = blocks * units * unit
+    full = torch.arange(size * cols).reshape(size, cols)
+    full = full if dim == 0 else full.t()
+    placement = Shard(dim, size, unit, blocks=blocks)
+    pieces = [shard(full, placement, parts, r) for r in range(parts)]
+    block = size // blocks
+    for r, piece in enumerate(pieces):
+        lo, n = partition_bounds(block, parts, r, unit=unit)
+        expected = torch.cat([full.narrow(dim, b * block + lo, n) for b in range(blocks)], dim)
+        assert torch.equal(piece, expected)
+        assert piece.shape[dim] == placement.sizes(parts)[r]
+    assert torch.equal(join_shards(pieces, placement), full)
+
+
+def test_blocks_must_divide_the_size():
+    with pytest.raises(ValueError, match=r"size \(10\) is not a whole number of 3 blocks"):
+        Shard(0, 10, blocks=3).sizes(2)

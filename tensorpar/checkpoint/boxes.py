@@ -63,6 +63,10 @@ def locate(value: torch.Tensor, placement: Shard | None, group: ProcessGroup | N
         local, offsets, split = value, [0] * value.dim(), False
     full = list(value.shape)  # the tp shard's shape (a DTensor's global shape)
     if placement is not None and group is not None:
+        if placement.blocks > 1:  # a piece of each block: several boxes, which one Box cannot describe
+            raise ValueError(f"a tensor split in {placement.blocks} blocks along dim {placement.dim} (a fused "
+                             "projection) is no single box of the full tensor: distributed checkpoints cannot "
+                             "store it; save tensorpar.full_state_dict(model) instead")
         rank, n = group_rank_size(group)
         start, length = placement.bounds(n, rank)
         assert full[placement.dim] == length, (full, placement, n, rank)
