@@ -190,7 +190,7 @@ def test_fsdp_training_follows_the_tp1_trajectory(worlds, reference_run, tmp_pat
     reference, _ = reference_run
     result, logged = run_training(worlds, tmp_path, tp, dp, fsdp=True)
     rows = [json.loads(line) for line in logged]
-    assert [r["step"] for r in rows] == list(range(SMALL["steps"]))
+    assert [r["step"] for r in rows] == list(range(1, SMALL["steps"] + 1))
     assert max(reference["grad_norms"].values()) > SMALL["clip"], "clipping was not active"
     for r in rows:
         loss, norm = reference["losses"][r["step"]], reference["grad_norms"][r["step"]]

@@ -81,8 +81,8 @@ def test_training_on_cuda_in_bf16_with_a_checkpoint(tmp_path, capfd):
     losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 30 and losses[29] < losses[0] - 1.0
     assert "sample:" in capfd.readouterr().out
-    assert checkpoint.read_meta(tmp_path)["step"] == 29
-    assert tensorpar.spawn(load_on_cpu, 1, str(tmp_path), backend="gloo") == [29]
+    assert checkpoint.read_meta(tmp_path)["step"] == 30
+    assert tensorpar.spawn(load_on_cpu, 1, str(tmp_path), backend="gloo") == [30]
 
 
 def load_on_cpu(path):
