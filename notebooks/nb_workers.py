@@ -88,7 +88,47 @@ def mlp_column_then_row(d: int, hidden: int, tokens: int, seed: int = 0) -> dict
             for name, c in (("by hand", hand_counts), ("layers", tp_counts))
         },
         "all-reduce elements": tp_counts.numel("all_reduce"),
+        "reported": {name: (module.local_offset, module.local_features)
+                     for name, module in (("fc1", sharded[0]), ("fc2", sharded[2]))},
+        "held": held_indices(sharded),
     }
+
+
+def held_indices(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Load into ``model`` the full state dict whose every tensor holds its own flat element indices
+    0, 1, 2, ... and return what this rank then holds, as integers.
+
+    Wherever an element lands, its value says where in the full tensor it came
+    from: a picture drawn from these numbers shows what the sharding code did,
+    not what a formula says it should do. (float64 holds such integers exactly.)
+    """
+    full = tensorpar.full_state_dict(model)  # for the keys and full shapes only
+    numbered = {k: torch.arange(v.numel(), dtype=torch.float64).view(v.shape).to(v.dtype) for k, v in full.items()}
+    tensorpar.load_full_state_dict(model, numbered)
+    return {k: v.detach().to(torch.int64) for k, v in model.state_dict().items()}
+
+
+def attention_heads(n_embd: int, n_head: int, n_kv_head: int) -> dict:
+    """Build a :class:`layers.ParallelSelfAttention` on the current tp group and report where its
+    heads went: the indices this rank holds of each projection (see :func:`held_indices`), the
+    KV heads its query heads read, and its own account of both."""
+    attn = layers.ParallelSelfAttention(n_embd, n_head, n_kv_head=n_kv_head, bias=False, dtype=torch.float64)
+    return {
+        "n_embd": n_embd, "n_head": n_head, "n_kv_head": n_kv_head, "head_dim": attn.head_dim,
+        "query heads": (attn.q_lo, attn.local_heads),        # (first global query head, count)
+        "kv replicated": attn.kv_replicated,
+        # KV heads this rank reads, as global indices (held locally from kv_lo when replicated)
+        "kv heads read": (attn.kv_lo if attn.kv_replicated else attn.k_proj.local_offset // attn.head_dim,
+                          attn.local_kv_heads),
+        "held": held_indices(attn),
+    }
+
+
+def column_row_and_heads(d: int, hidden: int, tokens: int, attention: list[tuple[int, int, int]]) -> dict:
+    """Notebook 01's run: :func:`mlp_column_then_row`, then :func:`attention_heads` for each
+    ``(n_embd, n_head, n_kv_head)`` of ``attention``, in one group."""
+    return {"mlp": mlp_column_then_row(d, hidden, tokens),
+            "attention": [attention_heads(*case) for case in attention]}
 
 
 # --------------------------------------------------------------------------- 02: ring all-reduce

@@ -1,4 +1,5 @@
-"""Every notebook in notebooks/ runs from top to bottom without a cell error.
+"""Every notebook in notebooks/ is committed with its outputs and runs from top to bottom without
+a cell error.
 
 Each one is executed into a temporary copy (the committed notebook and its
 outputs are left alone) by the notebooks' own runner, ``python notebooks/run.py``:
@@ -15,11 +16,28 @@ import pytest
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 PATHS = sorted(NOTEBOOKS.glob("*.ipynb"))
-CELL_TIMEOUT = 600  # seconds per cell; the notebooks take well under a minute each
+CELL_TIMEOUT = 600  # seconds per cell; the slowest notebook (03) takes a few minutes on a busy machine
+
+
+MAX_BYTES = 300_000  # a notebook with its outputs: figures are small inline PNGs, not megabytes of them
 
 
 def test_notebooks_are_found():
     assert PATHS, f"no notebooks in {NOTEBOOKS}"
+
+
+@pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
+def test_committed_notebook_has_its_outputs(path):
+    """What is committed is an executed notebook people can read without running it: every code
+    cell ran, none failed, and figures are inline PNGs that keep the file small."""
+    assert path.stat().st_size < MAX_BYTES, f"{path.name}: {path.stat().st_size} bytes"
+    nb = nbformat.read(path, as_version=4)
+    code_cells = [cell for cell in nb.cells if cell.cell_type == "code"]
+    assert all(cell.execution_count is not None for cell in code_cells), f"{path.name}: a cell was not run"
+    outputs = [o for cell in code_cells for o in cell.outputs]
+    assert not [o for o in outputs if o.output_type == "error"], f"{path.name}: a cell failed"
+    figures = [o for o in outputs if "data" in o and any(k.startswith("image/") for k in o.data)]
+    assert all("image/png" in o.data for o in figures), f"{path.name}: a figure is not an inline PNG"
 
 
 @pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
