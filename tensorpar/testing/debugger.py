@@ -39,10 +39,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from ..comm.collectives import all_gather_along
 from ..full import placements
 from ..mesh import current_mesh, exchange_ints, group_rank_size
-from .divergence import Item, classify, diagnose, parameter_items
+from .divergence import Item, classify, diagnose, gathered, parameter_items
 from .findings import DivergenceReport, Finding
 
 #: ``(module name, call, [(slot, tensor or None), ...])`` in the order the hooks fired
@@ -113,20 +112,21 @@ def _agree_on_sequence(what: str, labels: Sequence[str], group: ProcessGroup, de
 
 
 def _items(phase: str, sharded: list[Record], dense: list[Record], model: nn.Module) -> list[Item]:
-    """The items of one pass, in the sharded model's order; forward outputs carry their module's
-    replicated bias (for the partial-sums-with-bias pattern)."""
+    """The items of one pass, in the sharded model's order. Outputs (and their gradients) carry
+    their module's blocked placements and, forward, its replicated bias (see :class:`Item`)."""
     found = {(name, call, slot): t for name, call, slots in dense for slot, t in slots}
     split = placements(model)
     items = []
     for name, call, slots in sharded:
-        bias = None
-        if phase == "forward output":
-            key = f"{name}.bias" if name else "bias"
-            b = getattr(model.get_submodule(name), "bias", None)
-            bias = b.detach() if isinstance(b, torch.Tensor) and key not in split else None
+        module = model.get_submodule(name)
+        layout = module.sharding().values() if callable(getattr(module, "sharding", None)) else ()
+        hints = tuple((p.size, p.blocks) for p in layout if getattr(p, "blocks", 1) > 1)
+        b = getattr(module, "bias", None)
+        bias = b.detach() if isinstance(b, torch.Tensor) and (f"{name}.bias" if name else "bias") not in split \
+            and phase == "forward output" else None
         for slot, t in slots:
-            dim = -1 if t is not None and t.dim() else None
-            items.append(Item(name, phase, slot, t, found.get((name, call, slot)), dim, call, bias=bias))
+            items.append(Item(name, phase, slot, t, found.get((name, call, slot)), call=call, bias=bias, any_dim=True,
+                              hints=hints if slot.startswith("output") else ()))
     return items
 
 
@@ -169,11 +169,11 @@ def _downstream(finding: Finding) -> Finding:
 def _backward(out_s: Any, out_d: Any, forward: list[Item], loss_fn: Callable[..., torch.Tensor] | None,
               target: Any, seed: int, group: ProcessGroup) -> str | None:
     """Backward through both models; a note instead when there is nothing to differentiate. An
-    output split along its last dim is gathered first, and its shard gets its slice of the gradient."""
+    output split across ranks is gathered first, and its shard gets its part of the gradient."""
     root = next((i for i in forward if i.module == "" and i.call == 0 and i.what == "output"), None)
     shard = full = None
     if isinstance(out_s, torch.Tensor) and root is not None and root.kind == "sharded" and out_s.requires_grad:
-        shard, out_s = out_s, all_gather_along(out_s.detach(), -1, root.sizes, group).requires_grad_()  # (*, full)
+        shard, out_s = out_s, gathered(root, group).requires_grad_()  # the full output
         full = out_s
     if loss_fn is not None:
         extra = () if target is None else (target,)
@@ -191,8 +191,7 @@ def _backward(out_s: Any, out_d: Any, forward: list[Item], loss_fn: Callable[...
     out_d.backward(grad)
     out_s.backward(grad)
     if shard is not None and full is not None and root is not None and full.grad is not None:
-        rank = group_rank_size(group)[0]
-        shard.backward(full.grad.narrow(-1, sum(root.sizes[:rank]), root.sizes[rank]))
+        shard.backward(root.take(full.grad, *root.bounds(group_rank_size(group)[0])))
     return None
 
 
@@ -225,7 +224,7 @@ def find_divergence(sharded: nn.Module, dense: nn.Module, *inputs: Any,
 
     Both models get ``inputs`` (the full inputs, the same on every rank; floating-point ones
     are cloned to require gradients). Compared, for every submodule name both models have:
-    each call's output (a last dim split across ranks is gathered), then each call's output
+    each call's output (one split along a dim across ranks is gathered), then each call's output
     and input gradients after backward of ``loss_fn(output[, target])``, or by default of the
     output itself when it is a scalar and else of a fixed random projection of it (drawn from
     ``seed``); then every parameter and parameter gradient (split ones by their
@@ -273,9 +272,13 @@ def find_divergence(sharded: nn.Module, dense: nn.Module, *inputs: Any,
     tensors = [i.finding(diagnose(i, group)[0]) for i in values + grads if i.diverging()]
     if unmatched:
         notes.append(f"parameters only one model has (not compared): {', '.join(unmatched)}")
+    odd = [f"{i.module or '<model>'} {i.what}" for i in forward_items + backward_items if i.kind == "unmatched"]
+    if odd:
+        notes.append(f"{len(odd)} tensors whose per-rank shapes are neither the dense shape nor a split of it "
+                     f"(not compared): {', '.join(odd[:4])}" + (", ..." if len(odd) > 4 else ""))
     counted = {"forward output": forward_items, "backward gradient": backward_items, "parameter": values,
                "parameter gradient": grads}
-    compared = {phase: sum(i.kind != "absent" for i in items) for phase, items in counted.items()}
+    compared = {phase: sum(i.kind not in ("absent", "unmatched") for i in items) for phase, items in counted.items()}
     firsts = [next((f for f in found if not f.downstream), None) for found in (forward, backward)]
     report = DivergenceReport(group_rank_size(group)[1], *firsts, tuple(forward + backward + tensors), compared,
                               tuple(notes))

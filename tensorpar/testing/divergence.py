@@ -7,9 +7,13 @@ shape (:func:`classify`):
 
 * **replicated**: the dense shape on every rank; each rank's copy is compared
   with the dense tensor;
-* **sharded**: split along ``dim`` into shards whose sizes sum to the dense
-  size there; rank ``r``'s shard is compared with the dense tensor's slice at
-  its offset ``o_r = Σ_{s<r} size_s``.
+* **sharded**: split along one dim (a parameter's ``sharding()`` dim; for an
+  activation, the one dim where its shape differs) into shards whose sizes sum
+  to the dense size there; rank ``r``'s shard is compared with the dense
+  tensor's slice at its offset ``o_r = Σ_{s<r} size_s``. A dim made of ``k``
+  equal blocks split alike (a fused ``[Q | K | V]``, ``Shard(blocks=k)``) is
+  cut and joined block by block; an activation is taken to be so when its
+  module's ``sharding()`` has such a placement of the same size.
 
 A diverging item is diagnosed from every rank's tensor (gathered), ``d`` being
 the dense one and ``a_r`` rank ``r``'s; each pattern is tested over the whole
@@ -49,21 +53,26 @@ _MAX_DIMS = 8  # dims of a shape that travel in a descriptor
 @dataclass
 class Item:
     """A tensor to compare: this rank's ``local`` and the dense twin's ``dense`` (``None``: absent).
-    ``dim``: the dim it may be split along (``None``: it must be replicated); ``scale``: the norm
-    below which errors are measured absolutely (see :func:`~tensorpar.testing.rel_error`);
-    ``bias``: the module's replicated bias, for the partial-sums-with-bias pattern."""
+    ``dim``: the dim a parameter is split along (``None``: replicated); ``any_dim``: an activation,
+    split along whichever dim its shape says; ``blocks``: equal blocks along ``dim`` (``hints``:
+    ``(size, blocks)`` of its module's blocked placements); ``scale``: the norm below which errors
+    are absolute (see :func:`~tensorpar.testing.rel_error`); ``bias``: the module's replicated bias,
+    for the partial-sums-with-bias pattern."""
 
     module: str
     phase: str
     what: str
     local: torch.Tensor | None
     dense: torch.Tensor | None
-    dim: int | None = -1
+    dim: int | None = None
     call: int = 0
     scale: float = 0.0
     bias: torch.Tensor | None = None
+    any_dim: bool = False
+    blocks: int = 1
+    hints: tuple[tuple[int, int], ...] = ()
     # filled by classify():
-    kind: str = "absent"  # "replicated", "sharded", "shape" or "absent"
+    kind: str = "absent"  # "replicated", "sharded", "shape" (differs), "unmatched" or "absent" (not compared)
     sizes: list[int] = field(default_factory=list)
     shapes: list[tuple[int, ...]] = field(default_factory=list)
     errors: list[float] = field(default_factory=list)
@@ -78,6 +87,20 @@ class Item:
         return Finding(self.module, self.phase, self.what, tuple(ranks), max(self.errors[r] for r in ranks),
                        tuple(self.errors), tuple(self.dense.shape), tuple(self.shapes), self.call, diagnosis,
                        downstream)
+
+    def bounds(self, rank: int) -> tuple[int, int]:
+        """``(offset, length)`` of ``rank``'s shard (of its piece of each block) along ``dim``."""
+        lengths = [s // self.blocks for s in self.sizes]
+        return sum(lengths[:rank]), lengths[rank]
+
+    def take(self, full: torch.Tensor, offset: int, length: int) -> torch.Tensor:
+        """Elements ``offset:offset + length`` along ``dim`` of a full tensor (of each block)."""
+        assert self.dim is not None
+        if self.blocks == 1:
+            return full.narrow(self.dim, offset, length)
+        block = full.shape[self.dim] // self.blocks
+        index = [b * block + i for b in range(self.blocks) for i in range(offset, offset + length)]
+        return full.index_select(self.dim, torch.tensor(index, device=full.device))
 
 
 def tolerance(dtype: torch.dtype, rtol: float | None) -> float:
@@ -103,6 +126,18 @@ def _descriptor(item: Item) -> list[int]:
     return [1, dtype_code(t.dtype), t.dim(), *t.shape, *[0] * (_MAX_DIMS - t.dim())]
 
 
+def _split_dim(item: Item, full: tuple[int, ...]) -> int | None:
+    """The dim ``item`` may be split along on every rank, with its blocks set; ``None``: none."""
+    if item.any_dim:
+        differ = {d for s in item.shapes if len(s) == len(full) for d in range(len(full)) if s[d] != full[d]}
+        if len(differ) != 1:
+            return None
+        (dim,) = differ
+        item.blocks = dict(item.hints).get(full[dim], 1) if dim == len(full) - 1 else 1
+        return dim
+    return None if item.dim is None or not full else item.dim % len(full)
+
+
 def classify(items: Sequence[Item], group: ProcessGroup, rtol: float | None,
              device: torch.device | None) -> None:
     """Decide every item's kind from all ranks' shapes, and its per-rank errors (two small
@@ -121,35 +156,33 @@ def classify(items: Sequence[Item], group: ProcessGroup, rtol: float | None,
         item.shapes = [tuple(d[3:3 + d[2]]) for d in described]
         full = tuple(item.dense.shape)
         item.tol = tolerance(item.dense.dtype, rtol)
-        dim = None if item.dim is None or not full else item.dim % len(full)
-        rest = [s[:dim] + s[dim + 1:] for s in item.shapes] if dim is not None else []
+        dim = _split_dim(item, full) if n > 1 else None
         if all(s == full for s in item.shapes):
             item.kind = "replicated"
             local_errors.append(rel_error(item.local, item.dense, item.scale))
-        elif (dim is not None and n > 1 and all(len(s) == len(full) for s in item.shapes)
-              and all(r == full[:dim] + full[dim + 1:] for r in rest)
-              and sum(s[dim] for s in item.shapes) == full[dim]):
-            item.kind, item.dim = "sharded", dim
-            item.sizes = [s[dim] for s in item.shapes]
-            offset = sum(item.sizes[:rank])
-            local_errors.append(rel_error(item.local, item.dense.narrow(dim, offset, item.sizes[rank]), item.scale))
-        else:
-            item.kind = "shape"
+        elif (dim is not None and all(s[:dim] + s[dim + 1:] == full[:dim] + full[dim + 1:] for s in item.shapes)
+              and sum(s[dim] for s in item.shapes) == full[dim] and all(s[dim] % item.blocks == 0 for s in item.shapes)):
+            item.kind, item.dim, item.sizes = "sharded", dim, [s[dim] for s in item.shapes]
+            local_errors.append(rel_error(item.local, item.take(item.dense, *item.bounds(rank)), item.scale))
+        else:  # an activation may be laid out otherwise (a rank's selection of heads): not comparable
+            item.kind = "unmatched" if item.any_dim else "shape"
             local_errors.append(float("inf"))
     errors = exchange_floats(local_errors, group, device)
     for i, item in enumerate(items):
-        item.errors = [row[i] for row in errors] if item.kind != "absent" else []
+        item.errors = [row[i] for row in errors] if item.kind not in ("absent", "unmatched") else []
 
 
 def gathered(item: Item, group: ProcessGroup) -> torch.Tensor:
     """Every rank's tensor of ``item`` (a collective): replicated ones stacked ``(tp, *full)``,
-    sharded ones concatenated along their dim into the full shape."""
+    sharded ones joined along their dim into the full shape (block by block)."""
     assert item.local is not None
     local = item.local.detach()
-    if item.kind == "sharded":
-        assert item.dim is not None
-        return all_gather_along(local, item.dim, item.sizes, group)
-    return all_gather_along(local.unsqueeze(0), 0, [1] * len(item.errors), group)
+    if item.kind != "sharded":
+        return all_gather_along(local.unsqueeze(0), 0, [1] * len(item.errors), group)
+    assert item.dim is not None
+    shards = all_gather_along(local, item.dim, item.sizes, group).split(item.sizes, item.dim)  # in rank order
+    pieces = [s.chunk(item.blocks, item.dim) for s in shards]  # each rank's piece of each block
+    return torch.cat([p[b] for b in range(item.blocks) for p in pieces], item.dim)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
@@ -197,25 +230,26 @@ def diagnose(item: Item, group: ProcessGroup) -> tuple[str | None, bool]:
     differ = [(r, rel_error(parts[r], parts[ref])) for r in range(n) if r != ref]
     differ = [(r, e) for r, e in differ if not e <= tol]
     if differ:
-        return "; ".join(f"replicated tensor differs across ranks: rank {r} vs rank {ref}, rel err {e:.3g}"
-                         for r, e in differ), False
+        return "replicated tensor differs across ranks: " + "; ".join(
+            f"rank {r} vs rank {ref}, rel err {e:.3g}" for r, e in differ), False
     return None, False
 
 
 def _misplaced(item: Item, whole: torch.Tensor) -> str | None:
-    """Ranks whose shard equals the dense tensor's slice at another balanced offset."""
+    """Ranks whose shard equals the dense tensor's part at another rank's offset (of each block)."""
     assert item.dense is not None and item.dim is not None
-    d, dim, sizes = item.dense.detach(), item.dim, item.sizes
-    offsets = [sum(sizes[:r]) for r in range(len(sizes))]
-    found = []
+    d, n, found = item.dense.detach(), len(item.sizes), []
+    block = d.shape[item.dim] // item.blocks
     for r in item.diverging():
-        mine = whole.narrow(dim, offsets[r], sizes[r])
-        for o in offsets:
-            if o != offsets[r] and o + sizes[r] <= d.shape[dim] and _close(mine, d.narrow(dim, o, sizes[r]), item.tol):
-                found.append(f"rank {r} holds the shard for offset {o}:{o + sizes[r]} "
-                             f"but sits at {offsets[r]}:{offsets[r] + sizes[r]}")
+        offset, length = item.bounds(r)
+        mine = item.take(whole, offset, length)
+        for o in sorted({item.bounds(s)[0] for s in range(n)} - {offset}):
+            if o + length <= block and _close(mine, item.take(d, o, length), item.tol):
+                found.append(f"rank {r} holds the shard for offset {o}:{o + length} "
+                             f"but sits at {offset}:{offset + length}")
                 break
-    return "; ".join(found) if found else None
+    return "; ".join(found) + (f" (of each of {item.blocks} blocks)" if found and item.blocks > 1 else "") \
+        if found else None
 
 
 def parameter_items(sharded: nn.Module, dense: nn.Module) -> tuple[list[Item], list[Item], list[str]]:
@@ -231,11 +265,11 @@ def parameter_items(sharded: nn.Module, dense: nn.Module) -> tuple[list[Item], l
         if name not in theirs:
             continue
         q, (module, _, leaf) = theirs[name], name.rpartition(".")
-        dim = split[name][0].dim if name in split else None
+        dim, blocks = (split[name][0].dim, getattr(split[name][0], "blocks", 1)) if name in split else (None, 1)
         local = tp_local(p)
-        values.append(Item(module, "parameter", leaf, local, q.detach(), dim))
+        values.append(Item(module, "parameter", leaf, local, q.detach(), dim, blocks=blocks))
         g = None if p.grad is None and q.grad is None else tp_local(p.grad) if p.grad is not None \
             else torch.zeros_like(local)
         g_dense = None if g is None else q.grad.detach() if q.grad is not None else torch.zeros_like(q)
-        grads.append(Item(module, "parameter gradient", leaf, g, g_dense, dim, scale=scale))
+        grads.append(Item(module, "parameter gradient", leaf, g, g_dense, dim, scale=scale, blocks=blocks))
     return values, grads, sorted(set(mine) ^ set(theirs))
