@@ -16,6 +16,7 @@ from collections import Counter
 
 import pytest
 import torch
+from hf_cases import batch, build
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -35,45 +36,6 @@ def report_worst(request):
         line = ", ".join(f"{dtype} {err:.2g}" for dtype, err in sorted(WORST.items()))
         with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
             print(f"\nparallelize_hf equivalence, worst relative error: {line}")
-
-
-def build(arch, spec, dtype, seed):
-    """The dense ``transformers`` model of ``spec`` from ``seed``: every weight perturbed, so that
-    biases and norm scales (zeros and ones at init) are not the same everywhere."""
-    import transformers
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    spec = dict(spec)
-    attn = spec.pop("attn")
-    if arch == "gpt2":
-        config = transformers.GPT2Config(**spec, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                         bos_token_id=0, eos_token_id=0)
-        cls = transformers.GPT2LMHeadModel
-    else:
-        name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[arch]
-        config = getattr(transformers, f"{name}Config")(**spec, max_position_embeddings=32, bos_token_id=0,
-                                                        eos_token_id=0)
-        cls = getattr(transformers, f"{name}ForCausalLM")
-    config._attn_implementation = attn
-    torch.manual_seed(seed)
-    model = cls(config).to(dtype)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model
-
-
-def batch(spec, b, t, seed):
-    """Token ids ``(b, t)``, ``t >= 2``, and labels with some ignored (-100)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, spec["vocab_size"], (b, t), generator=g)
-    if spec.get("pad_token_id") is not None:
-        ids[0, 0] = spec["pad_token_id"]  # the padding row is looked up
-    labels = ids.clone()
-    labels[torch.rand(b, t, generator=g) < 0.2] = -100
-    labels[0, 1] = ids[0, 1]  # at least one counted target (the model shifts labels: position 0 has none)
-    return ids, labels
 
 
 def train_hf(arch, spec, dtype, b, t, seed, steps=3):
@@ -127,13 +89,15 @@ def train_hf(arch, spec, dtype, b, t, seed, steps=3):
 
 @st.composite
 def hf_specs(draw, arch, tp, dtype):
-    """A tiny config of ``arch`` valid at ``tp``."""
+    """A tiny config of ``arch`` valid at ``tp``, with each architecture's options that change the
+    computation (biases, head sizes apart from the hidden size, sliding windows, scalings)."""
     n_head = draw(st.integers(tp, 8))
     head_dim = draw(st.sampled_from([2, 4, 6]))  # even: rotary embeddings rotate pairs
     spec = dict(vocab_size=draw(st.integers(tp, 67)), attn=draw(st.sampled_from(["eager", "sdpa"])))
     if arch == "gpt2":
         return spec | dict(n_layer=2, n_head=n_head, n_embd=n_head * head_dim, n_positions=16,
                            n_inner=draw(st.sampled_from([None, 4 * tp + 3])),
+                           scale_attn_by_inverse_layer_idx=draw(st.booleans()),
                            # upcasting adds a float64 mask to float32 scores: HF refuses it in float64
                            reorder_and_upcast_attn=dtype == torch.float32 and draw(st.booleans()))
     n_kv = draw(st.sampled_from([d for d in range(1, n_head + 1) if n_head % d == 0]))
@@ -143,12 +107,18 @@ def hf_specs(draw, arch, tp, dtype):
     if arch == "llama":
         spec |= dict(attention_bias=draw(st.booleans()), mlp_bias=draw(st.booleans()),
                      pad_token_id=draw(st.sampled_from([None, spec["vocab_size"] - 1])))
+    if arch == "mistral":  # heads of their own size (q_proj: hidden -> n_head * head_dim), a short window
+        spec |= dict(hidden_size=draw(st.integers(3, 20)), head_dim=head_dim,
+                     sliding_window=draw(st.sampled_from([None, 3])))
+    if arch == "qwen2":  # layers from the second on attend through a window of 3 tokens, or none do
+        spec |= dict(use_sliding_window=draw(st.booleans()), sliding_window=3, max_window_layers=1)
     return spec
 
 
+@pytest.mark.parametrize("tp", [1, 2, 3, 4])
 @pytest.mark.parametrize("arch", ARCHS)
-@settings(max_examples=8)
-@given(tp=st.integers(1, 4), data=st.data())
+@settings(max_examples=3)
+@given(data=st.data())
 def test_matches_the_dense_model(worlds, arch, tp, data):
     dtype = data.draw(st.sampled_from([torch.float64, torch.float32]))
     spec = data.draw(hf_specs(arch, tp, dtype))

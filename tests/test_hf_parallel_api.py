@@ -1,0 +1,141 @@
+"""layers.parallelize_hf beyond equivalence: refusals that name the numbers, full state dicts
+that load back, and the sharded GPT-2 ``Conv1D``'s tp-invariant initialisation."""
+
+import hashlib
+
+import pytest
+import torch
+from hf_cases import build
+
+import tensorpar
+from tensorpar.sharding import Shard
+
+pytest.importorskip("transformers", reason="the hf extra is not installed")
+
+LLAMA = dict(vocab_size=19, attn="eager", num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+             hidden_size=8, intermediate_size=6)
+GPT2 = dict(vocab_size=19, attn="eager", n_layer=1, n_head=4, n_embd=8, n_positions=8)
+
+
+def refusals():
+    """Each refusal on every rank alike (tp=3), before any collective; returns ``type: message``s."""
+    import transformers
+
+    from layers import parallelize_hf
+
+    def attempt(make):
+        try:
+            make()
+        except (TypeError, ValueError) as e:
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    def flex():
+        model = build("llama", LLAMA, torch.float32, 0)
+        model.config._attn_implementation = "flex_attention"
+        parallelize_hf(model)
+
+    def twice():
+        parallelize_hf(parallelize_hf(build("llama", LLAMA, torch.float32, 0)))
+
+    def cross_attention():
+        parallelize_hf(transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=19, n_layer=1, n_head=3, n_embd=6, n_positions=8, add_cross_attention=True)))
+
+    with tensorpar.count_collectives() as counter:
+        messages = [attempt(make) for make in (
+            lambda: parallelize_hf(torch.nn.Linear(2, 2)),
+            lambda: parallelize_hf(build("gpt2", GPT2, torch.float32, 0).transformer),
+            lambda: parallelize_hf(build("llama", dict(LLAMA, num_attention_heads=2, num_key_value_heads=1),
+                                         torch.float32, 0)),
+            lambda: parallelize_hf(build("gpt2", dict(GPT2, vocab_size=2), torch.float32, 0)),
+            lambda: parallelize_hf(build("qwen2", dict(LLAMA, intermediate_size=2), torch.float32, 0)),
+            flex, twice, cross_attention)]
+    return messages, len(counter.records)
+
+
+def test_refusals_name_the_model_and_the_numbers(worlds):
+    results = worlds[3].run(refusals)
+    assert all(r == results[0] for r in results)
+    messages, collectives = results[0]
+    assert collectives == 0
+    linear, bare, heads, vocab, inner, flex, twice, cross = messages
+    supported = "supported: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"
+    assert linear == f"TypeError: parallelize_hf does not support Linear (model_type None); {supported}"
+    assert bare == f"TypeError: parallelize_hf does not support GPT2Model (model_type 'gpt2'); {supported}"
+    assert heads == "ValueError: num_attention_heads (2) is smaller than tp (3)"
+    assert vocab == "ValueError: vocab_size (2) is smaller than tp (3)"
+    assert inner == "ValueError: intermediate_size (2) is smaller than tp (3)"
+    assert flex == "ValueError: parallelize_hf supports attn_implementation 'eager' or 'sdpa', got 'flex_attention'"
+    assert twice == "ValueError: this LlamaForCausalLM is already parallelized"
+    assert cross == "ValueError: parallelize_hf does not support GPT-2 with add_cross_attention=True"
+
+
+def attention_dropout():
+    """Training with attention dropout raises at tp > 1 (the same on every rank); evaluation runs."""
+    from layers import parallelize_hf
+
+    model = parallelize_hf(build("llama", dict(LLAMA, attention_dropout=0.1), torch.float32, 0))
+    ids = torch.randint(0, LLAMA["vocab_size"], (1, 4))
+    try:
+        model.train()(ids)
+        message = "no error"
+    except ValueError as e:
+        message = str(e)
+    return message, model.eval()(ids).logits.shape
+
+
+def test_attention_dropout_in_training_is_refused(worlds):
+    for message, shape in worlds[2].run(attention_dropout):
+        assert message.startswith("attention dropout (attention_dropout=0.1) in training is not supported")
+        assert shape == (1, 4, LLAMA["vocab_size"])
+
+
+def load_back(seed):
+    """A dense GPT-2's state dict loaded into another seed's sharded copy gives back that state dict
+    and its logits; the fused ``c_attn`` is no box a distributed checkpoint could store."""
+    from layers import parallelize_hf
+    from tensorpar.checkpoint.boxes import locate
+
+    dense = build("gpt2", GPT2, torch.float64, seed).eval()
+    model = parallelize_hf(build("gpt2", GPT2, torch.float64, seed + 1)).eval()
+    tensorpar.load_full_state_dict(model, dense.state_dict())
+    full, expected = tensorpar.full_state_dict(model), dense.state_dict()
+    same = set(full) == set(expected) and all(torch.equal(full[k], v) for k, v in expected.items())
+    ids = torch.randint(0, GPT2["vocab_size"], (2, 5))
+    with torch.no_grad():
+        logits_equal = torch.allclose(model(ids).logits, dense(ids).logits, rtol=1e-12, atol=1e-12)
+    c_attn = model.transformer.h[0].attn.c_attn
+    try:
+        locate(c_attn.weight, c_attn.sharding()["weight"], c_attn.tp_group)
+        refused = "no error"
+    except ValueError as e:
+        refused = str(e)
+    return same, logits_equal, refused
+
+
+def test_full_state_dict_loads_back(worlds):
+    for same, logits_equal, refused in worlds[3].run(load_back, 4):
+        assert same and logits_equal
+        assert refused.startswith("a tensor split in 3 blocks along dim 1 (a fused projection) is no single box")
+
+
+def conv1d_digests(seed):
+    """Full weights of sharded Conv1Ds built from ``seed``: a fused [Q | K | V] one and a row one."""
+    from layers.hf_modules import ColumnParallelConv1D, RowParallelConv1D
+
+    torch.manual_seed(seed)
+    column = ColumnParallelConv1D(3 * 12, 12, unit=3, blocks=3)  # 4 heads of 3 in each of Q, K, V
+    row = RowParallelConv1D(12, 12, unit=3)
+    full = {f"column.{k}": v for k, v in tensorpar.full_state_dict(column).items()}
+    full |= {f"row.{k}": v for k, v in tensorpar.full_state_dict(row).items()}
+    assert column.sharding()["weight"] == Shard(1, 36, 3, blocks=3)
+    return {k: hashlib.sha256(v.numpy().tobytes()).hexdigest() for k, v in full.items()}, full["column.weight"].std()
+
+
+def test_conv1d_initialisation_is_the_same_at_every_tp(worlds):
+    digests = {tp: worlds[tp].run(conv1d_digests, 3) for tp in (1, 2, 3, 4)}
+    expected, std = digests[1][0]
+    assert abs(std / 0.02 - 1) < 0.2  # GPT-2's N(0, 0.02²)
+    for tp, results in digests.items():
+        assert all(digest == expected for digest, _ in results), f"tp={tp}: full weights differ from tp=1"
