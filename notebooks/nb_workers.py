@@ -36,7 +36,9 @@ def mlp_column_then_row(d: int, hidden: int, tokens: int, seed: int = 0) -> dict
     2. With ``layers.parallelize``: fc1 -> ``ColumnParallelLinear``, fc2 -> ``RowParallelLinear``.
 
     Returns this rank's shard shapes, the relative errors of the output, the
-    input gradient and the weight gradients, and the collectives each version issued.
+    input gradient and the weight gradients, the collectives each version issued,
+    the slice of the hidden features each layer reports holding, and (last, as it
+    overwrites the weights) where each weight element went: :func:`held_indices`.
     """
     mesh = tensorpar.init()
     torch.manual_seed(seed)  # the same dense model and input on every rank
