@@ -65,9 +65,10 @@ def check_sendable(fn: Callable[..., Any], *, caller: str) -> None:
     """Raise, before any process starts, if a new process could not find ``fn``.
 
     ``TypeError`` for something no process can import by name (a lambda, a function
-    defined inside another function, or one its module's attribute of that name no
-    longer is); ``ValueError`` for a function of a ``__main__`` that new processes cannot
-    rebuild (a REPL, stdin, ``python -c``, a notebook cell). ``caller`` names the API.
+    defined inside another function); ``ValueError`` for a function of a ``__main__``
+    that new processes cannot rebuild (a REPL, stdin, ``python -c``, a notebook cell).
+    ``caller`` names the API. Anything else that cannot be found by name (a decorator
+    without ``functools.wraps``) fails to pickle, which :func:`pack` reports.
     """
     if not callable(fn):
         raise TypeError(f"{caller} needs a function to run, got {type(fn).__name__} {fn!r}")
@@ -83,12 +84,6 @@ def check_sendable(fn: Callable[..., Any], *, caller: str) -> None:
         outer = qualname.split(".<locals>", 1)[0]
         raise TypeError(f"{caller} cannot run `{name}`: it is defined inside the function `{outer}`, where a "
                         f"new process cannot find it; {FIX} (pass what it needs as arguments)")
-    found: Any = sys.modules.get(module) if isinstance(module, str) else None
-    for part in qualname.split("."):
-        found = getattr(found, part, None)
-    if found is not target:
-        raise TypeError(f"{caller} cannot run `{name}`: `{name}` does not name it in its module (a decorator "
-                        f"without functools.wraps, or a name rebound since?), so a new process cannot find it; {FIX}")
     if module == "__main__" and not main_reruns_in_new_processes():
         raise ValueError(f"{caller} cannot run `{qualname}`: it is defined in the `__main__` of an interactive "
                          f"session, stdin, `python -c` or a notebook cell, which a new process cannot import; {FIX}")
@@ -101,8 +96,8 @@ def pack(fn: Callable[..., Any], args: tuple[Any, ...], *, caller: str) -> Packe
     try:
         return name, pickle.dumps((fn, args))
     except Exception as e:
-        raise TypeError(f"{caller} cannot send `{name}` and its arguments to new processes: "
-                        f"{type(e).__name__}: {e}") from e
+        raise TypeError(f"{caller} cannot send `{name}` and its arguments to new processes "
+                        f"({type(e).__name__}: {e}); for the function: {FIX}") from e
 
 
 def unpack(packed: Packed) -> tuple[Callable[..., Any], tuple[Any, ...]]:
