@@ -25,7 +25,7 @@ $(DEMO): $(TORCH) pyproject.toml Makefile
 	touch $@
 
 $(TEST): $(TORCH) pyproject.toml Makefile
-	$(PY) -m pip install -e ".[test,hf,train,plot]"
+	$(PY) -m pip install -e ".[test,hf,train,plot,tensorboard]"
 	touch $@
 
 test: $(TEST)
