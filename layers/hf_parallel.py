@@ -68,9 +68,9 @@ def parallelize_hf(model: nn.Module, *, group: ProcessGroup | None = None) -> nn
 
     Example::
 
-        tensorpar.init(tp=2)
+        tensorpar.init(tp=3)
         model = LlamaForCausalLM.from_pretrained(path)   # the same on every rank
-        layers.parallelize_hf(model)                     # 4 heads at tp 3: 2, 1, 1 per rank
+        layers.parallelize_hf(model)                     # e.g. 4 heads: 2, 1, 1 per rank
         out = model(input_ids, labels=input_ids)         # full logits and loss on every rank
         out.loss.backward()
         state = tensorpar.full_state_dict(model)         # the Hugging Face keys and shapes
@@ -89,8 +89,9 @@ def parallelize_hf(model: nn.Module, *, group: ProcessGroup | None = None) -> nn
         raise ValueError(f"this {kind} is already parallelized")
     group = tensorpar.tp_group(group)
     rank, tp = tensorpar.group_rank_size(group)
+    _check_vocab(model, tp)  # every check before anything changes
     _ARCHITECTURES[kind](model, config, group, rank, tp)
-    _shard_vocab(model, group, tp)
+    _shard_vocab(model, group)
     return model
 
 
@@ -183,6 +184,7 @@ def _refuse_attention_dropout(attn: nn.Module, tp: int, rate: Callable[[nn.Modul
 
 def _dropout_hook(module: nn.Module, args: tuple[Any, ...], *, rate: Callable[[nn.Module], float],
                   option: str) -> None:
+    """Raise for a training forward with attention-probability dropout."""
     if module.training and rate(module) > 0:
         raise ValueError(f"attention dropout ({option}={rate(module)}) in training is not supported by "
                          "parallelize_hf at tp > 1: each rank would draw its heads' masks from the default "
@@ -190,8 +192,8 @@ def _dropout_hook(module: nn.Module, args: tuple[Any, ...], *, rate: Callable[[n
                          "building the model, or call model.eval()")
 
 
-def _shard_vocab(model: nn.Module, group: ProcessGroup, tp: int) -> None:
-    """Token embedding vocab-parallel; the LM head column-parallel over the same rows, output gathered."""
+def _check_vocab(model: nn.Module, tp: int) -> None:
+    """Raise unless the token embedding and the LM head can be split as :func:`_shard_vocab` does."""
     dense, head = model.get_input_embeddings(), model.lm_head
     vocab, dim = dense.weight.shape
     _at_least_tp(tp, vocab_size=vocab)
@@ -199,6 +201,12 @@ def _shard_vocab(model: nn.Module, group: ProcessGroup, tp: int) -> None:
         raise ValueError("parallelize_hf supports token embeddings without max_norm, scale_grad_by_freq or sparse")
     if (head.in_features, head.out_features) != (dim, vocab):
         raise ValueError(f"lm_head maps {head.in_features} -> {head.out_features} features, expected {dim} -> {vocab}")
+
+
+def _shard_vocab(model: nn.Module, group: ProcessGroup) -> None:
+    """Token embedding vocab-parallel; the LM head column-parallel over the same rows, output gathered."""
+    dense, head = model.get_input_embeddings(), model.lm_head
+    vocab, dim = dense.weight.shape
     options = dict(group=group, device="meta", dtype=dense.weight.dtype)
     if dense.padding_idx is None:
         embedding = VocabParallelEmbedding(vocab, dim, **options)

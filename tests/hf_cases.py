@@ -31,12 +31,21 @@ def build(arch, spec, dtype, seed):
 
 
 def batch(spec, b, t, seed):
-    """Token ids ``(b, t)``, ``t >= 2``, and labels with some ignored (-100)."""
+    """Token ids ``(b, t)`` and labels with some ignored (-100); ``3 <= t <= vocab_size``.
+
+    The tokens of a row are distinct, and position 1 predicts a counted label: with rotary
+    embeddings, a query that attends only to copies of one token (repeated tokens, or position 0
+    alone) gets a gradient that is zero in exact arithmetic, round-off alone in practice, which
+    AdamW's scale-free steps would turn into steps that differ between any two computations.
+    """
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, spec["vocab_size"], (b, t), generator=g)
-    if spec.get("pad_token_id") is not None:
-        ids[0, 0] = spec["pad_token_id"]  # the padding row is looked up
+    ids = torch.stack([torch.randperm(spec["vocab_size"], generator=g)[:t] for _ in range(b)])
+    pad = spec.get("pad_token_id")
+    if pad is not None:  # the padding row is looked up (moved to the front if drawn)
+        row = ids[0]
+        row[(row == pad).nonzero().flatten()] = row[0].item()
+        row[0] = pad
     labels = ids.clone()
     labels[torch.rand(b, t, generator=g) < 0.2] = -100
-    labels[0, 1] = ids[0, 1]  # at least one counted target (the model shifts labels: position 0 has none)
+    labels[0, 2] = ids[0, 2]  # the model shifts labels: position 1 predicts this one
     return ids, labels

@@ -51,8 +51,13 @@ def train_hf(arch, spec, dtype, b, t, seed, steps=3):
     ref.loss.backward()
     grads = tensorpar.full_grads(model)
     ref_grads = {k: p.grad.clone() for k, p in dense.named_parameters()}
+    # AdamW steps by g / (√v + eps): a gradient element at the level of round-off steps by up to lr
+    # when eps is below that level, so that the round-off, not the gradient, decides the step. In
+    # float32 such elements (a few 1e-9) occur, below the default eps of 1e-8: eps = 1e-6 keeps
+    # their steps as small as they are. (float64 round-off is far below 1e-8.)
+    eps = 1e-6 if dtype == torch.float32 else 1e-8
     for m in (model, dense):  # each with its own AdamW; the first step uses the gradients above
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1, eps=eps)
         opt.step()
         for step in range(1, steps):
             ids2, labels2 = batch(spec, b, t, seed + step)
@@ -93,7 +98,7 @@ def hf_specs(draw, arch, tp, dtype):
     computation (biases, head sizes apart from the hidden size, sliding windows, scalings)."""
     n_head = draw(st.integers(tp, 8))
     head_dim = draw(st.sampled_from([2, 4, 6]))  # even: rotary embeddings rotate pairs
-    spec = dict(vocab_size=draw(st.integers(tp, 67)), attn=draw(st.sampled_from(["eager", "sdpa"])))
+    spec = dict(vocab_size=draw(st.integers(8, 67)), attn=draw(st.sampled_from(["eager", "sdpa"])))
     if arch == "gpt2":
         return spec | dict(n_layer=2, n_head=n_head, n_embd=n_head * head_dim, n_positions=16,
                            n_inner=draw(st.sampled_from([None, 4 * tp + 3])),
@@ -122,7 +127,7 @@ def hf_specs(draw, arch, tp, dtype):
 def test_matches_the_dense_model(worlds, arch, tp, data):
     dtype = data.draw(st.sampled_from([torch.float64, torch.float32]))
     spec = data.draw(hf_specs(arch, tp, dtype))
-    b, t, seed = data.draw(st.integers(1, 2)), data.draw(st.integers(2, 8)), data.draw(st.integers(0, 2**31))
+    b, t, seed = data.draw(st.integers(1, 2)), data.draw(st.integers(3, 8)), data.draw(st.integers(0, 2**31))
     results = worlds[tp].run(train_hf, arch, spec, dtype, b, t, seed)
     for errors, tied, loss_dtype in results:
         assert tied == (arch == "gpt2" or spec["tie_word_embeddings"])
