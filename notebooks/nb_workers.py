@@ -174,15 +174,15 @@ def ring_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> 
     return out.view_as(x), sent
 
 
-def ring_vs_all_reduce(numel: int, seed: int = 0) -> dict:
-    """Run :func:`ring_all_reduce` on a per-rank random tensor and check it against ``dist.all_reduce``."""
-    tensorpar.init()
-    rank, n = dist.get_rank(), dist.get_world_size()
+def ring_vs_all_reduce(numel: int, seed: int = 0, group: dist.ProcessGroup | None = None) -> dict:
+    """Run :func:`ring_all_reduce` over ``group`` (default: the world) on a per-rank random tensor
+    and check it against ``dist.all_reduce``."""
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
     torch.manual_seed(seed + rank)                         # every rank holds a different tensor
     x = torch.randn(numel)
-    ring, sent = ring_all_reduce(x)
+    ring, sent = ring_all_reduce(x, group)
     reference = x.clone()
-    dist.all_reduce(reference)
+    dist.all_reduce(reference, group=group)
     torch.testing.assert_close(ring, reference)            # float32 sums in a different order: default tolerances
     return {
         "rank": rank, "world size": n, "numel": numel,
@@ -190,3 +190,15 @@ def ring_vs_all_reduce(numel: int, seed: int = 0) -> dict:
         "bytes sent": sent, "tensor bytes": x.numel() * x.element_size(),
         "max abs diff": (ring - reference).abs().max().item(),
     }
+
+
+def ring_on_first_ranks(numel: int, sizes: list[int]) -> dict[int, dict | None]:
+    """:func:`ring_vs_all_reduce` on a group of the first ``n`` ranks, for each ``n`` of ``sizes``:
+    ``{n: this rank's result, or None when it is not in that group}``. One set of processes
+    serves every size (starting processes costs far more than the rings)."""
+    tensorpar.init()
+    results = {}
+    for n in sizes:
+        group = dist.new_group(list(range(n)))             # every rank takes part in creating every group
+        results[n] = ring_vs_all_reduce(numel, group=group) if dist.get_rank() < n else None
+    return results
