@@ -124,7 +124,7 @@ def cases(draw, max_layer=2):
     return tp, cfg, draw(st.integers(1, 3)), draw(st.integers(1, cfg["block_size"])), draw(st.integers(0, 2**31))
 
 
-@settings(max_examples=8)
+@settings(max_examples=3)
 @given(case=cases(), dtype=st.sampled_from([torch.float64, torch.float32]))
 def test_checkpointing_changes_nothing_but_memory(worlds, case, dtype):
     tp, cfg, b, t, seed = case
@@ -156,7 +156,7 @@ def block_bytes(cfg, b, t, seed):
             - saved_bytes(dict(cfg, n_layer=1, activation_checkpointing=ac), b, t, seed) for ac in (False, True)]
 
 
-@settings(max_examples=8)
+@settings(max_examples=3)
 @given(case=cases(), dropout=st.sampled_from([0.0, P]))
 def test_a_checkpointed_block_keeps_only_its_input(worlds, case, dropout):
     tp, cfg, b, t, seed = case

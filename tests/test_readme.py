@@ -5,8 +5,8 @@ folder and run the way it says it runs:
 
 * a script ending in ``tensorpar.spawn(main, n)`` under ``if __name__ == "__main__"``
   runs ``main()`` on every rank of the n-process pool (what ``spawn`` would do,
-  without starting n new processes per block); the quickstart is also run once as
-  ``python quickstart.py``, spawn and all;
+  without starting n new processes per block: ``spawn`` itself, from scripts
+  too, is tested in ``tests/test_launch.py`` and ``tests/test_examples.py``);
 * a block defining ``test_*`` functions is imported as a test module and each
   test is called;
 * any other block is run as a script in this process.
@@ -17,7 +17,6 @@ from __future__ import annotations
 import importlib
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -82,14 +81,3 @@ def test_readme_block_runs_as_written(worlds, index, tmp_path, monkeypatch):
                 value.close()
     sys.modules.pop(name, None)
 
-
-def test_the_quickstart_runs_as_a_script(tmp_path):
-    """``python quickstart.py``: the block starts its own ranks with ``spawn``."""
-    (quickstart,) = [code for code in BLOCKS if "# 1. Swap nn.Linear" in code]
-    (tmp_path / "quickstart.py").write_text(quickstart)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "quickstart.py"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "loss" in done.stdout
-    assert (tmp_path / "out" / "quickstart" / "latest").exists()
