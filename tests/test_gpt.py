@@ -29,7 +29,11 @@ def train_twins(cfg, b, t, dtype, seed, steps=3):
     ref_loss.backward()
     grads = tensorpar.full_grads(model)
     ref_grads = {k: p.grad for k, p in ref.named_parameters()}
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1) for m in (model, ref)]
+    # AdamW steps by g / (√v + eps): a gradient element at the level of round-off (a few 1e-9 in
+    # float32, below the default eps of 1e-8) steps by up to lr, so the round-off, not the gradient,
+    # decides the step. eps = 1e-6 in float32 keeps such steps as small as the gradients are.
+    eps = 1e-6 if dtype == torch.float32 else 1e-8
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1, eps=eps) for m in (model, ref)]
     for step in range(steps):
         if step:  # the first step uses the gradients compared above
             idx2, targets2 = batch(cfg, b, t, seed + step)
