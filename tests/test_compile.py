@@ -117,7 +117,7 @@ def _n_rank():
     return mesh.tp, mesh.tp_rank
 
 
-@settings(max_examples=6)
+@settings(max_examples=4)
 @given(tp=tp_sizes(), kind=st.sampled_from(["column", "row", "embedding"]), tp_opt=st.booleans(),
        dtype=FLOATS, data=st.data())
 def test_layers_compile_whole_and_equal_their_plain_twins(worlds, tp, kind, tp_opt, dtype, data):
@@ -143,7 +143,7 @@ def check_compiled_module(kind, cfg, b, t, dtype, seed, backend="graphs"):
     return max(errors.values()), graph_breaks(), graphs, expected
 
 
-@settings(max_examples=6)
+@settings(max_examples=4)
 @given(tp=tp_sizes(), kind=st.sampled_from(["attention", "mlp", "block"]), dtype=FLOATS, data=st.data())
 def test_blocks_compile_whole_with_megatrons_collectives_in_the_graphs(worlds, tp, kind, dtype, data):
     cfg = data.draw(gpt_configs(tp, max_layer=1))

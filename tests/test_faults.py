@@ -104,7 +104,7 @@ def _kill_launcher(cmd, cwd, ready, written, sig=signal.SIGKILL):
         proc.wait()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_ranks_stop_when_the_training_launcher_is_killed(tmp_path, sig, no_leftover_segments):
     out = tmp_path / "run"
     cmd = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--tp=2", "--steps=100000", f"--out={out}",

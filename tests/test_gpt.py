@@ -76,7 +76,7 @@ def gpt_training_cases(draw):
         draw(st.integers(0, 2**31))
 
 
-@settings(max_examples=60)
+@settings(max_examples=30)
 @given(case=gpt_training_cases())
 def test_gpt_matches_reference(worlds, case):
     tp, cfg, b, t, dtype, seed = case
