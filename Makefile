@@ -1,8 +1,7 @@
 # `make test` and `make demo` work from a clean clone: they create (or reuse) a
 # virtualenv in .venv, install what they need, and run. Each target has its own
 # stamp: the demo installs only what it uses (torch, the progress bar, the plot);
-# the tests install every extra, also after a `make demo`. Files are byte-compiled
-# when first imported (--no-compile), not all of them at install time.
+# the tests install every extra, also after a `make demo`.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -17,16 +16,16 @@ $(TORCH):
 	@# A CPU-only machine gets the CPU build explicitly so no CUDA wheels are pulled.
 	$(PY) -c "import torch" 2>/dev/null || { \
 	  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; \
-	  then $(PY) -m pip install --no-compile "torch>=2.4"; \
-	  else $(PY) -m pip install --no-compile torch==2.13.0; fi; }
+	  then $(PY) -m pip install "torch>=2.4"; \
+	  else $(PY) -m pip install torch==2.13.0; fi; }
 	touch $@
 
 $(DEMO): $(TORCH) pyproject.toml Makefile
-	$(PY) -m pip install --no-compile -e ".[train,plot]"
+	$(PY) -m pip install -e ".[train,plot]"
 	touch $@
 
 $(TEST): $(TORCH) pyproject.toml Makefile
-	$(PY) -m pip install --no-compile -e ".[test,hf,train,plot,tensorboard]"
+	$(PY) -m pip install -e ".[test,hf,train,plot,tensorboard]"
 	touch $@
 
 test: $(TEST)
