@@ -17,10 +17,16 @@ rank holds all KV heads, using those its query heads read; the KV projections
 are then :class:`~layers.linear.ReplicatedLinear`, whose gradients (each rank's
 share of them) are summed by an ``f`` on the weights: one extra all-reduce of
 the weight and bias of K, and one of V, backward.
+
+With ``sequence_parallel=True`` the input and output are this rank's tokens,
+``(B, T_r, C)``: ``copy_in`` all-gathers them (``f̄``, keeping only this
+rank's tokens for backward), the output projection reduce-scatters its sums
+(``ḡ``) and the output dropout draws a mask per rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -31,11 +37,11 @@ from torch.distributed import ProcessGroup
 from torch.nn.utils import skip_init
 
 import tensorpar
-from tensorpar.mesh import current_mesh_or_none
 from tensorpar.sharding import check_int, partition_bounds
 
 from .linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, check_activation
-from .regions import CopyToTP
+from .regions import CopyToTP, GatherSequence
+from .sequence import ShardedDropout, tp_stream
 
 
 class ParallelSelfAttention(nn.Module):
@@ -56,7 +62,7 @@ class ParallelSelfAttention(nn.Module):
     """
 
     def __init__(self, n_embd: int, n_head: int, *, n_kv_head: int | None = None, bias: bool = True,
-                 dropout: float = 0.0, group: ProcessGroup | None = None,
+                 dropout: float = 0.0, sequence_parallel: bool = False, group: ProcessGroup | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         n_kv_head = n_head if n_kv_head is None else n_kv_head
@@ -73,13 +79,14 @@ class ParallelSelfAttention(nn.Module):
         group = tensorpar.tp_group(group)
         self.tp_group = group
         rank, tp = tensorpar.group_rank_size(group)
-        self.rng = _rng_tracker(group, rank)
+        self.rng = tp_stream(group)
         g = n_head // n_kv_head
         device = torch.get_default_device() if device is None else torch.device(device)  # skip_init needs one
         factory = dict(group=group, device=device, dtype=dtype)
         column = dict(factory, copy_input=False)  # behind copy_in's f
 
-        self.copy_in = CopyToTP(group=group)
+        self.sequence_parallel = sequence_parallel
+        self.copy_in = GatherSequence(group=group) if sequence_parallel else CopyToTP(group=group)
         self.kv_replicated = n_kv_head < tp
         if self.kv_replicated:  # query heads split alone; every rank holds all KV heads
             q_unit, (q_lo, self.local_heads) = d, partition_bounds(n_head, tp, rank, name="n_head")
@@ -97,8 +104,9 @@ class ParallelSelfAttention(nn.Module):
         kv_of_q = [(q_lo + i) // g - (q_lo // g) for i in range(self.local_heads)]
         self._kv_index = None if kv_of_q == list(range(self.local_kv_heads)) else kv_of_q
         self.q_proj = skip_init(ColumnParallelLinear, n_embd, n_embd, bias, unit=q_unit, **column)
-        self.c_proj = skip_init(RowParallelLinear, n_embd, n_embd, bias, unit=q_unit, **factory)
-        self.resid_dropout = nn.Dropout(dropout)
+        self.c_proj = skip_init(RowParallelLinear, n_embd, n_embd, bias, unit=q_unit,
+                                sequence_parallel=sequence_parallel, **factory)
+        self.resid_dropout = ShardedDropout(dropout, group=group) if sequence_parallel else nn.Dropout(dropout)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -108,14 +116,24 @@ class ParallelSelfAttention(nn.Module):
         for name, p in self.named_parameters():
             tensorpar.tiled_init.uniform_(p, -bound, bound, **geometry[name])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+        """``(B, T, C)``, or with sequence parallelism this rank's tokens ``(B, T_r, C)`` of ``seq_len``
+        (found with one small collective when not given)."""
         check_activation(x, type(self).__name__)
         if x.dim() != 3 or x.shape[-1] != self.n_embd:
             raise ValueError(f"{type(self).__name__} expects (B, T, {self.n_embd}), got {tuple(x.shape)}")
-        x = self.copy_in(x)  # f, shared by the three projections
+        saving: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        if self.sequence_parallel:
+            seq_len = tensorpar.sequence_length(x, seq_len, self.tp_group)
+            shard, x = x, self.copy_in(x, seq_len)  # f̄: (B, T, C), shared by the three projections
+            saving = tensorpar.save_sequence_shard(x, shard, self.tp_group)  # they keep (B, T_r, C)
+        else:
+            x = self.copy_in(x)  # f, shared by the three projections
         kv_used = slice(self.kv_lo * self.head_dim, (self.kv_lo + self.local_kv_heads) * self.head_dim)
+        with saving:
+            projected = (self.q_proj(x), self.k_proj(x)[..., kv_used], self.v_proj(x)[..., kv_used])
         q, k, v = (rearrange(t, "b t (h d) -> b h t d", d=self.head_dim)  # h: this rank's (query or KV) heads
-                   for t in (self.q_proj(x), self.k_proj(x)[..., kv_used], self.v_proj(x)[..., kv_used]))
+                   for t in projected)
         if self._kv_index is not None:  # grouped-query: each query head reads its group's KV head
             k, v = k[:, self._kv_index], v[:, self._kv_index]  # (B, h, T, d)
         p = self.dropout if self.training else 0.0
@@ -126,13 +144,14 @@ class ParallelSelfAttention(nn.Module):
                 y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, h, T, d)
-        y = self.c_proj(rearrange(y, "b h t d -> b t (h d)"))  # (B, T, C), summed over ranks
-        return self.resid_dropout(y)
+        y = self.c_proj(rearrange(y, "b h t d -> b t (h d)"))  # (B, T, C) summed over ranks, or (B, T_r, C)
+        return self.resid_dropout(y, seq_len) if self.sequence_parallel else self.resid_dropout(y)
 
     def extra_repr(self) -> str:
         return (f"n_embd={self.n_embd}, n_head={self.n_head}, n_kv_head={self.n_kv_head}, "
                 f"local heads={self.local_heads}, local kv heads={self.local_kv_heads}"
-                + (" (replicated)" if self.kv_replicated else "") + f", dropout={self.dropout}")
+                + (" (replicated)" if self.kv_replicated else "") + f", dropout={self.dropout}"
+                + (", sequence_parallel=True" if self.sequence_parallel else ""))
 
 
 def _attention_dropping_heads_of_one_draw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float,
@@ -153,9 +172,3 @@ def _attention_dropping_heads_of_one_draw(q: torch.Tensor, k: torch.Tensor, v: t
     probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
     keep = torch.rand(b, n_head, t, t, device=q.device)[:, lo:lo + h] >= p  # (B, h, T, T) of one full draw
     return (probs * keep / (1 - p)) @ v
-
-
-def _rng_tracker(group: ProcessGroup, rank: int) -> tensorpar.RNGStatesTracker:
-    """The default mesh's tp stream when the layer uses its group, else a stream of the layer's own."""
-    mesh = current_mesh_or_none()
-    return mesh.rng if mesh is not None and mesh.tp_group is group else tensorpar.RNGStatesTracker(rank)

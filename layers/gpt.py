@@ -40,7 +40,8 @@ from .attention import ParallelSelfAttention
 from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear, check_activation
 from .mlp import ACTIVATIONS, ParallelMLP
-from .regions import ReduceFromTP
+from .regions import ReduceFromTP, ReduceScatterSequence
+from .sequence import SequenceParallelLayerNorm, ShardedDropout
 
 
 @dataclass
@@ -52,6 +53,11 @@ class GPTConfig:
     ``activation_checkpointing=True`` keeps only each block's input for backward
     and runs the block's forward again there (``torch.utils.checkpoint``,
     non-reentrant), with the same dropout masks: less memory, one more forward.
+    ``sequence_parallel=True`` splits the tokens across the tp group outside the
+    matmuls (LayerNorm, dropout, residual stream; :mod:`tensorpar.comm.sequence`):
+    the same traffic, about ``1/tp`` of the activations per rank. Any sequence
+    length: 17 tokens at tp=4 are split 5/4/4/4. Neither changes the weights, so
+    checkpoints move freely between them.
     """
 
     block_size: int = 1024
@@ -64,6 +70,7 @@ class GPTConfig:
     n_kv_head: int | None = None
     mlp: str = "gelu"
     activation_checkpointing: bool = field(default=False, metadata={"state": False})  # how it runs: not checkpointed
+    sequence_parallel: bool = field(default=False, metadata={"state": False})
 
     def __post_init__(self) -> None:
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
@@ -75,8 +82,9 @@ class GPTConfig:
             raise ValueError(f"n_head ({self.n_head}) is not divisible by n_kv_head ({self.kv_heads})")
         if self.mlp not in ACTIVATIONS:
             raise ValueError(f"mlp must be one of {ACTIVATIONS}, got {self.mlp!r}")
-        if not isinstance(self.activation_checkpointing, bool):
-            raise TypeError(f"GPTConfig.activation_checkpointing must be a bool, got {self.activation_checkpointing!r}")
+        for name in ("activation_checkpointing", "sequence_parallel"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"GPTConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def kv_heads(self) -> int:
@@ -88,30 +96,40 @@ class GPTConfig:
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``. ``(B, T, C)``."""
+    """Pre-LayerNorm transformer block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``. ``(B, T, C)``,
+    or with ``config.sequence_parallel`` this rank's tokens ``(B, T_r, C)`` of ``seq_len`` (found with
+    one small collective when not given)."""
 
     def __init__(self, config: GPTConfig, *, group: ProcessGroup | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         c = config
-        self.ln_1 = nn.LayerNorm(c.n_embd, bias=c.bias, device=device, dtype=dtype)
-        self.attn = ParallelSelfAttention(c.n_embd, c.n_head, n_kv_head=c.kv_heads, bias=c.bias, dropout=c.dropout,
-                                          group=group, device=device, dtype=dtype)
-        self.ln_2 = nn.LayerNorm(c.n_embd, bias=c.bias, device=device, dtype=dtype)
-        self.mlp = ParallelMLP(c.n_embd, c.mlp_hidden, activation=c.mlp, bias=c.bias, dropout=c.dropout,
-                               group=group, device=device, dtype=dtype)
+        self.tp_group, self.sequence_parallel = tensorpar.tp_group(group), c.sequence_parallel
+        norm = functools.partial(SequenceParallelLayerNorm, group=group) if c.sequence_parallel else nn.LayerNorm
+        common = dict(bias=c.bias, dropout=c.dropout, sequence_parallel=c.sequence_parallel, group=group,
+                      device=device, dtype=dtype)
+        self.ln_1 = norm(c.n_embd, bias=c.bias, device=device, dtype=dtype)
+        self.attn = ParallelSelfAttention(c.n_embd, c.n_head, n_kv_head=c.kv_heads, **common)
+        self.ln_2 = norm(c.n_embd, bias=c.bias, device=device, dtype=dtype)
+        self.mlp = ParallelMLP(c.n_embd, c.mlp_hidden, activation=c.mlp, **common)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         check_activation(x, type(self).__name__)
-        x = x + self.attn(self.ln_1(x))  # (B, T, C)
-        return x + self.mlp(self.ln_2(x))
+        if not self.sequence_parallel:
+            x = x + self.attn(self.ln_1(x))  # (B, T, C)
+            return x + self.mlp(self.ln_2(x))
+        seq_len = tensorpar.sequence_length(x, seq_len, self.tp_group)
+        x = x + self.attn(self.ln_1(x), seq_len)  # (B, T_r, C)
+        return x + self.mlp(self.ln_2(x), seq_len)
 
 
-def _checkpointed(block: Block, x: torch.Tensor) -> torch.Tensor:
+def _checkpointed(block: Block, x: torch.Tensor, seq_len: int) -> torch.Tensor:
     """``block(x)``, keeping only ``x`` for backward: the block runs again during backward, with
     the default generator and the tp streams of its sharded dropout put back as they were."""
-    trackers = [m.rng for m in block.modules() if isinstance(getattr(m, "rng", None), RNGStatesTracker)]
-    return checkpoint(block, x, use_reentrant=False, context_fn=functools.partial(recompute_contexts, *trackers))
+    trackers = list({id(m.rng): m.rng for m in block.modules()
+                     if isinstance(getattr(m, "rng", None), RNGStatesTracker)}.values())
+    return checkpoint(block, x, seq_len, use_reentrant=False,
+                      context_fn=functools.partial(recompute_contexts, *trackers))
 
 
 class GPT(nn.Module):
@@ -141,15 +159,18 @@ class GPT(nn.Module):
         for name in ("vocab_size", "block_size"):  # both tables are split by rows
             tensorpar.partition_sizes(getattr(c, name), tp, name=name)
         factory: dict[str, Any] = dict(device=device, dtype=dtype)
+        sp = c.sequence_parallel  # the embeddings' sum reduce-scattered into this rank's tokens, gathered for the head
         self.transformer = nn.ModuleDict(dict(
             wte=VocabParallelEmbedding(c.vocab_size, c.n_embd, reduce_output=False, group=group, **factory),
             wpe=VocabParallelEmbedding(c.block_size, c.n_embd, reduce_output=False, group=group, **factory),
-            reduce=ReduceFromTP(group=group),  # g over the sum of both partial lookups
-            drop=nn.Dropout(c.dropout),
+            reduce=ReduceScatterSequence(group=group) if sp else ReduceFromTP(group=group),  # g (ḡ) over both lookups
+            drop=ShardedDropout(c.dropout, group=group) if sp else nn.Dropout(c.dropout),
             h=nn.ModuleList([Block(c, group=group, **factory) for _ in range(c.n_layer)]),
-            ln_f=nn.LayerNorm(c.n_embd, bias=c.bias, **factory),
+            ln_f=(SequenceParallelLayerNorm(c.n_embd, bias=c.bias, group=group, **factory) if sp
+                  else nn.LayerNorm(c.n_embd, bias=c.bias, **factory)),
         ))
-        self.lm_head = ColumnParallelLinear(c.n_embd, c.vocab_size, bias=False, group=group, **factory)
+        self.lm_head = ColumnParallelLinear(c.n_embd, c.vocab_size, bias=False, sequence_parallel=sp, group=group,
+                                            **factory)
         self._tie()
         # .to(), .to_empty() and load_state_dict(assign=True) may replace the parameters: tie them again
         self.register_load_state_dict_post_hook(lambda module, _: module._tie())
@@ -186,17 +207,26 @@ class GPT(nn.Module):
             raise ValueError(f"GPT expects {name} of shape (B, T), got {tuple(ids.shape)}")
 
     def _hidden(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids ``(B, T)`` (checked) -> final hidden states ``(B, T, C)``, replicated."""
+        """Token ids ``(B, T)`` (checked) -> final hidden states ``(B, T, C)``, replicated (with
+        sequence parallelism, this rank's tokens ``(B, T_r, C)``)."""
         t = idx.shape[1]
         if t > self.config.block_size:
             raise ValueError(f"sequence length ({t}) is longer than block_size ({self.config.block_size})")
         pos = torch.arange(t, device=idx.device)
-        x = self.transformer.reduce(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
-        x = self.transformer.drop(x)
+        x = self.transformer.reduce(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C) or (B, T_r, C)
+        sp = self.config.sequence_parallel
+        x = self.transformer.drop(x, t) if sp else self.transformer.drop(x)
         recompute = self.config.activation_checkpointing and torch.is_grad_enabled()
         for block in self.transformer.h:
-            x = _checkpointed(block, x) if recompute else block(x)  # (B, T, C)
+            if recompute:
+                x = _checkpointed(block, x, t)
+            else:
+                x = block(x, t) if sp else block(x)
         return self.transformer.ln_f(x)
+
+    def _logits(self, h: torch.Tensor, t: int) -> torch.Tensor:
+        """Final hidden states -> this rank's vocabulary slice of the logits, every token: ``(B, T, V / tp)``."""
+        return self.lm_head(h, t) if self.config.sequence_parallel else self.lm_head(h)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         self._check_ids(idx)
@@ -205,7 +235,7 @@ class GPT(nn.Module):
             if targets.shape != idx.shape:
                 raise ValueError(f"targets of shape {tuple(targets.shape)} do not match idx of shape "
                                  f"{tuple(idx.shape)}")
-        logits = self.lm_head(self._hidden(idx))  # (B, T, V / tp)
+        logits = self._logits(self._hidden(idx), idx.shape[1])  # (B, T, V / tp)
         if targets is None:
             return tensorpar.gather_from_tp(logits, -1, self.config.vocab_size, self.tp_group)  # (B, T, V)
         return tensorpar.vocab_parallel_cross_entropy(logits, targets, self.config.vocab_size, ignore_index=-1,
@@ -230,8 +260,12 @@ class GPT(nn.Module):
         if not temperature >= 0:  # nan included
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         for _ in range(max_new_tokens):
-            h = self._hidden(idx[:, -self.config.block_size:])[:, -1]  # (B, C)
-            logits = tensorpar.gather_from_tp(self.lm_head(h), -1, self.config.vocab_size, self.tp_group)  # (B, V)
+            context = idx[:, -self.config.block_size:]
+            if self.config.sequence_parallel:  # the last token is on the last rank that holds any
+                logits = self._logits(self._hidden(context), context.shape[1])[:, -1]  # (B, V / tp)
+            else:
+                logits = self.lm_head(self._hidden(context)[:, -1])
+            logits = tensorpar.gather_from_tp(logits, -1, self.config.vocab_size, self.tp_group)  # (B, V)
             if temperature == 0:
                 nxt = logits.argmax(-1, keepdim=True)
             else:

@@ -38,6 +38,8 @@ from torch.distributed import ProcessGroup
 import tensorpar
 from tensorpar.sharding import Shard, check_int, partition_bounds
 
+from .regions import summed_gradients
+
 
 def check_activation(x: object, name: str) -> None:
     """Raise a ``TypeError`` naming ``name`` unless ``x`` is a floating-point tensor (activations are)."""
@@ -138,6 +140,9 @@ class ColumnParallelLinear(_ParallelLinear):
     ``copy_input=False`` leaves ``f`` out: the input has already entered the
     tensor-parallel region through a :class:`~layers.regions.CopyToTP` shared
     with other layers reading it, whose backward sums the input gradient.
+    ``sequence_parallel=True`` takes this rank's tokens ``(..., T_r, in_features)``
+    instead and all-gathers them (``f̄``, :mod:`tensorpar.comm.sequence`);
+    ``forward(x, seq_len=T)`` names the full length (else one small collective finds it).
 
     Example::
 
@@ -149,14 +154,21 @@ class ColumnParallelLinear(_ParallelLinear):
     split_dim = 0
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, gather_output: bool = False,
-                 copy_input: bool = True, unit: int = 1, group: ProcessGroup | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+                 copy_input: bool = True, sequence_parallel: bool = False, unit: int = 1,
+                 group: ProcessGroup | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        if sequence_parallel and not copy_input:
+            raise ValueError("ColumnParallelLinear: sequence_parallel=True gathers the tokens itself; with "
+                             "copy_input=False the input is already gathered (a GatherSequence shared by several "
+                             "layers): leave sequence_parallel off there")
         super().__init__(in_features, out_features, bias, unit, group, device, dtype)
-        self.gather_output, self.copy_input = gather_output, copy_input
+        self.gather_output, self.copy_input, self.sequence_parallel = gather_output, copy_input, sequence_parallel
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         self._check_input(x, self.in_features, "an input")
-        if self.copy_input:
+        if self.sequence_parallel:  # (..., T_r, in) -> (..., T, out / tp)
+            y = tensorpar.sequence_parallel_column_linear(x, self.weight, self.bias, seq_len, self.tp_group)
+        elif self.copy_input:
             y = tensorpar.column_parallel_linear(x, self.weight, self.bias, self.tp_group)  # (*, out / tp)
         else:  # f was applied by the caller
             y = F.linear(x, self.weight, self.bias)
@@ -165,7 +177,8 @@ class ColumnParallelLinear(_ParallelLinear):
         return y
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, gather_output={self.gather_output}, copy_input={self.copy_input}"
+        return (f"{super().extra_repr()}, gather_output={self.gather_output}, copy_input={self.copy_input}"
+                + (", sequence_parallel=True" if self.sequence_parallel else ""))
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -174,7 +187,9 @@ class RowParallelLinear(_ParallelLinear):
     Input ``(*, in_features / tp)``, this rank's balanced slice (the output of a
     ``ColumnParallelLinear``), or the full ``(*, in_features)`` with
     ``input_is_parallel=False`` (each rank then keeps its slice). Output
-    ``(*, out_features)``, summed over the group and identical on every rank.
+    ``(*, out_features)``, summed over the group and identical on every rank; with
+    ``sequence_parallel=True``, this rank's tokens of it, ``(..., T_r, out_features)``
+    (reduce-scattered along dim -2, ``ḡ``; the bias gradient is still whole on every rank).
 
     Example::
 
@@ -186,10 +201,10 @@ class RowParallelLinear(_ParallelLinear):
     split_dim = 1
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, input_is_parallel: bool = True,
-                 unit: int = 1, group: ProcessGroup | None = None, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 sequence_parallel: bool = False, unit: int = 1, group: ProcessGroup | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__(in_features, out_features, bias, unit, group, device, dtype)
-        self.input_is_parallel = input_is_parallel
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_is_parallel or self.tp == 1:
@@ -199,10 +214,13 @@ class RowParallelLinear(_ParallelLinear):
         else:
             self._check_input(x, self.in_features, "an input")
             x = tensorpar.scatter_to_tp(x, -1, self.tp_group, unit=self.unit)  # (*, in / tp)
+        if self.sequence_parallel:  # (..., T_r, out): this rank's tokens of the sum
+            return tensorpar.sequence_parallel_row_linear(x, self.weight, self.bias, self.tp_group)
         return tensorpar.row_parallel_linear(x, self.weight, self.bias, self.tp_group)  # (*, out), summed over ranks
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, input_is_parallel={self.input_is_parallel}"
+        return (f"{super().extra_repr()}, input_is_parallel={self.input_is_parallel}"
+                + (", sequence_parallel=True" if self.sequence_parallel else ""))
 
 
 class ReplicatedLinear(nn.Linear):
@@ -224,7 +242,5 @@ class ReplicatedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_activation(x, type(self).__name__)
-        params = [p for p in (self.weight, self.bias) if p is not None]
-        flat = tensorpar.copy_to_tp(torch.cat([p.reshape(-1) for p in params]), self.tp_group)  # one f for all
-        weight, *bias = [part.view_as(p) for part, p in zip(flat.split([p.numel() for p in params]), params)]
-        return F.linear(x, weight, bias[0] if bias else None)
+        weight, bias = summed_gradients([self.weight, self.bias], self.tp_group)  # one f for both
+        return F.linear(x, weight, bias)

@@ -5,19 +5,26 @@ The hidden features are split across ranks: ``c_fc`` (and SwiGLU's gate,
 each rank's slice, and ``c_proj`` is row-parallel over the same slice. One
 ``f`` (``copy_in``) enters, shared by the up and gate projections (one
 backward all-reduce), and one ``g`` leaves: one all-reduce of ``(*, C)`` each way.
+With ``sequence_parallel=True`` the input and output are this rank's tokens
+``(..., T_r, C)``: ``copy_in`` all-gathers them (``f̄``) and ``c_proj``
+reduce-scatters (``ḡ``), as in :mod:`layers.attention`.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+import tensorpar
 from tensorpar.sharding import check_int
 
 from .linear import ColumnParallelLinear, RowParallelLinear, check_activation
-from .regions import CopyToTP
+from .regions import CopyToTP, GatherSequence
+from .sequence import ShardedDropout
 
 ACTIVATIONS = ("gelu", "swiglu")
 
@@ -37,30 +44,40 @@ class ParallelMLP(nn.Module):
     """
 
     def __init__(self, n_embd: int, hidden: int, *, activation: str = "gelu", bias: bool = True,
-                 dropout: float = 0.0, group: ProcessGroup | None = None,
+                 dropout: float = 0.0, sequence_parallel: bool = False, group: ProcessGroup | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         for name, value in (("n_embd", n_embd), ("hidden", hidden)):
             check_int(value, f"{type(self).__name__}: {name}")
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-        self.activation = activation
+        self.activation, self.sequence_parallel = activation, sequence_parallel
         factory = dict(group=group, device=device, dtype=dtype)
-        self.copy_in = CopyToTP(group=group)
+        self.copy_in = GatherSequence(group=group) if sequence_parallel else CopyToTP(group=group)
         self.c_fc = ColumnParallelLinear(n_embd, hidden, bias, copy_input=False, **factory)
         gated = activation == "swiglu"
         self.c_gate = ColumnParallelLinear(n_embd, hidden, bias, copy_input=False, **factory) if gated else None
-        self.c_proj = RowParallelLinear(hidden, n_embd, bias, **factory)
-        self.dropout = nn.Dropout(dropout)
+        self.c_proj = RowParallelLinear(hidden, n_embd, bias, sequence_parallel=sequence_parallel, **factory)
+        self.dropout = ShardedDropout(dropout, group=group) if sequence_parallel else nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+        """``(*, C)``, or with sequence parallelism this rank's tokens ``(..., T_r, C)`` of ``seq_len``
+        (found with one small collective when not given)."""
         check_activation(x, type(self).__name__)
-        x = self.copy_in(x)  # f, shared by the up and gate projections
-        if self.c_gate is None:
-            h = F.gelu(self.c_fc(x), approximate="tanh")  # (*, H / tp)
+        saving: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        if self.sequence_parallel:
+            seq_len = tensorpar.sequence_length(x, seq_len, self.copy_in.tp_group)
+            shard, x = x, self.copy_in(x, seq_len)  # f̄: (..., T, C), shared by the up and gate projections
+            saving = tensorpar.save_sequence_shard(x, shard, self.copy_in.tp_group)  # they keep (..., T_r, C)
         else:
-            h = F.silu(self.c_gate(x)) * self.c_fc(x)
-        return self.dropout(self.c_proj(h))  # (*, C), summed over ranks
+            x = self.copy_in(x)  # f, shared by the up and gate projections
+        with saving:
+            if self.c_gate is None:
+                h = F.gelu(self.c_fc(x), approximate="tanh")  # (*, H / tp)
+            else:
+                h = F.silu(self.c_gate(x)) * self.c_fc(x)
+        y = self.c_proj(h)  # (*, C) summed over ranks, or (..., T_r, C)
+        return self.dropout(y, seq_len) if self.sequence_parallel else self.dropout(y)
 
     def extra_repr(self) -> str:
-        return f"activation={self.activation!r}"
+        return f"activation={self.activation!r}" + (", sequence_parallel=True" if self.sequence_parallel else "")

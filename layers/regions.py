@@ -8,9 +8,16 @@ all, and whatever runs inside the region, an adapter wrapped around a
 projection included, contributes to that sum as it would in the dense model.
 :class:`ReduceFromTP` sums partial results when they leave the region, e.g.
 the token and position embeddings' partial lookups, added first and reduced once.
+
+With sequence parallelism (:mod:`tensorpar.comm.sequence`) the same boundaries
+move tokens instead: :class:`GatherSequence` (``f̄``) all-gathers this rank's
+tokens into the region, :class:`ReduceScatterSequence` (``ḡ``) leaves it with
+this rank's tokens of the sum.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -39,3 +46,39 @@ class ReduceFromTP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return tensorpar.reduce_from_tp(x, self.tp_group)
+
+
+class GatherSequence(nn.Module):
+    """``f̄``: every rank's tokens, ``(..., T_r, C) -> (..., T, C)``; backward reduce-scatters the gradient.
+    ``forward(x, seq_len=T)`` names the full length (else one small collective finds it)."""
+
+    def __init__(self, *, group: ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.tp_group = tensorpar.tp_group(group)
+
+    def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+        return tensorpar.gather_sequence(x, seq_len, self.tp_group)
+
+
+class ReduceScatterSequence(nn.Module):
+    """``ḡ``: this rank's tokens of the sum over the tp group, ``(..., T, C) -> (..., T_r, C)``;
+    backward all-gathers the gradient."""
+
+    def __init__(self, *, group: ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.tp_group = tensorpar.tp_group(group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return tensorpar.reduce_scatter_sequence(x, self.tp_group)
+
+
+def summed_gradients(params: Iterable[torch.Tensor | None], group: ProcessGroup) -> list[torch.Tensor | None]:
+    """``params`` as they are forward, their gradients summed over the tp group backward (``f`` on
+    the parameters, one all-reduce for all): for replicated parameters that each rank applies to
+    its own part of the data. ``None`` entries stay ``None``."""
+    present = [p for p in params if p is not None]
+    if not present or tensorpar.group_rank_size(group)[1] == 1:
+        return list(params)
+    flat = tensorpar.copy_to_tp(torch.cat([p.reshape(-1) for p in present]), group)
+    views = iter(part.view_as(p) for part, p in zip(flat.split([p.numel() for p in present]), present))
+    return [None if p is None else next(views) for p in params]

@@ -34,12 +34,12 @@ def gpt_configs(draw, tp, *, max_layer=3):
     )
 
 
-def twins(cfg, dtype, seed, **overrides):
+def twins(cfg, dtype, seed, *, sequence_parallel=False, **overrides):
     """A plain ``RefGPT`` initialised from ``seed``, and a sharded ``GPT`` loaded with its weights."""
     cfg = dict(cfg, **overrides)
     torch.manual_seed(seed)
     ref = RefGPT(RefConfig(**cfg)).to(dtype)
-    model = GPT(GPTConfig(**cfg), device="meta", dtype=dtype)
+    model = GPT(GPTConfig(**cfg, sequence_parallel=sequence_parallel), device="meta", dtype=dtype)
     model.to_empty(device="cpu")
     model.load_full_state_dict(ref.state_dict())
     return ref, model

@@ -19,9 +19,9 @@ from tensorpar.testing import TOLERANCES, assert_all_close
 from tensorpar.testing.strategies import tp_sizes
 
 
-def train_twins(cfg, b, t, dtype, seed, steps=3):
+def train_twins(cfg, b, t, dtype, seed, steps=3, sequence_parallel=False):
     """Forward, backward and ``steps`` AdamW steps on both twins; the relative errors."""
-    ref, model = twins(cfg, dtype, seed)
+    ref, model = twins(cfg, dtype, seed, sequence_parallel=sequence_parallel)
     idx, targets = batch(cfg, b, t, seed)
     logits, ref_logits = model(idx), ref(idx)
     loss, ref_loss = model(idx, targets), ref(idx, targets)
@@ -113,8 +113,8 @@ def test_init_follows_gpt2(worlds):
         assert abs(std / expected - 1) < 0.1, f"{key}: std {std:.4g}, expected {expected:.4g}"
 
 
-def generate_twins(cfg, seed, temperature, top_k):
-    ref, model = twins(cfg, torch.float64, seed)
+def generate_twins(cfg, seed, temperature, top_k, sequence_parallel=False):
+    ref, model = twins(cfg, torch.float64, seed, sequence_parallel=sequence_parallel)
     model.eval()
     ref.eval()
     idx, _ = batch(cfg, 2, 3, seed, ignore=False)
@@ -130,7 +130,8 @@ def generate_twins(cfg, seed, temperature, top_k):
 def test_generate_matches_reference(worlds, tp, data):
     cfg = data.draw(gpt_configs(tp, max_layer=2))
     temperature, top_k = data.draw(st.sampled_from([(0.0, None), (1.0, None), (0.8, 3)]))
-    results = worlds[tp].run(generate_twins, cfg, data.draw(st.integers(0, 2**31)), temperature, top_k)
+    results = worlds[tp].run(generate_twins, cfg, data.draw(st.integers(0, 2**31)), temperature, top_k,
+                             data.draw(st.booleans(), label="sequence_parallel"))
     for ours, theirs in results:
         assert ours == theirs == results[0][0]
 

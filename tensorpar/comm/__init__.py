@@ -5,6 +5,8 @@
   reduce-scatter/all-gather along any dim;
 * :mod:`~tensorpar.comm.linear`: the column- and row-parallel linear maps fused
   with their ``f`` and ``g``;
+* :mod:`~tensorpar.comm.sequence`: sequence parallelism, the same maps with the
+  tokens split outside them (all-gather in, reduce-scatter out), overlapped;
 * :mod:`~tensorpar.comm.collectives`: the plain out-of-place collectives over
   uneven shards, and the choice of route for each all-reduce;
 * :mod:`~tensorpar.comm.shm`: the shared-memory transport for ranks on one host;
@@ -15,6 +17,16 @@ from .collectives import CollectiveError
 from .counter import CollectiveCounter, CollectiveRecord, count_collectives
 from .linear import column_parallel_linear, row_parallel_linear
 from .regions import all_gather, copy_to_tp, gather_from_tp, reduce_from_tp, reduce_scatter, scatter_to_tp
+from .sequence import (
+    gather_sequence,
+    reduce_scatter_sequence,
+    save_sequence_shard,
+    scatter_sequence,
+    sequence_length,
+    sequence_parallel_column_linear,
+    sequence_parallel_row_linear,
+    sequence_sizes,
+)
 
 __all__ = [
     "CollectiveCounter",
@@ -28,5 +40,13 @@ __all__ = [
     "reduce_from_tp",
     "reduce_scatter",
     "row_parallel_linear",
+    "gather_sequence",
+    "reduce_scatter_sequence",
+    "save_sequence_shard",
+    "scatter_sequence",
     "scatter_to_tp",
+    "sequence_length",
+    "sequence_parallel_column_linear",
+    "sequence_parallel_row_linear",
+    "sequence_sizes",
 ]

@@ -179,9 +179,42 @@ def broadcast_from_first_(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return x
 
 
+class Pending:
+    """A collective in flight; ``wait()`` returns its result (finishing it where work remains)."""
+
+    def __init__(self, what: str, x: torch.Tensor, group: ProcessGroup, work: Any,
+                 finish: Callable[[], torch.Tensor], *buffers: torch.Tensor) -> None:
+        self._what, self._x, self._group, self._work, self._finish = what, x, group, work, finish
+        self._buffers = buffers  # alive until the collective that reads or writes them is done
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            with _tagged(self._what, self._x, self._group):
+                self._work.wait()
+        return self._finish()
+
+
+def _start_flat(what: str, op: Any, out: torch.Tensor, send: torch.Tensor, x: torch.Tensor,
+                group: ProcessGroup, async_op: bool) -> Any:
+    """Run (or, with ``async_op``, start) a flat collective of ``send`` into ``out``; its work or ``None``."""
+    with _tagged(what, x, group):  # flat buffers: the backends concatenate along dim 0
+        if async_op and not send.is_cuda:
+            return op(out.view(-1), send.view(-1), group=group, async_op=True)
+        _flat_collective(op, out.view(-1), send.view(-1), group)
+    return None
+
+
 def all_gather_along(x: torch.Tensor, dim: int, sizes: Sequence[int], group: ProcessGroup,
                      counters: tuple[CollectiveCounter, ...] | None = None) -> torch.Tensor:
     """Concatenation along ``dim`` of every rank's ``x``; rank ``r`` holds ``sizes[r]`` there."""
+    return start_all_gather_along(x, dim, sizes, group, counters, async_op=False).wait()
+
+
+def start_all_gather_along(x: torch.Tensor, dim: int, sizes: Sequence[int], group: ProcessGroup,
+                           counters: tuple[CollectiveCounter, ...] | None = None, *,
+                           async_op: bool = True, counted: bool = True) -> Pending:
+    """Start :func:`all_gather_along` and return at once; ``wait()`` returns the concatenation.
+    ``counted=False``: the caller records the call."""
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     if len(sizes) != n or not -x.dim() <= dim < x.dim() or x.shape[dim] != sizes[rank] or _checking():
         fields, problem = _layout(x, dim, sizes, n)  # only where something is wrong, or checks are on
@@ -190,30 +223,43 @@ def all_gather_along(x: torch.Tensor, dim: int, sizes: Sequence[int], group: Pro
                        f"elements there but the split is {list(sizes)}")
         agree("all-gather", group, fields | {"along": 0}, problem, device=x.device)  # each rank's own part
     if n == 1:
-        return x.clone(memory_format=torch.contiguous_format)
+        return Pending("all_gather", x, group, None, lambda: x.clone(memory_format=torch.contiguous_format))
     x3, dim = _split_view(x, dim)
     pre, local, post = x3.shape
     big = max(sizes)
     send = x3.new_zeros(pre, big, post) if local < big else x3.contiguous()
     if local < big:
         send[:, :local] = x3
-    record("all_gather", x.dtype, pre * sum(sizes) * post, n, counters)
+    if counted:
+        record("all_gather", x.dtype, pre * sum(sizes) * post, n, counters)
+    work = None
     if traced.tracing():
         buf = traced.all_gather_flat(send.view(-1), n, group).view(n, pre, big, post)
     else:
         buf = x3.new_empty(n, pre, big, post)
-        with _tagged("all_gather", x, group):  # flat buffers: the backends concatenate along dim 0
-            _flat_collective(_ALL_GATHER, buf.view(-1), send.view(-1), group)
-    if all(s == big for s in sizes):
-        out = buf.transpose(0, 1).reshape(pre, n * big, post)
-    else:
-        out = torch.cat([buf[r, :, :s] for r, s in enumerate(sizes)], dim=1)
-    return out.reshape(*x.shape[:dim], sum(sizes), *x.shape[dim + 1:])
+        work = _start_flat("all_gather", _ALL_GATHER, buf, send, x, group, async_op)
+
+    def finish() -> torch.Tensor:
+        if all(s == big for s in sizes):
+            out = buf.transpose(0, 1).reshape(pre, n * big, post)
+        else:
+            out = torch.cat([buf[r, :, :s] for r, s in enumerate(sizes)], dim=1)
+        return out.reshape(*x.shape[:dim], sum(sizes), *x.shape[dim + 1:])
+
+    return Pending("all_gather", x, group, work, finish, send, buf)
 
 
 def reduce_scatter_along(x: torch.Tensor, dim: int, sizes: Sequence[int], group: ProcessGroup,
                          counters: tuple[CollectiveCounter, ...] | None = None) -> torch.Tensor:
     """This rank's slice (``sizes[rank]`` elements along ``dim``) of the sum of ``x`` over the group."""
+    return start_reduce_scatter_along(x, dim, sizes, group, counters, async_op=False).wait()
+
+
+def start_reduce_scatter_along(x: torch.Tensor, dim: int, sizes: Sequence[int], group: ProcessGroup,
+                               counters: tuple[CollectiveCounter, ...] | None = None, *,
+                               async_op: bool = True, counted: bool = True) -> Pending:
+    """Start :func:`reduce_scatter_along` and return at once; ``wait()`` returns this rank's slice.
+    ``counted=False``: the caller records the call (one of several chunks of one reduce-scatter)."""
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     if len(sizes) != n or not -x.dim() <= dim < x.dim() or x.shape[dim] != sum(sizes) or _checking():
         fields, problem = _layout(x, dim, sizes, n)  # only where something is wrong, or checks are on
@@ -222,7 +268,7 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, sizes: Sequence[int], group:
                        f"the split {list(sizes)} over {n} ranks")
         agree("reduce-scatter", group, fields, problem, device=x.device)
     if n == 1:
-        return x.clone(memory_format=torch.contiguous_format)
+        return Pending("reduce_scatter", x, group, None, lambda: x.clone(memory_format=torch.contiguous_format))
     x3, dim = _split_view(x, dim)
     pre, _, post = x3.shape
     big = max(sizes)
@@ -232,11 +278,13 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, sizes: Sequence[int], group:
         send = x3.new_zeros(n, pre, big, post)
         for r, chunk in enumerate(x3.split(list(sizes), dim=1)):
             send[r, :, :sizes[r]] = chunk
-    record("reduce_scatter", x.dtype, x.numel(), n, counters)
+    if counted:
+        record("reduce_scatter", x.dtype, x.numel(), n, counters)
+    work = None
     if traced.tracing():
         out = traced.reduce_scatter_flat(send.view(-1), n, group).view(pre, big, post)
     else:
         out = x3.new_empty(pre, big, post)
-        with _tagged("reduce_scatter", x, group):
-            _flat_collective(_REDUCE_SCATTER, out.view(-1), send.view(-1), group)
-    return out[:, :sizes[rank]].reshape(*x.shape[:dim], sizes[rank], *x.shape[dim + 1:])
+        work = _start_flat("reduce_scatter", _REDUCE_SCATTER, out, send, x, group, async_op)
+    return Pending("reduce_scatter", x, group, work,
+                   lambda: out[:, :sizes[rank]].reshape(*x.shape[:dim], sizes[rank], *x.shape[dim + 1:]), send, out)

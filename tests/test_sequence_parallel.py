@@ -1,0 +1,96 @@
+"""Sequence parallelism against the unsharded reference GPT, and its parts against plain torch.
+
+The GPT with ``sequence_parallel=True`` must equal the plain ``RefGPT`` of
+``tests/reference_gpt.py`` (logits, loss, every gradient, LayerNorm weights
+and biases included, and parameters after AdamW steps) at tp 1–4, with drawn
+sequence lengths that mostly do not divide by tp (and some shorter than tp,
+which leave ranks without tokens). A model whose LayerNorms do not sum their
+gradients over the group must fail that comparison.
+"""
+
+import torch
+import torch.nn.functional as F
+from gpt_cases import batch, gpt_configs, note_errors, twins
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_gpt import train_twins
+
+import tensorpar
+from layers import ColumnParallelLinear, RowParallelLinear
+from layers.sequence import SequenceParallelLayerNorm
+from tensorpar.testing import TOLERANCES, assert_all_close
+from tensorpar.testing.strategies import tp_sizes
+
+
+@st.composite
+def sequence_cases(draw):
+    tp = draw(tp_sizes())
+    cfg = draw(gpt_configs(tp))
+    lengths = [t for t in range(1, cfg["block_size"] + 1) if t % tp] or [cfg["block_size"]]
+    t = draw(st.sampled_from(lengths))  # uneven shards wherever tp > 1
+    return tp, cfg, draw(st.integers(1, 3)), t, draw(st.sampled_from([torch.float64, torch.float32])), \
+        draw(st.integers(0, 2**31))
+
+
+@settings(max_examples=14)
+@given(case=sequence_cases())
+def test_sequence_parallel_gpt_matches_reference(worlds, case):
+    tp, cfg, b, t, dtype, seed = case
+    results = worlds[tp].run(train_twins, cfg, b, t, dtype, seed, 3, True)
+    assert len({digest for _, digest in results}) == 1, "logits or loss differ between tp ranks"
+    worst = max(max(errors.values()) for errors, _ in results)
+    note_errors(dtype, [worst])
+    assert worst <= TOLERANCES[dtype]
+
+
+def layer_norm_grads(cfg, t, sum_grads):
+    """Errors of the LayerNorm gradients of a sequence-parallel GPT whose LayerNorms do (or do not)
+    sum their gradients over the tp group."""
+    ref, model = twins(cfg, torch.float64, 0, sequence_parallel=True)
+    if not sum_grads:
+        for m in model.modules():
+            if isinstance(m, SequenceParallelLayerNorm):
+                m.forward = torch.nn.LayerNorm.forward.__get__(m)  # the common bug: a plain LayerNorm
+    idx, targets = batch(cfg, 2, t, 0)
+    model(idx, targets).backward()
+    ref(idx, targets).backward()
+    grads = tensorpar.full_grads(model)
+    return {k: ((grads[k] - p.grad).norm() / p.grad.norm()).item() for k, p in ref.named_parameters() if "ln" in k}
+
+
+def test_a_layer_norm_without_its_gradient_sum_is_caught(worlds):
+    cfg = dict(n_layer=2, n_head=3, n_kv_head=3, n_embd=12, vocab_size=29, block_size=16, bias=True, mlp="gelu")
+    right = worlds[3].run(layer_norm_grads, cfg, 11, True)[0]
+    wrong = worlds[3].run(layer_norm_grads, cfg, 11, False)[0]
+    assert max(right.values()) <= 1e-10, right
+    assert set(right) == set(wrong) and len(wrong) == 2 * 2 * cfg["n_layer"] + 2  # ln_1, ln_2 per block; ln_f
+    assert min(wrong.values()) > 0.05, f"a missing LayerNorm gradient sum went unnoticed: {wrong}"
+
+
+def sequence_mlp(h, t, b, seq_len_given, seed):
+    """A column -> GELU -> row MLP with sequence-parallel layers against nn.Linear, on this rank's tokens."""
+    torch.manual_seed(seed)
+    dense = torch.nn.Sequential(torch.nn.Linear(h, 2 * h + 1), torch.nn.GELU(), torch.nn.Linear(2 * h + 1, h)).double()
+    fc1 = ColumnParallelLinear.from_linear(dense[0], sequence_parallel=True)
+    fc2 = RowParallelLinear.from_linear(dense[2], sequence_parallel=True)
+    x = torch.randn(b, t, h, dtype=torch.float64, requires_grad=True)
+    shard = tensorpar.scatter_sequence(x.detach()).requires_grad_()
+    y = fc2(F.gelu(fc1(shard, t if seq_len_given else None)))  # (b, t_r, h)
+    ref = dense(x)
+    dy = torch.randn_like(ref)
+    y.backward(tensorpar.scatter_sequence(dy))
+    ref.backward(dy)
+    full_y = tensorpar.gather_sequence(y.detach(), t)
+    full_dx = tensorpar.gather_sequence(shard.grad, t)
+    grads1, grads2 = tensorpar.full_grads(fc1), tensorpar.full_grads(fc2)
+    pairs = {"output": (full_y, ref), "input grad": (full_dx, x.grad),
+             "fc1 weight grad": (grads1["weight"], dense[0].weight.grad), "fc1 bias grad": (grads1["bias"], dense[0].bias.grad),
+             "fc2 weight grad": (grads2["weight"], dense[2].weight.grad), "fc2 bias grad": (fc2.bias.grad, dense[2].bias.grad)}
+    return max(assert_all_close(pairs, what="sequence-parallel MLP").values())
+
+
+@settings(max_examples=10)
+@given(tp=tp_sizes(), h=st.integers(1, 9), t=st.integers(1, 11), b=st.integers(1, 2), given_len=st.booleans(),
+       seed=st.integers(0, 2**31))
+def test_sequence_parallel_linear_layers_match_nn_linear(worlds, tp, h, t, b, given_len, seed):
+    assert max(worlds[tp].run(sequence_mlp, h, t, b, given_len, seed)) <= 1e-10
