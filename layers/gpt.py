@@ -115,7 +115,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         check_activation(x, type(self).__name__)
-        if not self.sequence_parallel:
+        if not self.sequence_parallel:  # seq_len is x's
             x = x + self.attn(self.ln_1(x))  # (B, T, C)
             return x + self.mlp(self.ln_2(x))
         seq_len = tensorpar.sequence_length(x, seq_len, self.tp_group)
@@ -218,15 +218,8 @@ class GPT(nn.Module):
         x = self.transformer.drop(x, t) if sp else self.transformer.drop(x)
         recompute = self.config.activation_checkpointing and torch.is_grad_enabled()
         for block in self.transformer.h:
-            if recompute:
-                x = _checkpointed(block, x, t)
-            else:
-                x = block(x, t) if sp else block(x)
+            x = _checkpointed(block, x, t) if recompute else block(x, t)  # (B, T, C) or (B, T_r, C)
         return self.transformer.ln_f(x)
-
-    def _logits(self, h: torch.Tensor, t: int) -> torch.Tensor:
-        """Final hidden states -> this rank's vocabulary slice of the logits, every token: ``(B, T, V / tp)``."""
-        return self.lm_head(h, t) if self.config.sequence_parallel else self.lm_head(h)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         self._check_ids(idx)
@@ -235,7 +228,7 @@ class GPT(nn.Module):
             if targets.shape != idx.shape:
                 raise ValueError(f"targets of shape {tuple(targets.shape)} do not match idx of shape "
                                  f"{tuple(idx.shape)}")
-        logits = self._logits(self._hidden(idx), idx.shape[1])  # (B, T, V / tp)
+        logits = self.lm_head(self._hidden(idx), idx.shape[1])  # (B, T, V / tp): every token
         if targets is None:
             return tensorpar.gather_from_tp(logits, -1, self.config.vocab_size, self.tp_group)  # (B, T, V)
         return tensorpar.vocab_parallel_cross_entropy(logits, targets, self.config.vocab_size, ignore_index=-1,
@@ -262,7 +255,7 @@ class GPT(nn.Module):
         for _ in range(max_new_tokens):
             context = idx[:, -self.config.block_size:]
             if self.config.sequence_parallel:  # the last token is on the last rank that holds any
-                logits = self._logits(self._hidden(context), context.shape[1])[:, -1]  # (B, V / tp)
+                logits = self.lm_head(self._hidden(context), context.shape[1])[:, -1]  # (B, V / tp)
             else:
                 logits = self.lm_head(self._hidden(context)[:, -1])
             logits = tensorpar.gather_from_tp(logits, -1, self.config.vocab_size, self.tp_group)  # (B, V)

@@ -8,6 +8,9 @@ identical on every tp rank; the attention-probability masks of each rank's
 heads are gathered in head order. The reference GPT then runs with its
 dropouts replaying those masks, in call order, and must give the same loss and
 gradients: the sharded model drew each mask where, and on the stream, it should.
+With sequence parallelism every dropout outside attention acts on this rank's
+tokens: its masks must differ between ranks and are replayed concatenated
+along the sequence.
 """
 
 import contextlib
@@ -80,8 +83,8 @@ def replaying(masks):
     assert not queue, f"{len(queue)} masks were not used"
 
 
-def dropout_twins(cfg, b, t, seed):
-    ref, model = twins(cfg, torch.float64, seed, dropout=0.3)
+def dropout_twins(cfg, b, t, seed, sequence_parallel=False):
+    ref, model = twins(cfg, torch.float64, seed, dropout=0.3, sequence_parallel=sequence_parallel)
     mesh = tensorpar.current_mesh()
     tensorpar.manual_seed(seed)
     idx, targets = batch(cfg, b, t, seed)
@@ -96,16 +99,17 @@ def dropout_twins(cfg, b, t, seed):
     failures, replay = [], []
     for i, (kind, _) in enumerate(masks):
         parts = [rank_masks[i][1] for rank_masks in per_rank]
-        if kind == "replicated":
+        if kind == "replicated" and not sequence_parallel:
             if not all(torch.equal(part, parts[0]) for part in parts):
                 failures.append(f"replicated dropout mask {i} differs between tp ranks")
             replay.append(parts[0])
         else:
-            replay.append(torch.cat(parts, dim=1))  # (B, n_head, T, T): heads in rank order
-            # different heads need independent masks: equal ones on two ranks mean a shared stream
-            # (64 elements at p = 0.3 agree by chance with probability 0.58^64 < 1e-15)
+            # (B, n_head, T, T): heads in rank order; or (B, T, C): tokens in rank order
+            replay.append(torch.cat(parts, dim=1))
+            # different heads (tokens) need independent masks: equal ones on two ranks mean a shared
+            # stream (64 elements at p = 0.3 agree by chance with probability 0.58^64 < 1e-15)
             if any(torch.equal(a, b) for r, a in enumerate(parts) for b in parts[r + 1:] if a.numel() >= 64):
-                failures.append(f"attention dropout mask {i} is the same on two tp ranks")
+                failures.append(f"{kind} dropout mask {i} is the same on two tp ranks")
     with replaying(replay):
         ref_loss = ref(idx, targets)
     ref_loss.backward()
@@ -123,7 +127,8 @@ def dropout_twins(cfg, b, t, seed):
 def test_dropout_masks_replay_in_reference(worlds, tp, data):
     cfg = data.draw(gpt_configs(tp, max_layer=2))
     t = data.draw(st.integers(1, cfg["block_size"]))
-    results = worlds[tp].run(dropout_twins, cfg, data.draw(st.integers(1, 3)), t, data.draw(st.integers(0, 2**31)))
+    results = worlds[tp].run(dropout_twins, cfg, data.draw(st.integers(1, 3)), t, data.draw(st.integers(0, 2**31)),
+                             data.draw(st.booleans(), label="sequence_parallel"))
     assert max(results) <= 1e-10
 
 

@@ -6,6 +6,12 @@ forward, the tied LM head 1 backward, and vocab-parallel cross-entropy 3 of B·T
 forward (max, target logit, sum of exponentials). Nothing else, at any tp > 1;
 at tp = 1, nothing at all. With fewer KV heads than ranks the replicated K/V
 weights add one all-reduce of their gradients (weights and biases) per block.
+
+With sequence parallelism each of those all-reduces becomes a reduce-scatter
+and an all-gather of the same B·T·C (Megatron's ``ḡ``/``f̄``; together they
+send what one all-reduce sends); each column region's input is gathered once
+more in backward, where it was kept as this rank's tokens; and each LayerNorm
+sums its weight and bias gradients in one all-reduce of C (or 2C) elements.
 """
 
 from collections import Counter
@@ -20,29 +26,44 @@ from layers import GPT, GPTConfig
 from tensorpar.testing.strategies import tp_sizes
 
 
-def count_gpt(cfg, b, t):
+def count_gpt(cfg, b, t, sequence_parallel=False):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**cfg))
+    model = GPT(GPTConfig(**cfg, sequence_parallel=sequence_parallel))
     idx, targets = batch(cfg, b, t, 0)
-    x = torch.randn(b, t, cfg["n_embd"], requires_grad=True)
+    mesh = tensorpar.current_mesh()
+    local = tensorpar.sequence_sizes(t, mesh.tp)[mesh.tp_rank] if sequence_parallel else t
+    x = torch.randn(b, local, cfg["n_embd"], requires_grad=True)
     with tensorpar.count_collectives() as block:
-        model.transformer.h[0](x).sum().backward()
+        model.transformer.h[0](x, t).sum().backward()
     with tensorpar.count_collectives() as whole:
         model(idx, targets).backward()
     return block.summary(), whole.summary()
 
 
-def expected_counts(cfg, b, t, tp):
+def expected_counts(cfg, b, t, tp, sequence_parallel=False):
     if tp == 1:
         return Counter(), Counter()
     f32, act, tokens = torch.float32, b * t * cfg["n_embd"], b * t
-    block = Counter({("forward", "all_reduce", f32, act): 2, ("backward", "all_reduce", f32, act): 2})
+    norm = ("backward", "all_reduce", f32, cfg["n_embd"] * (1 + cfg["bias"]))  # a LayerNorm's weight and bias
+    if sequence_parallel:
+        block = Counter({("forward", "all_gather", f32, act): 2, ("forward", "reduce_scatter", f32, act): 2,
+                         ("backward", "reduce_scatter", f32, act): 2, ("backward", "all_gather", f32, act): 4,
+                         norm: 2})
+    else:
+        block = Counter({("forward", "all_reduce", f32, act): 2, ("backward", "all_reduce", f32, act): 2})
     if cfg["n_kv_head"] < tp:  # replicated K/V: one all-reduce each sums its weight and bias gradients
         kv = cfg["n_kv_head"] * (cfg["n_embd"] // cfg["n_head"])  # rows of K (and of V)
         block[("backward", "all_reduce", f32, kv * (cfg["n_embd"] + cfg["bias"]))] += 2
     whole = Counter({k: v * cfg["n_layer"] for k, v in block.items()})
-    whole[("forward", "all_reduce", f32, act)] += 1  # token + position embedding
-    whole[("backward", "all_reduce", f32, act)] += 1  # LM head (f)
+    if sequence_parallel:
+        whole[("forward", "reduce_scatter", f32, act)] += 1  # token + position embedding
+        whole[("backward", "all_gather", f32, act)] += 2  # its gradient; the LM head's input, again
+        whole[("forward", "all_gather", f32, act)] += 1  # LM head (f̄)
+        whole[("backward", "reduce_scatter", f32, act)] += 1
+        whole[norm] += 1  # ln_f
+    else:
+        whole[("forward", "all_reduce", f32, act)] += 1  # token + position embedding
+        whole[("backward", "all_reduce", f32, act)] += 1  # LM head (f)
     whole[("forward", "all_reduce", f32, tokens)] += 3  # cross-entropy
     return block, whole
 
@@ -52,8 +73,9 @@ def expected_counts(cfg, b, t, tp):
 def test_gpt_collectives_match_megatron(worlds, tp, data):
     cfg = data.draw(gpt_configs(tp))
     b, t = data.draw(st.integers(1, 3)), data.draw(st.integers(1, cfg["block_size"]))
-    block, whole = expected_counts(cfg, b, t, tp)
-    for rank, (got_block, got_whole) in enumerate(worlds[tp].run(count_gpt, cfg, b, t)):
+    sp = data.draw(st.booleans(), label="sequence_parallel")
+    block, whole = expected_counts(cfg, b, t, tp, sp)
+    for rank, (got_block, got_whole) in enumerate(worlds[tp].run(count_gpt, cfg, b, t, sp)):
         assert got_block == block, f"rank {rank}: one block issued {dict(got_block)}, expected {dict(block)}"
         assert got_whole == whole, f"rank {rank}: the model issued {dict(got_whole)}, expected {dict(whole)}"
 

@@ -240,8 +240,8 @@ def start_all_gather_along(x: torch.Tensor, dim: int, sizes: Sequence[int], grou
         work = _start_flat("all_gather", _ALL_GATHER, buf, send, x, group, async_op)
 
     def finish() -> torch.Tensor:
-        if all(s == big for s in sizes):
-            out = buf.transpose(0, 1).reshape(pre, n * big, post)
+        if all(s == big for s in sizes):  # contiguous: a view would be copied by whatever saves it
+            out = buf.transpose(0, 1).reshape(pre, n * big, post).contiguous()
         else:
             out = torch.cat([buf[r, :, :s] for r, s in enumerate(sizes)], dim=1)
         return out.reshape(*x.shape[:dim], sum(sizes), *x.shape[dim + 1:])

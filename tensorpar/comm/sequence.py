@@ -10,16 +10,16 @@ fewer tokens than ranks leave some ranks none). The conjugate operators become:
   into sequence shards (:func:`sequence_parallel_row_linear`);
 * ``f̄`` where ``f`` was: sequence shards are **all-gathered** before a column
   layer, and its input gradient reduce-scattered in backward
-  (:func:`sequence_parallel_column_linear`, or :func:`~tensorpar.all_gather`
-  shared by several column layers).
+  (:func:`sequence_parallel_column_linear`, or :func:`gather_sequence`
+  shared by several column maps).
 
 A reduce-scatter and an all-gather move what one all-reduce moves, so the
 traffic is Megatron's; what a rank keeps for backward falls to ``1/tp``.
 The gathered input of a column layer is not kept: each rank keeps its own
-tokens and gathers them again in backward (:func:`save_sequence_shard` for a
-gather shared by several layers), overlapped with the input-gradient matmul,
-as Megatron does: one all-gather per column region more in backward, for
-``(tp - 1) / tp`` of its input's memory.
+tokens and gathers them again in backward, as Megatron does (in the fused
+map, overlapped with the input-gradient matmul; :func:`save_sequence_shard`
+for a gather shared by several column maps): one all-gather per column region
+more in backward, for ``(tp - 1) / tp`` of its input's memory.
 
 Overlap: the column forward multiplies this rank's own tokens while the
 others' arrive (collective matmul), its backward reduce-scatters the input
@@ -211,23 +211,35 @@ def sequence_parallel_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: to
 
 
 class _Regather:
-    """This rank's tokens of a gathered tensor, gathered again (once) when backward first needs them."""
+    """The gathered tokens of one forward's all-gather, gathered again (once) when backward first needs
+    them and let go with their last user."""
 
-    def __init__(self, local: torch.Tensor, full: torch.Tensor, group: ProcessGroup) -> None:
-        self.local, self.group, self.counters = local.detach(), group, active_counters()
+    def __init__(self, full: torch.Tensor, group: ProcessGroup) -> None:
+        self.group, self.counters = group, active_counters()
         self.sizes = sequence_sizes(full.shape[SEQ_DIM], group_rank_size(group)[1])
         self.offset = full.storage_offset()
         self.users, self._full = 0, None
 
-    def unpack(self, shape: torch.Size, stride: tuple[int, ...], offset: int) -> torch.Tensor:
-        if self._full is None:
-            # the same call as the forward's gather: the same layout
-            self._full = start_all_gather_along(self.local, SEQ_DIM, self.sizes, self.group, self.counters).wait()
+    def full(self, local: torch.Tensor) -> torch.Tensor:
+        if self._full is None:  # the forward's call again: the same layout
+            self._full = start_all_gather_along(local, SEQ_DIM, self.sizes, self.group, self.counters).wait()
         full = self._full
         self.users -= 1
         if self.users <= 0:  # the last user: let the gathered tokens go with it
             self._full = None
-        return full.as_strided(shape, stride, full.storage_offset() + offset - self.offset)
+        return full
+
+
+class _SavedShard:
+    """What is saved in place of a view of the gathered tokens: this rank's tokens and the view."""
+
+    def __init__(self, regather: _Regather, local: Any, view: torch.Tensor) -> None:
+        self.regather, self.local = regather, local
+        self.shape, self.stride, self.offset = view.shape, view.stride(), view.storage_offset()
+
+    def unpack(self, local: torch.Tensor) -> torch.Tensor:
+        full = self.regather.full(local)
+        return full.as_strided(self.shape, self.stride, full.storage_offset() + self.offset - self.regather.offset)
 
 
 @contextlib.contextmanager
@@ -235,30 +247,35 @@ def save_sequence_shard(full: torch.Tensor, local: torch.Tensor,
                         group: ProcessGroup | None = None) -> Iterator[None]:
     """Inside the block, whatever autograd saves of ``full`` (the all-gather of the sequence shards
     ``local``) is kept as ``local`` and gathered again, once for all its users, when backward first
-    needs it. Where another saved-tensor policy is active (activation checkpointing, offloading), or
-    ``torch.compile`` traces, the block runs as it is: that policy decides what is kept.
+    needs it. It composes with saved-tensor policies already active (activation checkpointing,
+    offloading, measurement hooks): they are handed ``local`` instead of ``full``. While
+    ``torch.compile`` traces, it does nothing (the compiler decides what is kept).
 
     Example::
 
-        x = tensorpar.all_gather(shard, -2, seq_len)        # (B, T, C) from (B, T_r, C)
+        x = tensorpar.gather_sequence(shard, seq_len)       # (B, T, C) from (B, T_r, C)
         with tensorpar.save_sequence_shard(x, shard):
             q, k, v = q_proj(x), k_proj(x), v_proj(x)       # each keeps (B, T_r, C) for backward
     """
     group, _, n = _tp(group)
-    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    if n == 1 or not full.requires_grad or traced.tracing() or outer is not None:
+    if n == 1 or not full.requires_grad or traced.tracing():
         yield
         return
-    regather, storage = _Regather(local, full, group), full.untyped_storage()
+    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    outer_pack, outer_unpack = outer if outer is not None else (lambda t: t, lambda t: t)
+    regather, storage = _Regather(full, group), full.untyped_storage()
+    local = local.detach()
 
     def pack(t: torch.Tensor) -> Any:
         if t.device == full.device and t.untyped_storage().data_ptr() == storage.data_ptr():
             regather.users += 1
-            return regather, t.shape, t.stride(), t.storage_offset()
-        return t
+            return _SavedShard(regather, outer_pack(local), t)
+        return outer_pack(t)
 
     def unpack(packed: Any) -> torch.Tensor:
-        return packed[0].unpack(*packed[1:]) if isinstance(packed, tuple) else packed
+        if isinstance(packed, _SavedShard):
+            return packed.unpack(outer_unpack(packed.local))
+        return outer_unpack(packed)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield
