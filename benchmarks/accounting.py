@@ -24,11 +24,17 @@ from results import machine, write_section
 import tensorpar
 from layers import GPT, GPTConfig
 
+def traffic_shapes(t: int) -> list[tuple[int, int]]:
+    """(tp, T) of the traffic table: even at tp 2 and 4, uneven at tp 2, 3 and 4."""
+    return [(2, t), (4, t), (2, t + 1), (3, t + 1), (4, t + 1)]
+
+
 GPT2_SMALL = dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_size=1024)
 
 
 def count_bytes(b: int, t: int) -> dict[str, object]:
-    """On every rank of the current mesh: the collectives of one block, and of a 2-layer GPT with its loss."""
+    """On every rank of the current mesh: the collectives of one block, and of a 2-layer GPT with its loss,
+    with and without sequence parallelism."""
     torch.manual_seed(0)
     config = GPTConfig(**(GPT2_SMALL | dict(n_layer=2)))
     model = GPT(config)
@@ -43,7 +49,56 @@ def count_bytes(b: int, t: int) -> dict[str, object]:
         block=(block.count(), block.bytes(), 4 * act),
         whole=(whole.count(), whole.bytes(), (4 * config.n_layer + 2) * act + 3 * tokens),
         block_summary=sorted((phase, op, numel, n) for (phase, op, _, numel), n in block.summary().items()),
+        sequence=sequence_traffic(b, t),
     )
+
+
+def sequence_traffic(b: int, t: int) -> dict[str, float]:
+    """On every rank: bytes one rank sends (ring algorithms) for one block's forward+backward, plain tp
+    and sequence-parallel, split as Megatron counts them, and the formulas.
+
+    Per block, Megatron's tensor parallelism all-reduces ``B·T·C`` twice forward and twice backward:
+    ``4 · 2 (n-1)/n · B·T·C·s`` bytes per rank. Sequence parallelism replaces each all-reduce by a
+    reduce-scatter and an all-gather, ``(n-1)/n · B·T·C·s`` each: the same. Ours adds, in backward,
+    one all-gather per column region (its input, kept as this rank's tokens) and one all-reduce of
+    each LayerNorm's weight and bias gradients (``2C`` elements).
+    """
+    mesh = tensorpar.current_mesh()
+    n, c = mesh.tp, GPT2_SMALL["n_embd"]
+    torch.manual_seed(0)
+    figures: dict[str, float] = {}
+    for sp in (False, True):
+        block = GPT(GPTConfig(**(GPT2_SMALL | dict(n_layer=1, sequence_parallel=sp)))).transformer.h[0]
+        local = tensorpar.sequence_sizes(t, n)[mesh.tp_rank] if sp else t
+        x = torch.randn(b, local, c, requires_grad=True)
+        with tensorpar.count_collectives() as counts:
+            block(x, t).sum().backward()
+        activation = [r for r in counts.records if r.numel == b * t * c]
+        regathers = counts.traffic("all_gather", "backward") / 2  # of the 4 backward all-gathers, 2 gather inputs
+        key = "sequence" if sp else "plain"
+        figures[f"{key} activations"] = sum(r.traffic() for r in activation) - (regathers if sp else 0)
+        figures[f"{key} activations padded"] = sum(r.traffic(True) for r in activation) - (
+            counts.traffic("all_gather", "backward", padded=True) / 2 if sp else 0)
+        figures[f"{key} all"] = counts.traffic()
+        figures[f"{key} count"] = counts.count()
+    ring = (n - 1) / n * b * t * c * 4  # one all-gather or reduce-scatter of B·T·C floats
+    figures["megatron"] = 4 * 2 * ring
+    figures["ours with sequence parallelism"] = 4 * 2 * ring + 2 * ring + 2 * 2 * (n - 1) / n * 2 * c * 4
+    return figures
+
+
+def traffic_table(results: dict[tuple[int, int], dict[str, float]], b: int) -> str:
+    """``{(tp, T): sequence_traffic figures}`` as one markdown table of ratios to the formulas."""
+    rows = [f"| tp | T (B={b}, C={GPT2_SMALL['n_embd']}, fp32) | Megatron's bytes per rank | plain tp | "
+            "sequence parallel, activations | padding included | everything (with re-gathers, LayerNorm "
+            "gradients) vs ours | collectives plain / sequence parallel |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for (tp, t), f in results.items():
+        m = f["megatron"]
+        rows.append(f"| {tp} | {t} | {m:.0f} | {f['plain all'] / m:.3f} | {f['sequence activations'] / m:.3f} | "
+                    f"{f['sequence activations padded'] / m:.3f} | "
+                    f"{f['sequence all'] / f['ours with sequence parallelism']:.3f} | "
+                    f"{f['plain count']:.0f} / {f['sequence count']:.0f} |")
+    return "\n".join(rows)
 
 
 def parameter_bytes() -> tuple[int, int]:
@@ -87,7 +142,9 @@ def main() -> None:
         local, full = spawned_parameter_bytes(tp)
         mem.append(f"| {tp} | {local} | {full / tp:.0f} | {local / (full / tp):.4f} |")
 
-    text = "\n".join(rows) + f"\n\nOne block: {detail}.\n\n" + "\n".join(mem)
+    traffic = traffic_table({(tp, t): tensorpar.spawn(_spawned, tp, sequence_traffic, args.batch, t)[0]
+                             for tp, t in traffic_shapes(args.tokens)}, args.batch)
+    text = "\n".join(rows) + f"\n\nOne block: {detail}.\n\n" + "\n".join(mem) + "\n\n" + traffic
     print(text)
     if args.write:
         write_section("Collective bytes and per-rank parameter memory of the GPT",

@@ -12,6 +12,28 @@ the outer hook does see. One block's bytes are the difference between GPTs of
 2 and 1 layers. Without checkpointing a block keeps a few ``(B, T, C)``
 tensors and its ``1/tp`` shares of the attention and MLP activations; with it,
 exactly its input, ``B·T·C`` elements, at any tp.
+
+With sequence parallelism (``--sequence-parallel`` figures, always measured)
+everything a block keeps is split: the LayerNorms' inputs and outputs hold
+this rank's tokens, and the column layers keep their input as this rank's
+tokens too (gathered again in backward). :func:`block_formula` gives the bytes
+per rank for our block; it is Korthikanti et al.'s accounting (2022, eq. 2-4)
+adjusted to what this block stores: fp32 rather than fp16, no dropout masks
+(p = 0 here; they add one byte per element per mask), and scaled-dot-product
+attention, which keeps the ``(B, h, T)`` log-sum-exp instead of the ``(B, h,
+T, T)`` scores, softmax and its dropout (their ``5as/h`` term). Per block:
+
+* LayerNorm inputs and outputs: ``4·B·T·C``, and each LayerNorm's mean and
+  1/std, ``4·B·T``: replicated in plain tp, split by tokens with sequence parallelism;
+* Q, K, V and the attention output, ``4·B·T·C`` (``2 (1 + g⁻¹)`` with
+  grouped KV heads), the log-sum-exp, ``B·h·T``, and the MLP's hidden
+  activation before and after GELU, ``8·B·T·C``: split by heads and
+  hidden features in both.
+
+So ``(4 BTC + 4 BT) + (12 BTC + BhT) / tp`` elements in plain tp and all of it
+``/ tp`` with sequence parallelism, plus ``4C`` (both LayerNorms' weights and
+biases, joined into one tensor whose gradient is summed over the group),
+times 4 bytes.
 """
 
 from __future__ import annotations
@@ -49,14 +71,24 @@ def saved_activation_bytes(config: dict[str, Any], batch: int, tokens: int) -> i
 
 
 def rank_figures(config: dict[str, Any], batch: int, tokens: int) -> dict[str, int]:
-    """On every rank: saved bytes of the whole GPT and of one block, without and with checkpointing."""
+    """On every rank: saved bytes of the whole GPT and of one block, without and with checkpointing,
+    and with sequence parallelism."""
     figures = {}
-    for checkpointing in (False, True):
-        kind = "checkpointed" if checkpointing else "plain"
-        one, two, whole = (saved_activation_bytes(dict(config, n_layer=n, activation_checkpointing=checkpointing),
-                                                  batch, tokens) for n in (1, 2, config["n_layer"]))
+    for kind, options in (("plain", {}), ("checkpointed", dict(activation_checkpointing=True)),
+                          ("sequence", dict(sequence_parallel=True))):
+        one, two, whole = (saved_activation_bytes(dict(config, n_layer=n, **options), batch, tokens)
+                           for n in (1, 2, config["n_layer"]))
         figures[f"gpt {kind}"], figures[f"block {kind}"] = whole, two - one
     return figures
+
+
+def block_formula(batch: int, tokens: int, n_embd: int, n_head: int, tp: int, sequence_parallel: bool) -> float:
+    """Bytes one block keeps for backward per rank, fp32, multi-head attention, GELU MLP (see above)."""
+    btc, bt = batch * tokens * n_embd, batch * tokens
+    replicated = 4 * btc + 4 * bt  # LayerNorm inputs and outputs, means and 1/stds
+    split = 12 * btc + batch * n_head * tokens  # Q, K, V, attention output, log-sum-exp, MLP hidden x 2
+    summed = 2 * 2 * n_embd  # with sequence parallelism: both LayerNorms' weight and bias, joined to be summed
+    return 4 * ((replicated + split) / tp + summed if sequence_parallel else replicated + split / tp)
 
 
 def _spawned(config: dict[str, Any], batch: int, tokens: int) -> dict[str, int]:
@@ -90,6 +122,18 @@ def table(results: dict[int, dict[str, int]], config: dict[str, Any], batch: int
     return "\n".join(rows)
 
 
+def sequence_table(results: dict[int, dict[str, int]], config: dict[str, Any], batch: int, tokens: int) -> str:
+    """One block's saved bytes per rank, plain tp and sequence-parallel, against :func:`block_formula`."""
+    mib, base = 2**20, results[1]["block plain"]
+    rows = ["| tp | plain tp MiB | formula MiB | sequence parallel MiB | formula MiB "
+            "| sequence parallel / (tp=1 / tp) (target ≤ 1.05) |", "|---:|---:|---:|---:|---:|---:|"]
+    for tp, f in results.items():
+        plain, seq = (block_formula(batch, tokens, config["n_embd"], config["n_head"], tp, sp) for sp in (False, True))
+        rows.append(f"| {tp} | {f['block plain'] / mib:.3f} | {plain / mib:.3f} | {f['block sequence'] / mib:.3f} "
+                    f"| {seq / mib:.3f} | {f['block sequence'] / (base / tp):.3f} |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=1)
@@ -107,6 +151,8 @@ def main() -> None:
     print(f"Saved activations per rank (largest rank), fp32, B={args.batch}, T={args.tokens}, "
           f"n_embd={args.n_embd}, {args.n_head} heads, vocab {args.vocab_size}, dropout {args.dropout}:\n")
     print(table(results, config, args.batch, args.tokens))
+    print(f"\nOne block with sequence parallelism (B={args.batch}, T={args.tokens}):\n")
+    print(sequence_table(results, config, args.batch, args.tokens))
 
 
 if __name__ == "__main__":

@@ -194,9 +194,27 @@ class Pending:
         return self._finish()
 
 
+def in_background(x: torch.Tensor, group: ProcessGroup) -> bool:
+    """Whether an all-gather or reduce-scatter of ``x`` runs in the background once started (NCCL, gloo
+    between hosts), so that work done before ``wait()`` overlaps it, rather than at once, in this thread,
+    through shared memory."""
+    if x.is_cuda or dist.get_backend(group) != "gloo" or traced.observed():
+        return True
+    mesh = current_mesh_or_none()
+    return mesh is None or mesh.channels.get(group, True) is None  # None: the ranks cannot share memory
+
+
 def _start_flat(what: str, op: Any, out: torch.Tensor, send: torch.Tensor, x: torch.Tensor,
                 group: ProcessGroup, async_op: bool) -> Any:
-    """Run (or, with ``async_op``, start) a flat collective of ``send`` into ``out``; its work or ``None``."""
+    """Run (or, with ``async_op``, start) a flat collective of ``send`` into ``out``; its work or ``None``.
+    CPU ranks of a gloo group on one host go through shared memory, at once."""
+    if not send.is_cuda and dist.get_backend(group) == "gloo" and not traced.observed():
+        mesh = current_mesh_or_none()
+        shared = shm.all_gather_into if what == "all_gather" else shm.reduce_scatter_into
+        if mesh is not None:
+            with _tagged(what, x, group):
+                if shared(mesh.channels, group, out, send):
+                    return None
     with _tagged(what, x, group):  # flat buffers: the backends concatenate along dim 0
         if async_op and not send.is_cuda:
             return op(out.view(-1), send.view(-1), group=group, async_op=True)
@@ -231,7 +249,7 @@ def start_all_gather_along(x: torch.Tensor, dim: int, sizes: Sequence[int], grou
     if local < big:
         send[:, :local] = x3
     if counted:
-        record("all_gather", x.dtype, pre * sum(sizes) * post, n, counters)
+        record("all_gather", x.dtype, pre * sum(sizes) * post, n, counters, pre * (n * big - sum(sizes)) * post)
     work = None
     if traced.tracing():
         buf = traced.all_gather_flat(send.view(-1), n, group).view(n, pre, big, post)
@@ -279,7 +297,7 @@ def start_reduce_scatter_along(x: torch.Tensor, dim: int, sizes: Sequence[int], 
         for r, chunk in enumerate(x3.split(list(sizes), dim=1)):
             send[r, :, :sizes[r]] = chunk
     if counted:
-        record("reduce_scatter", x.dtype, x.numel(), n, counters)
+        record("reduce_scatter", x.dtype, x.numel(), n, counters, pre * (n * big - sum(sizes)) * post)
     work = None
     if traced.tracing():
         out = traced.reduce_scatter_flat(send.view(-1), n, group).view(pre, big, post)

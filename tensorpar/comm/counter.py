@@ -15,17 +15,29 @@ import torch
 class CollectiveRecord:
     """One collective: ``numel`` is the logical payload (all-reduce: the tensor;
     all-gather: the gathered result; reduce-scatter: the input), padding excluded;
-    ``phase`` is ``"backward"`` when autograd issued it, else ``"forward"``."""
+    ``padding`` the elements uneven shards were padded with on their way (gloo
+    moves equal shards); ``phase`` is ``"backward"`` when autograd issued it,
+    else ``"forward"``."""
 
     op: str
     dtype: torch.dtype
     numel: int
     group_size: int
     phase: str = "forward"
+    padding: int = 0
 
     @property
     def bytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+    def traffic(self, padded: bool = False) -> float:
+        """Bytes each rank sends with a bandwidth-optimal (ring) algorithm: ``2 (n-1)/n`` of the payload
+        for an all-reduce, ``(n-1)/n`` for an all-gather or a reduce-scatter (one all-reduce moves what
+        a reduce-scatter and an all-gather move together), ``(n-1)/n`` for a broadcast.
+        ``padded=True`` counts the padding too."""
+        n = self.group_size
+        payload = (self.numel + (self.padding if padded else 0)) * self.dtype.itemsize
+        return payload * (n - 1) / n * (2 if self.op == "all_reduce" else 1)
 
 
 @dataclass
@@ -59,6 +71,10 @@ class CollectiveCounter:
     def bytes(self, op: str | None = None, phase: str | None = None) -> int:
         return sum(r.bytes for r in self.select(op, phase))
 
+    def traffic(self, op: str | None = None, phase: str | None = None, *, padded: bool = False) -> float:
+        """Bytes each rank sends (see :meth:`CollectiveRecord.traffic`)."""
+        return sum(r.traffic(padded) for r in self.select(op, phase))
+
     def summary(self) -> collections.Counter[tuple[str, str, torch.dtype, int]]:
         """How many times each ``(phase, op, dtype, numel)`` occurred."""
         return collections.Counter((r.phase, r.op, r.dtype, r.numel) for r in self.records)
@@ -87,7 +103,7 @@ def active_counters() -> tuple[CollectiveCounter, ...]:
 
 
 def record(op: str, dtype: torch.dtype, numel: int, group_size: int,
-           forward_counters: tuple[CollectiveCounter, ...] | None = None) -> None:
+           forward_counters: tuple[CollectiveCounter, ...] | None = None, padding: int = 0) -> None:
     """Record a collective with the active counters; ``forward_counters`` marks it as
     backward work and adds the counters that were active in the matching forward."""
     counters = active_counters()
@@ -96,4 +112,4 @@ def record(op: str, dtype: torch.dtype, numel: int, group_size: int,
         phase = "backward"
         counters = forward_counters + tuple(c for c in counters if not any(c is f for f in forward_counters))
     for counter in counters:
-        counter.records.append(CollectiveRecord(op, dtype, numel, group_size, phase))
+        counter.records.append(CollectiveRecord(op, dtype, numel, group_size, phase, padding))

@@ -42,7 +42,7 @@ from torch.distributed import ProcessGroup
 from ..mesh import exchange_ints, group_rank_size, tp_group
 from ..sharding import check_int
 from . import traced
-from .collectives import start_all_gather_along, start_reduce_scatter_along
+from .collectives import in_background, start_all_gather_along, start_reduce_scatter_along
 from .counter import active_counters, record
 from .linear import _autocast, _check, _weight_grads
 from .regions import _AllGather, _ReduceScatter, _ScatterToTP
@@ -152,8 +152,11 @@ class _SequenceParallelRowLinear(torch.autograd.Function):
         x, weight, bias = _autocast(x, weight, bias)
         ctx.save_for_backward(x, weight)
         ctx.sizes, ctx.group, ctx.counters, ctx.has_bias = sizes, group, active_counters(), bias is not None
-        chunks = weight.split(-(-weight.shape[0] // ROW_CHUNKS)) if not traced.tracing() else (weight,)
-        record("reduce_scatter", x.dtype, x[..., :1].numel() * weight.shape[0], len(sizes))
+        background = not traced.tracing() and in_background(x, group)  # else chunks would only add rounds
+        chunks = weight.split(-(-weight.shape[0] // ROW_CHUNKS)) if background else (weight,)
+        tokens, n = x[..., :1].numel(), len(sizes)  # (...) * T
+        record("reduce_scatter", x.dtype, tokens * weight.shape[0], n,
+               padding=tokens // sum(sizes) * (n * max(sizes) - sum(sizes)) * weight.shape[0])
         with torch.autocast(x.device.type, enabled=False):
             pending = [start_reduce_scatter_along(F.linear(x, w), SEQ_DIM, sizes, group, counted=False)
                        for w in chunks]  # (..., T, out / chunks) each, this rank's partial sums

@@ -1,4 +1,5 @@
-"""All-reduce through shared memory for the CPU ranks of a gloo group on one host.
+"""All-reduce, all-gather and reduce-scatter through shared memory for the CPU ranks of a gloo
+group on one host.
 
 gloo moves CPU tensors between local processes over loopback TCP: every byte
 is copied through the kernel, and a small all-reduce costs a few hundred
@@ -6,8 +7,9 @@ microseconds of message latency. Ranks on one host can instead share one
 memory segment: each writes its tensor into its own slot, describes it (element
 count, dtype, reduce op) next to its flag and raises the flag; once every flag
 is up, each rank checks that all descriptions agree and sums the slots in rank
-order (the same order, so the same bits, on every rank); a second flag says
-the slots may be reused. Ranks that disagree all see the same descriptions, so
+order (the same order, so the same bits, on every rank), or copies every
+slot out (all-gather), or sums its own part of every slot (reduce-scatter); a
+second flag says the slots may be reused. Ranks that disagree all see the same descriptions, so
 every rank raises the same :class:`ChannelError`. A tensor too large for the
 segment is seen as such by every rank at once, and they grow it together.
 
@@ -31,7 +33,7 @@ import platform
 import secrets
 import socket
 import time
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from datetime import timedelta
 
 import torch
@@ -42,7 +44,7 @@ from .checks import dtype_code, dtype_name
 
 _STRIDE = 8  # int64 words per rank, one cache line: pid, posted, done, token (rank 0), numel, dtype, op
 _PID, _POSTED, _DONE, _TOKEN, _NUMEL, _DTYPE, _OP = range(7)
-_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX)
+_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX, "all_gather", "reduce_scatter")  # what a round does, by number
 _SPIN = 1e-3  # seconds of yielding before a waiting rank starts to sleep
 _NAP = 1e-3  # the longest sleep between two looks at the flags
 _LOOK = 0.1  # seconds between two checks that the peers are alive
@@ -66,7 +68,7 @@ def group_timeout(group: ProcessGroup) -> timedelta:
 
 
 def _describe(numel: int, dtype: int, op: int) -> str:
-    how = ("sum", "max")[op] if 0 <= op < len(_OPS) else "another op"
+    how = ("sum", "max", "all-gather", "reduce-scatter")[op] if 0 <= op < len(_OPS) else "another op"
     return f"{numel} {dtype_name(dtype)} elements ({how})"
 
 
@@ -136,11 +138,24 @@ class SharedMemoryChannel:
     def all_reduce_(self, x: torch.Tensor, op: dist.ReduceOp.RedOpType) -> bool:
         """Reduce ``x`` (CPU) over the group in place; every rank gets the same bits. ``False`` (and
         ``x`` untouched) when ``x`` is larger than the channel, which every rank then finds together."""
+
+        def reduce(slots: list[torch.Tensor]) -> None:
+            total = slots[0].clone()
+            for other in slots[1:]:
+                total.add_(other) if op == dist.ReduceOp.SUM else torch.maximum(total, other, out=total)
+            x.copy_(total)
+
+        return self.exchange(x, _OPS.index(op), reduce)
+
+    def exchange(self, x: torch.Tensor, kind: int, read: Callable[[list[torch.Tensor]], None]) -> bool:
+        """One round: post ``x`` (CPU, contiguous) in this rank's slot, and once every rank has posted the
+        same kind of call (``kind``: an index of ``_OPS``), ``read`` every rank's slot, in rank order.
+        ``False`` when ``x`` is larger than the channel, which every rank then finds together."""
         if self.broken:
             raise ChannelError("this shared-memory channel failed earlier and cannot be used")
         if os.getpid() != self._pids[self.rank]:
             raise ChannelError("a shared-memory channel cannot be used from a forked process")
-        mine = (x.numel(), dtype_code(x.dtype), _OPS.index(op))
+        mine = (x.numel(), dtype_code(x.dtype), kind)
         try:
             self._seq += 1
             self._wait_all(_DONE, self._seq - 1)  # everyone has finished reading the previous round's slots
@@ -153,11 +168,7 @@ class SharedMemoryChannel:
             self._wait_all(_POSTED, self._seq)
             self._check_agreement(mine)
             if fits:
-                slots = [self._slot(r, x) for r in range(self.size)]
-                total = slots[0].clone()
-                for other in slots[1:]:
-                    total.add_(other) if op == dist.ReduceOp.SUM else torch.maximum(total, other, out=total)
-                x.copy_(total)
+                read([self._slot(r, x) for r in range(self.size)])
             self._words[self.rank * _STRIDE + _DONE] = self._seq  # done reading
         except BaseException:
             self.broken = True  # the peers' view of the sequence is lost: never use this channel again
@@ -174,7 +185,8 @@ class SharedMemoryChannel:
         self._words[self.rank * _STRIDE + _DONE] = self._seq  # peers may finish their own check
         ranks = "; ".join(f"rank {r}: {_describe(*v)}" + (f" in all-reduce #{p}" if p != self._seq else "")
                           for r, (v, p) in enumerate(zip(views, posted)))
-        raise ChannelError(f"the ranks disagree on all-reduce #{self._seq} ({ranks})")
+        what = ("all-reduce", "all-reduce", "all-gather", "reduce-scatter")[mine[2]]
+        raise ChannelError(f"the ranks disagree on {what} #{self._seq} ({ranks})")
 
 
 def open_channel(group: ProcessGroup, capacity: int, timeout: timedelta) -> SharedMemoryChannel | None:
@@ -236,13 +248,41 @@ def all_reduce_(channels: MutableMapping[ProcessGroup, SharedMemoryChannel | Non
     :class:`tensorpar.Mesh`), opening it on first use and growing it, by powers of two, when the ranks
     find ``x`` too large for it. ``False`` where the ranks cannot share memory or the channel failed
     earlier: the caller then uses gloo (every rank makes the same choice)."""
+    return _through(channels, group, x, lambda channel: channel.all_reduce_(x, op))
+
+
+def all_gather_into(channels: MutableMapping[ProcessGroup, SharedMemoryChannel | None], group: ProcessGroup,
+                    out: torch.Tensor, x: torch.Tensor) -> bool:
+    """Every rank's ``x`` (CPU, contiguous, the same shape on all) into ``out[r]``, as :func:`all_reduce_` routes."""
+    def read(slots: list[torch.Tensor]) -> None:
+        for r, slot in enumerate(slots):
+            out[r].copy_(slot)
+
+    return _through(channels, group, x, lambda channel: channel.exchange(x, _OPS.index("all_gather"), read))
+
+
+def reduce_scatter_into(channels: MutableMapping[ProcessGroup, SharedMemoryChannel | None], group: ProcessGroup,
+                        out: torch.Tensor, x: torch.Tensor) -> bool:
+    """Into ``out``, the sum over ranks of ``x[rank]`` (``x``: CPU, contiguous, ``(n, *out.shape)``), in rank order."""
+    rank = dist.get_rank(group)
+
+    def read(slots: list[torch.Tensor]) -> None:
+        out.copy_(slots[0][rank])
+        for slot in slots[1:]:
+            out.add_(slot[rank])
+
+    return _through(channels, group, x, lambda channel: channel.exchange(x, _OPS.index("reduce_scatter"), read))
+
+
+def _through(channels: MutableMapping[ProcessGroup, SharedMemoryChannel | None], group: ProcessGroup,
+             x: torch.Tensor, run: Callable[[SharedMemoryChannel], bool]) -> bool:
     nbytes = x.numel() * x.element_size()
     channel = channels.get(group)
     if group not in channels:
         channel = channels[group] = (open_channel(group, max(DEFAULT_CAPACITY, nbytes), group_timeout(group))
                                      if supported(group) else None)
     while channel is not None and not channel.broken:
-        if channel.all_reduce_(x, op):
+        if run(channel):
             return True
         # every rank found x too large, with the same size: grow together (the first rank's size decides)
         channels[group] = channel = open_channel(group, 1 << (nbytes - 1).bit_length(), group_timeout(group))
