@@ -87,7 +87,7 @@ def block_formula(batch: int, tokens: int, n_embd: int, n_head: int, tp: int, se
     btc, bt = batch * tokens * n_embd, batch * tokens
     replicated = 4 * btc + 4 * bt  # LayerNorm inputs and outputs, means and 1/stds
     split = 12 * btc + batch * n_head * tokens  # Q, K, V, attention output, log-sum-exp, MLP hidden x 2
-    summed = 2 * 2 * n_embd  # with sequence parallelism: both LayerNorms' weight and bias, joined to be summed
+    summed = 2 * 2 * n_embd if tp > 1 else 0  # both LayerNorms' weight and bias, joined to be summed over tp
     return 4 * ((replicated + split) / tp + summed if sequence_parallel else replicated + split / tp)
 
 

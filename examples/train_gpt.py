@@ -51,6 +51,7 @@ EPILOG = """examples:
   python examples/train_gpt.py                          # tp=2 on 2 local CPU processes, the built-in corpus
   python examples/train_gpt.py --tp 2 --dp 2 --zero     # 4 processes, optimizer state sharded over dp
   python examples/train_gpt.py --tp 2 --dp 2 --fsdp     # parameters, gradients and optimizer state too
+  python examples/train_gpt.py --tp 4 --sequence-parallel   # activations split along the tokens too
   python examples/train_gpt.py --data my.txt --steps 2000 --out run1 --stop-at 1000
   python examples/train_gpt.py --data my.txt --steps 2000 --out run1 --resume    # steps 1001-2000
   python examples/train_gpt.py --data data/shakespeare --vocab-size 50257 --eval-every 50 --logger tensorboard
@@ -67,7 +68,8 @@ def build(cfg: TrainConfig, mesh: tensorpar.Mesh) -> tuple[GPT, torch.optim.Opti
     tensorpar.manual_seed(cfg.seed)  # the same full weights at any tp and dp
     model = GPT(GPTConfig(vocab_size=cfg.vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer,
                           n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
-                          activation_checkpointing=cfg.activation_checkpointing),
+                          activation_checkpointing=cfg.activation_checkpointing,
+                          sequence_parallel=cfg.sequence_parallel),
                 device=mesh.device)
     if cfg.fsdp:  # before the optimizer: FSDP2 replaces the parameters by their dp shards
         tensorpar.fully_shard_dp(model, mesh, modules=model.transformer.h)

@@ -7,8 +7,9 @@ from .hf_parallel import parallelize_hf
 from .linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from .mlp import ParallelMLP
 from .parallelize import STYLES, parallelize
-from .regions import CopyToTP, ReduceFromTP
+from .regions import CopyToTP, GatherSequence, ReduceFromTP, ReduceScatterSequence
+from .sequence import SequenceParallelLayerNorm, ShardedDropout
 
-__all__ = ["GPT", "STYLES", "Block", "ColumnParallelLinear", "CopyToTP", "GPTConfig", "ParallelMLP",
-           "ParallelSelfAttention", "ReduceFromTP", "ReplicatedLinear", "RowParallelLinear",
-           "VocabParallelEmbedding", "parallelize", "parallelize_hf"]
+__all__ = ["GPT", "STYLES", "Block", "ColumnParallelLinear", "CopyToTP", "GPTConfig", "GatherSequence", "ParallelMLP",
+           "ParallelSelfAttention", "ReduceFromTP", "ReduceScatterSequence", "ReplicatedLinear", "RowParallelLinear",
+           "SequenceParallelLayerNorm", "ShardedDropout", "VocabParallelEmbedding", "parallelize", "parallelize_hf"]

@@ -155,9 +155,9 @@ def test_blocks_compile_whole_with_megatrons_collectives_in_the_graphs(worlds, t
             assert graphs["forward"] == {"all_reduce": 2} and graphs["backward"] == {"all_reduce": 2}
 
 
-def check_compiled_gpt(cfg, b, t, dtype, seed, backend, device="cpu"):
+def check_compiled_gpt(cfg, b, t, dtype, seed, backend, device="cpu", sequence_parallel=False):
     """Loss, logits and every gradient of the compiled GPT against the eager GPT and the reference."""
-    reference, model = (m.to(device) for m in twins(cfg, dtype, seed))
+    reference, model = (m.to(device) for m in twins(cfg, dtype, seed, sequence_parallel=sequence_parallel))
     idx, targets = (ids.to(device) for ids in batch(cfg, b, t, seed))
     eager_loss = model(idx, targets)
     eager_loss.backward()
@@ -184,8 +184,9 @@ def check_compiled_gpt(cfg, b, t, dtype, seed, backend, device="cpu"):
 def test_gpt_compiles_whole_and_equals_eager_and_reference(worlds, tp, dtype, data):
     cfg = data.draw(gpt_configs(tp, max_layer=2))
     t = data.draw(st.integers(1, cfg["block_size"]))
+    sp = data.draw(st.booleans(), label="sequence_parallel")
     for err, breaks in worlds[tp].run(check_compiled_gpt, cfg, 2, t, dtype, data.draw(st.integers(0, 2**31)),
-                                      "graphs"):
+                                      "graphs", "cpu", sp):
         assert err <= TOLERANCES[dtype] and breaks == 0
 
 

@@ -8,6 +8,9 @@ which leave ranks without tokens). A model whose LayerNorms do not sum their
 gradients over the group must fail that comparison.
 """
 
+import dataclasses
+import weakref
+
 import torch
 import torch.nn.functional as F
 from gpt_cases import batch, gpt_configs, note_errors, twins
@@ -18,6 +21,7 @@ from test_gpt import train_twins
 import tensorpar
 from layers import ColumnParallelLinear, RowParallelLinear
 from layers.sequence import SequenceParallelLayerNorm
+from tensorpar.comm.collectives import in_background
 from tensorpar.testing import TOLERANCES, assert_all_close
 from tensorpar.testing.strategies import tp_sizes
 
@@ -119,3 +123,30 @@ def test_sequence_parallel_with_activation_checkpointing_changes_nothing(worlds,
     cfg = data.draw(gpt_configs(tp, max_layer=2))
     t = data.draw(st.integers(1, cfg["block_size"]))
     assert max(worlds[tp].run(checkpointed_against_plain, cfg, t, data.draw(st.integers(0, 2**31)))) <= 1e-12
+
+
+def routes_agree(h, t, seed):
+    """The sequence-parallel MLP through shared memory (at once, unchunked) and through gloo (started in
+    the background and overlapped: the row output in column chunks): the same results."""
+    mesh = tensorpar.current_mesh()
+    through_gloo = dataclasses.replace(mesh, channels=weakref.WeakKeyDictionary({mesh.tp_group: None}))
+    results = []
+    for route in (mesh, through_gloo):
+        with tensorpar.use_mesh(route):
+            assert in_background(torch.ones(1), mesh.tp_group) == (route is through_gloo)
+            torch.manual_seed(seed)
+            fc1 = ColumnParallelLinear(h, 4 * h, sequence_parallel=True, dtype=torch.float64)
+            fc2 = RowParallelLinear(4 * h, h, sequence_parallel=True, dtype=torch.float64)
+            x = torch.randn(3, tensorpar.sequence_sizes(t, mesh.tp)[mesh.tp_rank], h, dtype=torch.float64,
+                            requires_grad=True)
+            y = fc2(F.gelu(fc1(x, t)))
+            y.backward(torch.ones_like(y))
+            results.append([y, x.grad, fc1.weight.grad, fc1.bias.grad, fc2.weight.grad, fc2.bias.grad])
+    names = ["output", "input grad", "fc1 weight grad", "fc1 bias grad", "fc2 weight grad", "fc2 bias grad"]
+    return max(assert_all_close({n: pair for n, pair in zip(names, zip(*results))}).values())
+
+
+@settings(max_examples=3)
+@given(tp=st.integers(2, 4), h=st.integers(3, 8), t=st.integers(1, 13), seed=st.integers(0, 2**31))
+def test_overlapped_chunks_change_no_result(worlds, tp, h, t, seed):
+    assert max(worlds[tp].run(routes_agree, h, t, seed)) <= 1e-12

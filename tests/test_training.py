@@ -69,9 +69,11 @@ def reference_run(worlds, tmp_path_factory):
     return run_training(worlds, tmp_path_factory.mktemp("reference"))
 
 
-@pytest.mark.parametrize("tp, dp, zero", [(2, 2, False), (2, 2, True), (4, 1, False), (1, 4, True)])
-def test_every_layout_follows_the_same_trajectory(worlds, reference_run, tmp_path, tp, dp, zero):
-    result = run_training(worlds, tmp_path, tp, dp, zero=zero)
+@pytest.mark.parametrize("tp, dp, zero, sequence_parallel",
+                         [(2, 2, False, False), (2, 2, True, True), (4, 1, False, False), (3, 1, False, True),
+                          (1, 4, True, False)])
+def test_every_layout_follows_the_same_trajectory(worlds, reference_run, tmp_path, tp, dp, zero, sequence_parallel):
+    result = run_training(worlds, tmp_path, tp, dp, zero=zero, sequence_parallel=sequence_parallel)
     assert max(reference_run["grad_norms"].values()) > SMALL["clip"], "clipping was not active"
     for step, loss in reference_run["losses"].items():
         assert abs(result["losses"][step] - loss) <= 1e-5 * abs(loss), f"step {step}: loss differs"

@@ -48,6 +48,9 @@ class TrainConfig:
     zero: bool = _opt(False, "parallelism", "shard the optimizer state over dp (ZeroRedundancyOptimizer)")
     fsdp: bool = _opt(False, "parallelism", "FSDP2 over dp: parameters, gradients and optimizer state sharded "
                       "(instead of DDP; excludes --zero)")
+    sequence_parallel: bool = _opt(False, "parallelism", "sequence parallelism: LayerNorm, dropout and the residual "
+                                   "stream split along the tokens over tp (about 1/tp of the activations, the same "
+                                   "traffic)")
     compile: bool = _opt(False, "parallelism", "torch.compile each block whole (fullgraph)")
     activation_checkpointing: bool = _opt(False, "parallelism", "recompute each block in backward: less memory, "
                                           "one more forward")
