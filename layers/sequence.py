@@ -11,8 +11,9 @@ With sequence parallelism (``GPTConfig(sequence_parallel=True)``, see
   the gradient and the copies would drift apart;
 * :class:`ShardedDropout`: ``nn.Dropout`` with a different mask on each rank
   (they hold different tokens), drawn from the mesh's tp stream as attention
-  dropout is; concatenated in rank order, the masks are one draw for the
-  whole sequence.
+  dropout is (Megatron's choice). The masks therefore differ from those of
+  the same model without sequence parallelism at the same seed: the loss
+  curves agree in distribution, not step by step.
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ gradients over the group must fail that comparison.
 """
 
 import dataclasses
+import math
 import weakref
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -19,9 +21,10 @@ from hypothesis import strategies as st
 from test_gpt import train_twins
 
 import tensorpar
-from layers import ColumnParallelLinear, RowParallelLinear
+from layers import ColumnParallelLinear, ParallelMLP, RowParallelLinear
 from layers.sequence import SequenceParallelLayerNorm
-from tensorpar.comm.collectives import in_background
+from tensorpar.comm import linear as comm_linear
+from tensorpar.comm import shm
 from tensorpar.testing import TOLERANCES, assert_all_close
 from tensorpar.testing.strategies import tp_sizes
 
@@ -126,14 +129,13 @@ def test_sequence_parallel_with_activation_checkpointing_changes_nothing(worlds,
 
 
 def routes_agree(h, t, seed):
-    """The sequence-parallel MLP through shared memory (at once, unchunked) and through gloo (started in
-    the background and overlapped: the row output in column chunks): the same results."""
+    """The sequence-parallel MLP through shared memory and through gloo's own collectives, each
+    started, overlapped with work and waited for (the row output in column chunks): the same results."""
     mesh = tensorpar.current_mesh()
     through_gloo = dataclasses.replace(mesh, channels=weakref.WeakKeyDictionary({mesh.tp_group: None}))
     results = []
     for route in (mesh, through_gloo):
-        with tensorpar.use_mesh(route):
-            assert in_background(torch.ones(1), mesh.tp_group) == (route is through_gloo)
+        with tensorpar.use_mesh(route), mock.patch.object(comm_linear, "CHUNK_BYTES", 0):  # chunks at any size
             torch.manual_seed(seed)
             fc1 = ColumnParallelLinear(h, 4 * h, sequence_parallel=True, dtype=torch.float64)
             fc2 = RowParallelLinear(4 * h, h, sequence_parallel=True, dtype=torch.float64)
@@ -142,6 +144,8 @@ def routes_agree(h, t, seed):
             y = fc2(F.gelu(fc1(x, t)))
             y.backward(torch.ones_like(y))
             results.append([y, x.grad, fc1.weight.grad, fc1.bias.grad, fc2.weight.grad, fc2.bias.grad])
+            shared = isinstance(route.channels.get(mesh.tp_group), shm.SharedMemoryChannel)
+            assert shared == (route is mesh), "the routes were not the ones meant"
     names = ["output", "input grad", "fc1 weight grad", "fc1 bias grad", "fc2 weight grad", "fc2 bias grad"]
     return max(assert_all_close({n: pair for n, pair in zip(names, zip(*results))}).values())
 
@@ -150,3 +154,47 @@ def routes_agree(h, t, seed):
 @given(tp=st.integers(2, 4), h=st.integers(3, 8), t=st.integers(1, 13), seed=st.integers(0, 2**31))
 def test_overlapped_chunks_change_no_result(worlds, tp, h, t, seed):
     assert max(worlds[tp].run(routes_agree, h, t, seed)) <= 1e-12
+
+
+def shard_saving_cases():
+    """What a sequence-parallel SwiGLU MLP keeps for backward: under bf16 autocast, over two backward
+    passes of one graph, and after an in-place change of an input that needs no gradient."""
+    mesh = tensorpar.current_mesh()
+    torch.manual_seed(0)
+    mlp = ParallelMLP(8, 30, activation="swiglu", sequence_parallel=True)  # 15 hidden features per rank
+    t, local = 7, tensorpar.sequence_sizes(7, mesh.tp)[mesh.tp_rank]
+    found, shapes = {}, []
+
+    def pack(x):
+        shapes.append(tuple(x.shape))
+        return x
+
+    h = torch.randn(2, local, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        y = mlp(h, t)
+    y.float().sum().backward()
+    # the tokens of every activation 8 wide (the input's width) kept: this rank's, never the whole sequence
+    found["tokens kept"] = max(math.prod(s[:-1]) for s in shapes if s[-1] == 8 and s != (15, 8))  # not weights
+
+    with tensorpar.count_collectives() as counts:
+        y = mlp(h, t)
+        y.sum().backward(retain_graph=True)
+        y.sum().backward()
+    found["gathers per backward"] = counts.count("all_gather", "backward") / 2  # the row layer's, and one again
+
+    frozen = torch.randn(2, local, 8)  # needs no gradient; the weights still do
+    z = mlp(frozen, t)
+    frozen.mul_(2)
+    try:
+        z.sum().backward()
+        found["in-place"] = "no error"
+    except RuntimeError as e:
+        found["in-place"] = str(e)
+    return found
+
+
+def test_the_kept_shard_under_autocast_two_backward_passes_and_in_place_changes(worlds):
+    for rank, found in enumerate(worlds[2].run(shard_saving_cases)):
+        assert found["tokens kept"] == 2 * (4, 3)[rank], found  # 7 tokens: 4 + 3
+        assert found["gathers per backward"] == 2, found
+        assert "modified in place" in found["in-place"], found

@@ -7,6 +7,8 @@
   with their ``f`` and ``g``;
 * :mod:`~tensorpar.comm.sequence`: sequence parallelism, the same maps with the
   tokens split outside them (all-gather in, reduce-scatter out), overlapped;
+* :mod:`~tensorpar.comm.shard_saving`: a gathered activation kept for backward
+  as this rank's tokens;
 * :mod:`~tensorpar.comm.collectives`: the plain out-of-place collectives over
   uneven shards, and the choice of route for each all-reduce;
 * :mod:`~tensorpar.comm.shm`: the shared-memory transport for ranks on one host;
@@ -20,13 +22,13 @@ from .regions import all_gather, copy_to_tp, gather_from_tp, reduce_from_tp, red
 from .sequence import (
     gather_sequence,
     reduce_scatter_sequence,
-    save_sequence_shard,
     scatter_sequence,
     sequence_length,
     sequence_parallel_column_linear,
     sequence_parallel_row_linear,
     sequence_sizes,
 )
+from .shard_saving import save_sequence_shard
 
 __all__ = [
     "CollectiveCounter",

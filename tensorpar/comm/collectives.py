@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ..mesh import current_mesh_or_none
-from . import shm, traced
+from . import shm_routes, traced
 from .checks import agree, dtype_code, enabled
 from .counter import CollectiveCounter, record
 
@@ -137,11 +137,12 @@ def _exchange(x: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp.RedOpType)
 
 def start_all_reduce_(x: torch.Tensor, group: ProcessGroup,
                       counters: tuple[CollectiveCounter, ...] | None = None, *,
-                      op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> PendingAllReduce | traced.PendingTraced:
+                      op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+                      counted: bool = True) -> PendingAllReduce | traced.PendingTraced:
     """Start reducing ``x`` over the group (a sum unless ``op`` says otherwise) and return at once;
     ``wait()`` returns the result. Eagerly it is written into ``x``, so ``x`` must be a buffer the
     caller owns (never an autograd input); in a traced graph it is a new tensor. Use the result of
-    ``wait()``, never ``x``."""
+    ``wait()``, never ``x``. ``counted=False``: the caller records the call (one of several chunks)."""
     n = dist.get_world_size(group)
     if n == 1:
         return PendingAllReduce(x, group)
@@ -149,12 +150,14 @@ def start_all_reduce_(x: torch.Tensor, group: ProcessGroup,
         return traced.start_all_reduce(x, group, "max" if op == dist.ReduceOp.MAX else "sum")
     if enabled():
         agree("all-reduce", group, {"numel": x.numel(), "dtype": dtype_code(x.dtype), "op": int(op)}, device=x.device)
-    record("all_reduce", x.dtype, x.numel(), n, counters)
+    if counted:
+        record("all_reduce", x.dtype, x.numel(), n, counters)
     with _tagged("all_reduce", x, group):
         if not x.is_cuda and op in _REDUCE and dist.get_backend(group) == "gloo" and not traced.observed():
             mesh = current_mesh_or_none()  # its channels: ranks on one host reduce through shared memory
-            if mesh is not None and shm.all_reduce_(mesh.channels, group, x, op):
-                return PendingAllReduce(x, group)  # done at once
+            started = shm_routes.start_all_reduce(mesh.channels, group, x, op) if mesh is not None else None
+            if started is not None:
+                return PendingAllReduce(x, group, work=started)  # finished by wait()
             if x.numel() * x.element_size() * (n - 1) <= EXCHANGE_BYTES:  # by size alone: the same route everywhere
                 return _exchange(x, group, op)
         return PendingAllReduce(x, group, work=dist.all_reduce(x, op=op, group=group, async_op=True))
@@ -188,35 +191,24 @@ class Pending:
         self._buffers = buffers  # alive until the collective that reads or writes them is done
 
     def wait(self) -> torch.Tensor:
-        if self._work is not None:
-            with _tagged(self._what, self._x, self._group):
-                self._work.wait()
+        with _tagged(self._what, self._x, self._group):
+            self._work is None or self._work.wait()
         return self._finish()
-
-
-def in_background(x: torch.Tensor, group: ProcessGroup) -> bool:
-    """Whether an all-gather or reduce-scatter of ``x`` runs in the background once started (NCCL, gloo
-    between hosts), so that work done before ``wait()`` overlaps it, rather than at once, in this thread,
-    through shared memory."""
-    if x.is_cuda or dist.get_backend(group) != "gloo" or traced.observed():
-        return True
-    mesh = current_mesh_or_none()
-    return mesh is None or mesh.channels.get(group, True) is None  # None: the ranks cannot share memory
 
 
 def _start_flat(what: str, op: Any, out: torch.Tensor, send: torch.Tensor, x: torch.Tensor,
                 group: ProcessGroup, async_op: bool) -> Any:
     """Run (or, with ``async_op``, start) a flat collective of ``send`` into ``out``; its work or ``None``.
-    CPU ranks of a gloo group on one host go through shared memory, at once."""
-    if not send.is_cuda and dist.get_backend(group) == "gloo" and not traced.observed():
-        mesh = current_mesh_or_none()
-        shared = shm.all_gather_into if what == "all_gather" else shm.reduce_scatter_into
-        if mesh is not None:
-            with _tagged(what, x, group):
-                if shared(mesh.channels, group, out, send):
-                    return None
+    CPU ranks of a gloo group on one host go through shared memory (a round, finished by ``wait()``)."""
+    mesh = current_mesh_or_none()
+    if not send.is_cuda and dist.get_backend(group) == "gloo" and not traced.observed() and mesh is not None:
+        start = shm_routes.start_all_gather if what == "all_gather" else shm_routes.start_reduce_scatter
+        with _tagged(what, x, group):
+            started = start(mesh.channels, group, out, send)
+        if started is not None:
+            return started  # finished by wait()
     with _tagged(what, x, group):  # flat buffers: the backends concatenate along dim 0
-        if async_op and not send.is_cuda:
+        if async_op and not (send.is_cuda and dist.get_backend(group) == "gloo"):  # staged through the host
             return op(out.view(-1), send.view(-1), group=group, async_op=True)
         _flat_collective(op, out.view(-1), send.view(-1), group)
     return None

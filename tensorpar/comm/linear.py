@@ -4,7 +4,9 @@ Fusing lets the communication work on buffers the op owns: the column-parallel
 backward reduces its freshly computed input gradient in place while the weight
 gradient is computed, and the row-parallel forward reduces its freshly
 computed partial product in place and adds the bias once, after the sum. No
-autograd input is ever written to. Both equal the unfused compositions
+autograd input is ever written to. The row-parallel forward computes and
+reduces its output in chunks of columns, each reduced while the next is
+computed. Both equal the unfused compositions
 ``F.linear(copy_to_tp(x), W, b)`` and ``reduce_from_tp(F.linear(x, W)) + b``.
 
 Several column-parallel maps of one input (Q, K and V) share one ``f``
@@ -25,10 +27,24 @@ from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from ..mesh import group_rank_size, tp_group
+from . import traced
 from .collectives import start_all_reduce_
-from .counter import active_counters
+from .counter import active_counters, record
 
 Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]
+ROW_CHUNKS = 2  # column chunks of a row layer's output, each reduced while the next is computed
+CHUNK_BYTES = 1 << 20  # the smallest output split in chunks
+
+
+def row_chunks(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A row layer's weight ``(out, in / tp)`` in chunks of output features, whose partial products
+    are reduced one while the next is computed. Each output column is reduced whole, so chunks change
+    no result. One chunk for an output under ``CHUNK_BYTES`` (the latency of one more round would
+    cost more than it hides), in a traced graph (the compiler schedules there) and while
+    ``CommDebugMode`` or the profiler watch (they count Megatron's calls, one per layer)."""
+    if x[..., :1].numel() * weight.shape[0] * x.element_size() < CHUNK_BYTES or traced.tracing() or traced.observed():
+        return (weight,)
+    return weight.split(-(-weight.shape[0] // ROW_CHUNKS))
 
 
 def _autocast(x: torch.Tensor, *tensors: torch.Tensor | None) -> list[Any]:
@@ -83,9 +99,10 @@ class _RowParallelLinear(torch.autograd.Function):
         x, weight, bias = _autocast(x, weight, bias)
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        with torch.autocast(x.device.type, enabled=False):
-            y = F.linear(x, weight)  # (*, out), this rank's partial sum
-        y = start_all_reduce_(y, group).wait()
+        record("all_reduce", x.dtype, x[..., :1].numel() * weight.shape[0], group_rank_size(group)[1])
+        with torch.autocast(x.device.type, enabled=False):  # each chunk summed while the next is computed
+            y = torch.cat([p.wait() for p in [start_all_reduce_(F.linear(x, w), group, counted=False)
+                                              for w in row_chunks(x, weight)]], -1)  # (*, out)
         return y if bias is None else y.add_(bias)
 
     @staticmethod

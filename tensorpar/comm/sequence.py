@@ -17,21 +17,23 @@ A reduce-scatter and an all-gather move what one all-reduce moves, so the
 traffic is Megatron's; what a rank keeps for backward falls to ``1/tp``.
 The gathered input of a column layer is not kept: each rank keeps its own
 tokens and gathers them again in backward, as Megatron does (in the fused
-map, overlapped with the input-gradient matmul; :func:`save_sequence_shard`
-for a gather shared by several column maps): one all-gather per column region
+map, overlapped with the input-gradient matmul;
+:func:`~tensorpar.comm.shard_saving.save_sequence_shard` for a gather shared
+by several column maps): one all-gather per column region
 more in backward, for ``(tp - 1) / tp`` of its input's memory.
 
 Overlap: the column forward multiplies this rank's own tokens while the
-others' arrive (collective matmul), its backward reduce-scatters the input
-gradient while computing the weight gradient, and the row forward
-reduce-scatters its output in column chunks, each on its way while the next
-is computed. Chunks change no result beyond round-off.
+others' arrive (collective matmul), its backward gathers the tokens again
+while computing the input gradient and reduce-scatters that while computing
+the weight gradient, and the row forward reduce-scatters its output in column
+chunks, each on its way while the next is computed. Between CPU ranks on one
+host the collectives go through shared memory, where what overlaps is the
+wait for the slower rank; on NCCL (and gloo between hosts) the transfer
+itself. Chunks change no result (each output column is reduced whole).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -41,14 +43,12 @@ from torch.distributed import ProcessGroup
 
 from ..mesh import exchange_ints, group_rank_size, tp_group
 from ..sharding import check_int
-from . import traced
-from .collectives import in_background, start_all_gather_along, start_reduce_scatter_along
+from .collectives import start_all_gather_along, start_reduce_scatter_along
 from .counter import active_counters, record
-from .linear import _autocast, _check, _weight_grads
+from .linear import _autocast, _check, _weight_grads, row_chunks
 from .regions import _AllGather, _ReduceScatter, _ScatterToTP
 
 SEQ_DIM = -2  # tokens: (..., T, C)
-ROW_CHUNKS = 2  # column chunks of a row layer's output, each reduce-scattered while the next is computed
 
 
 def sequence_sizes(seq_len: int, tp: int) -> list[int]:
@@ -61,7 +61,10 @@ def sequence_sizes(seq_len: int, tp: int) -> list[int]:
 
 def sequence_length(x: torch.Tensor, seq_len: int | None, group: ProcessGroup | None = None) -> int:
     """The full sequence length of sequence shards ``x`` (``(..., T_r, C)``): ``seq_len`` when given,
-    else found from every rank's shard (one small collective), which must be a balanced split."""
+    else found from every rank's shard (one small collective), which must be a balanced split. A
+    given ``seq_len`` is trusted: a rank whose shard does not fit it raises in the collective that
+    follows, and its peers wait there for the group's timeout (``TENSORPAR_CHECK_COLLECTIVES=1``
+    makes every rank raise at once)."""
     if seq_len is not None:
         check_int(seq_len, "seq_len")
         return seq_len
@@ -85,11 +88,15 @@ def _check_tokens(op: str, x: object) -> None:
 
 def gather_sequence(x: torch.Tensor, seq_len: int | None = None, group: ProcessGroup | None = None) -> torch.Tensor:
     """``f̄``: every rank's tokens ``(..., T_r, C)`` concatenated, ``(..., T, C)``; backward
-    reduce-scatters the gradient. ``seq_len``: as in :func:`sequence_length`."""
+    reduce-scatters the gradient. ``seq_len``: as in :func:`sequence_length`. Under autocast the
+    tokens are cast to its dtype first, as the column maps after the gather would."""
     _check_tokens("gather_sequence", x)
     group, _, n = _tp(group)
     seq_len = sequence_length(x, seq_len, group)
-    return x if n == 1 else _AllGather.apply(x, SEQ_DIM, sequence_sizes(seq_len, n), group)
+    if n == 1:
+        return x
+    x = _autocast(x)[0]  # the matmuls after it would cast it anyway: gather half the bytes
+    return _AllGather.apply(x, SEQ_DIM, sequence_sizes(seq_len, n), group)
 
 
 def reduce_scatter_sequence(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
@@ -152,14 +159,12 @@ class _SequenceParallelRowLinear(torch.autograd.Function):
         x, weight, bias = _autocast(x, weight, bias)
         ctx.save_for_backward(x, weight)
         ctx.sizes, ctx.group, ctx.counters, ctx.has_bias = sizes, group, active_counters(), bias is not None
-        background = not traced.tracing() and in_background(x, group)  # else chunks would only add rounds
-        chunks = weight.split(-(-weight.shape[0] // ROW_CHUNKS)) if background else (weight,)
         tokens, n = x[..., :1].numel(), len(sizes)  # (...) * T
         record("reduce_scatter", x.dtype, tokens * weight.shape[0], n,
                padding=tokens // sum(sizes) * (n * max(sizes) - sum(sizes)) * weight.shape[0])
         with torch.autocast(x.device.type, enabled=False):
             pending = [start_reduce_scatter_along(F.linear(x, w), SEQ_DIM, sizes, group, counted=False)
-                       for w in chunks]  # (..., T, out / chunks) each, this rank's partial sums
+                       for w in row_chunks(x, weight)]  # (..., T, out / chunks) each, this rank's partial sums
             y = torch.cat([p.wait() for p in pending], -1)  # (..., T_r, out), summed over ranks
         return y if bias is None else y.add_(bias)
 
@@ -211,74 +216,3 @@ def sequence_parallel_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: to
     if n == 1:
         return F.linear(x, weight, bias)
     return _SequenceParallelRowLinear.apply(x, weight, bias, sequence_sizes(x.shape[SEQ_DIM], n), group)
-
-
-class _Regather:
-    """The gathered tokens of one forward's all-gather, gathered again (once) when backward first needs
-    them and let go with their last user."""
-
-    def __init__(self, full: torch.Tensor, group: ProcessGroup) -> None:
-        self.group, self.counters = group, active_counters()
-        self.sizes = sequence_sizes(full.shape[SEQ_DIM], group_rank_size(group)[1])
-        self.offset = full.storage_offset()
-        self.users, self._full = 0, None
-
-    def full(self, local: torch.Tensor) -> torch.Tensor:
-        if self._full is None:  # the forward's call again: the same layout
-            self._full = start_all_gather_along(local, SEQ_DIM, self.sizes, self.group, self.counters).wait()
-        full = self._full
-        self.users -= 1
-        if self.users <= 0:  # the last user: let the gathered tokens go with it
-            self._full = None
-        return full
-
-
-class _SavedShard:
-    """What is saved in place of a view of the gathered tokens: this rank's tokens and the view."""
-
-    def __init__(self, regather: _Regather, local: Any, view: torch.Tensor) -> None:
-        self.regather, self.local = regather, local
-        self.shape, self.stride, self.offset = view.shape, view.stride(), view.storage_offset()
-
-    def unpack(self, local: torch.Tensor) -> torch.Tensor:
-        full = self.regather.full(local)
-        return full.as_strided(self.shape, self.stride, full.storage_offset() + self.offset - self.regather.offset)
-
-
-@contextlib.contextmanager
-def save_sequence_shard(full: torch.Tensor, local: torch.Tensor,
-                        group: ProcessGroup | None = None) -> Iterator[None]:
-    """Inside the block, whatever autograd saves of ``full`` (the all-gather of the sequence shards
-    ``local``) is kept as ``local`` and gathered again, once for all its users, when backward first
-    needs it. It composes with saved-tensor policies already active (activation checkpointing,
-    offloading, measurement hooks): they are handed ``local`` instead of ``full``. While
-    ``torch.compile`` traces, it does nothing (the compiler decides what is kept).
-
-    Example::
-
-        x = tensorpar.gather_sequence(shard, seq_len)       # (B, T, C) from (B, T_r, C)
-        with tensorpar.save_sequence_shard(x, shard):
-            q, k, v = q_proj(x), k_proj(x), v_proj(x)       # each keeps (B, T_r, C) for backward
-    """
-    group, _, n = _tp(group)
-    if n == 1 or not full.requires_grad or traced.tracing():
-        yield
-        return
-    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    outer_pack, outer_unpack = outer if outer is not None else (lambda t: t, lambda t: t)
-    regather, storage = _Regather(full, group), full.untyped_storage()
-    local = local.detach()
-
-    def pack(t: torch.Tensor) -> Any:
-        if t.device == full.device and t.untyped_storage().data_ptr() == storage.data_ptr():
-            regather.users += 1
-            return _SavedShard(regather, outer_pack(local), t)
-        return outer_pack(t)
-
-    def unpack(packed: Any) -> torch.Tensor:
-        if isinstance(packed, _SavedShard):
-            return packed.unpack(outer_unpack(packed.local))
-        return outer_unpack(packed)
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield

@@ -33,7 +33,7 @@ import platform
 import secrets
 import socket
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -52,7 +52,7 @@ DEFAULT_CAPACITY = 1 << 20  # bytes per rank of a new channel
 
 
 class ChannelError(RuntimeError):
-    """A shared-memory all-reduce failed: the ranks disagreed, or a peer exited or stopped answering."""
+    """A shared-memory collective failed: the ranks disagreed, or a peer exited or stopped answering."""
 
 
 def _header(n: int) -> int:
@@ -81,6 +81,19 @@ def _process_state(pid: int) -> str:
         return "X"
 
 
+class Round:
+    """A posted round of a channel; ``wait()`` finishes it (once)."""
+
+    def __init__(self, channel: SharedMemoryChannel, mine: tuple[int, int, int],
+                 read: Callable[[], None] | None) -> None:
+        self._channel, self._mine, self._read, self.done = channel, mine, read, False
+
+    def wait(self) -> None:
+        if not self.done:
+            self.done = True
+            self._channel._finish(self._mine, self._read)
+
+
 class SharedMemoryChannel:
     """One group's shared segment: ``all_reduce_(x, op)`` for CPU tensors up to ``capacity`` bytes each."""
 
@@ -96,6 +109,7 @@ class SharedMemoryChannel:
         self._data = torch.frombuffer(self._map, dtype=torch.uint8, offset=_header(self.size))
         self._words[self.rank * _STRIDE + _PID] = os.getpid()
         self._seq, self.broken = 0, False
+        self._open: Round | None = None  # the round posted and not yet finished
         self._token = token
         self._pids: list[int] = []
 
@@ -128,16 +142,17 @@ class SharedMemoryChannel:
         states = {r: _process_state(pid) for r, pid in enumerate(self._pids) if r != self.rank}
         for r, state in states.items():
             if state in "XZ":
-                raise ChannelError(f"rank {r} of the group (pid {self._pids[r]}) exited during an all-reduce")
+                raise ChannelError(f"rank {r} of the group (pid {self._pids[r]}) exited during a collective")
         if waited > self.timeout:
             stopped = [r for r, state in states.items() if state in "Tt"]
             why = f"; rank {stopped[0]} (pid {self._pids[stopped[0]]}) is stopped" if stopped else ""
-            raise ChannelError(f"an all-reduce waited {waited:.1f} s for its peers, past the group's "
+            raise ChannelError(f"a collective waited {waited:.1f} s for its peers, past the group's "
                                f"timeout of {self.timeout:g} s{why}")
 
-    def all_reduce_(self, x: torch.Tensor, op: dist.ReduceOp.RedOpType) -> bool:
-        """Reduce ``x`` (CPU) over the group in place; every rank gets the same bits. ``False`` (and
-        ``x`` untouched) when ``x`` is larger than the channel, which every rank then finds together."""
+    def all_reduce_(self, x: torch.Tensor, op: dist.ReduceOp.RedOpType) -> Round | None:
+        """Start reducing ``x`` (CPU) over the group in place; ``wait()`` on the round finishes it, and
+        every rank gets the same bits. ``None`` (and ``x`` untouched) when ``x`` is larger than the
+        channel, which every rank then finds together."""
 
         def reduce(slots: list[torch.Tensor]) -> None:
             total = slots[0].clone()
@@ -145,35 +160,50 @@ class SharedMemoryChannel:
                 total.add_(other) if op == dist.ReduceOp.SUM else torch.maximum(total, other, out=total)
             x.copy_(total)
 
-        return self.exchange(x, _OPS.index(op), reduce)
+        return self.post(x, _OPS.index(op), reduce)
 
-    def exchange(self, x: torch.Tensor, kind: int, read: Callable[[list[torch.Tensor]], None]) -> bool:
-        """One round: post ``x`` (CPU, contiguous) in this rank's slot, and once every rank has posted the
-        same kind of call (``kind``: an index of ``_OPS``), ``read`` every rank's slot, in rank order.
-        ``False`` when ``x`` is larger than the channel, which every rank then finds together."""
+    def post(self, x: torch.Tensor, kind: int, read: Callable[[list[torch.Tensor]], None]) -> Round | None:
+        """Start a round: put ``x`` (CPU, contiguous) in this rank's slot and say so. The returned round's
+        ``wait()`` waits until every rank has posted the same kind of call (``kind``: an index of
+        ``_OPS``), then ``read``\ s every rank's slot, in rank order. Work done in between overlaps the
+        wait for the peers. A round still open when the next is posted is finished first. ``None``
+        when ``x`` is larger than the channel, which every rank then finds together."""
         if self.broken:
             raise ChannelError("this shared-memory channel failed earlier and cannot be used")
         if os.getpid() != self._pids[self.rank]:
             raise ChannelError("a shared-memory channel cannot be used from a forked process")
+        if self._open is not None:
+            self._open.wait()
         mine = (x.numel(), dtype_code(x.dtype), kind)
+        fits = x.numel() * x.element_size() <= self.capacity
         try:
             self._seq += 1
             self._wait_all(_DONE, self._seq - 1)  # everyone has finished reading the previous round's slots
-            fits = x.numel() * x.element_size() <= self.capacity
             if fits:
                 self._slot(self.rank, x).copy_(x)
             for word, value in zip((_NUMEL, _DTYPE, _OP), mine):
                 self._words[self.rank * _STRIDE + word] = value
             self._words[self.rank * _STRIDE + _POSTED] = self._seq  # x86 keeps the writes above before this one
-            self._wait_all(_POSTED, self._seq)
-            self._check_agreement(mine)
-            if fits:
-                read([self._slot(r, x) for r in range(self.size)])
-            self._words[self.rank * _STRIDE + _DONE] = self._seq  # done reading
         except BaseException:
             self.broken = True  # the peers' view of the sequence is lost: never use this channel again
             raise
-        return fits
+        self._open = Round(self, mine, (lambda: read([self._slot(r, x) for r in range(self.size)])) if fits else None)
+        if not fits:
+            self._open.wait()  # an empty round, so that every rank finds x too large
+            return None
+        return self._open
+
+    def _finish(self, mine: tuple[int, int, int], read: Callable[[], None] | None) -> None:
+        self._open = None
+        try:
+            self._wait_all(_POSTED, self._seq)
+            self._check_agreement(mine)
+            if read is not None:
+                read()
+            self._words[self.rank * _STRIDE + _DONE] = self._seq  # done reading
+        except BaseException:
+            self.broken = True
+            raise
 
     def _check_agreement(self, mine: tuple[int, int, int]) -> None:
         flat = self._words[:self.size * _STRIDE].tolist()  # one read of every header
@@ -240,50 +270,3 @@ def supported(group: ProcessGroup) -> bool:
     votes = torch.tensor([host, -host, 0 if eligible else 1], dtype=torch.int64)
     dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=group)  # one host: max == min; all eligible: max 0
     return votes[0].item() == -votes[1].item() and votes[2].item() == 0
-
-
-def all_reduce_(channels: MutableMapping[ProcessGroup, SharedMemoryChannel | None], group: ProcessGroup,
-                x: torch.Tensor, op: dist.ReduceOp.RedOpType) -> bool:
-    """Reduce ``x`` in place through ``group``'s channel in ``channels`` (a mesh's own, see
-    :class:`tensorpar.Mesh`), opening it on first use and growing it, by powers of two, when the ranks
-    find ``x`` too large for it. ``False`` where the ranks cannot share memory or the channel failed
-    earlier: the caller then uses gloo (every rank makes the same choice)."""
-    return _through(channels, group, x, lambda channel: channel.all_reduce_(x, op))
-
-
-def all_gather_into(channels: MutableMapping[ProcessGroup, SharedMemoryChannel | None], group: ProcessGroup,
-                    out: torch.Tensor, x: torch.Tensor) -> bool:
-    """Every rank's ``x`` (CPU, contiguous, the same shape on all) into ``out[r]``, as :func:`all_reduce_` routes."""
-    def read(slots: list[torch.Tensor]) -> None:
-        for r, slot in enumerate(slots):
-            out[r].copy_(slot)
-
-    return _through(channels, group, x, lambda channel: channel.exchange(x, _OPS.index("all_gather"), read))
-
-
-def reduce_scatter_into(channels: MutableMapping[ProcessGroup, SharedMemoryChannel | None], group: ProcessGroup,
-                        out: torch.Tensor, x: torch.Tensor) -> bool:
-    """Into ``out``, the sum over ranks of ``x[rank]`` (``x``: CPU, contiguous, ``(n, *out.shape)``), in rank order."""
-    rank = dist.get_rank(group)
-
-    def read(slots: list[torch.Tensor]) -> None:
-        out.copy_(slots[0][rank])
-        for slot in slots[1:]:
-            out.add_(slot[rank])
-
-    return _through(channels, group, x, lambda channel: channel.exchange(x, _OPS.index("reduce_scatter"), read))
-
-
-def _through(channels: MutableMapping[ProcessGroup, SharedMemoryChannel | None], group: ProcessGroup,
-             x: torch.Tensor, run: Callable[[SharedMemoryChannel], bool]) -> bool:
-    nbytes = x.numel() * x.element_size()
-    channel = channels.get(group)
-    if group not in channels:
-        channel = channels[group] = (open_channel(group, max(DEFAULT_CAPACITY, nbytes), group_timeout(group))
-                                     if supported(group) else None)
-    while channel is not None and not channel.broken:
-        if run(channel):
-            return True
-        # every rank found x too large, with the same size: grow together (the first rank's size decides)
-        channels[group] = channel = open_channel(group, 1 << (nbytes - 1).bit_length(), group_timeout(group))
-    return False
