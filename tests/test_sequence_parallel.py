@@ -13,6 +13,7 @@ import math
 import weakref
 from unittest import mock
 
+import pytest
 import torch
 import torch.nn.functional as F
 from gpt_cases import batch, gpt_configs, note_errors, twins
@@ -198,3 +199,21 @@ def test_the_kept_shard_under_autocast_two_backward_passes_and_in_place_changes(
         assert found["tokens kept"] == 2 * (4, 3)[rank], found  # 7 tokens: 4 + 3
         assert found["gathers per backward"] == 2, found
         assert "modified in place" in found["in-place"], found
+
+
+def unbalanced_shards():
+    mesh = tensorpar.current_mesh()
+    x = torch.randn(2, (3, 3, 1)[mesh.tp_rank], 8, requires_grad=True)  # 7 tokens, split 3/3/1, not 3/2/2
+    try:
+        ParallelMLP(8, 12, sequence_parallel=True)(x)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_unbalanced_shards_and_contradictory_options_are_refused_clearly(worlds):
+    for error in worlds[3].run(unbalanced_shards):
+        assert error == ("the ranks hold [3, 3, 1] tokens, which is not the balanced split of 7 tokens over 3 "
+                         "ranks ([3, 2, 2])"), error
+    with pytest.raises(ValueError, match="sequence_parallel=True gathers the tokens itself"):
+        ColumnParallelLinear(4, 4, copy_input=False, sequence_parallel=True)  # raised before any group is needed
