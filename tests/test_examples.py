@@ -1,8 +1,13 @@
-"""The scripts in examples/ run as a user runs them (a subprocess from the repository root) and report OK.
+"""The scripts in examples/ run their command lines and report OK.
 
     pytest -q tests/test_examples.py
 
-Sizes are kept small: each script starts its own ranks, which costs a few seconds.
+``gpt_block.py`` runs exactly as a user runs it: a subprocess from the repository
+root that starts its own ranks with ``tensorpar.spawn``. The others run their
+``main()`` in this process, with ``sys.argv`` set to the same command line and
+their ``tensorpar.spawn(fn, n, ...)`` served by the persistent n-process pool
+(what ``spawn`` does, without starting n new processes per script: starting
+ranks costs seconds; ``spawn`` itself is tested in ``tests/test_launch.py``).
 The GPT-2 example runs on a tiny random Hugging Face model saved to a temporary
 directory; its greedy output must equal Hugging Face's own greedy ``generate``.
 """
@@ -10,6 +15,9 @@ directory; its greedy output must equal Hugging Face's own greedy ``generate``.
 from __future__ import annotations
 
 import ast
+import contextlib
+import importlib
+import io
 import json
 import subprocess
 import sys
@@ -19,17 +27,42 @@ from typing import Any
 import pytest
 import torch
 
+import tensorpar
+
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 180  # seconds per script; each normally takes under 10
 
 
 def run_example(script: str, *args: Any) -> str:
-    """Run ``examples/<script>`` with ``args``; its stdout, after checking it exited 0."""
+    """Run ``python examples/<script> args`` from the repository root; its stdout, after checking it exited 0."""
     cmd = [sys.executable, str(ROOT / "examples" / script), *map(str, args)]
     proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, (f"{' '.join(cmd[1:])} exited with {proc.returncode}\n"
                                   f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
     return proc.stdout
+
+
+def run_example_on_pool(worlds: Any, monkeypatch: pytest.MonkeyPatch, script: str, *args: Any) -> str:
+    """``examples/<script> args`` as :func:`run_example` runs it, but in this process with its ranks on
+    ``worlds[n]``: the script is imported by name (the ranks import its functions the same way) and
+    its ``main()`` is called; its stdout, after checking it did not exit with an error."""
+    def on_pool(fn: Any, nprocs: int, *fn_args: Any, **options: Any) -> list[Any]:
+        assert not options, f"{script} passed spawn options {options} that the pool does not serve"
+        return worlds[nprocs].run(fn, *fn_args, mesh=False, timeout=TIMEOUT)
+
+    name = Path(script).stem
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "examples" / script), *map(str, args)])
+    monkeypatch.setattr(tensorpar, "spawn", on_pool)
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            importlib.import_module(name).main()
+    except SystemExit as e:
+        assert e.code in (None, 0), f"{script} exited with {e.code!r}\n--- stdout\n{out.getvalue()}"
+    finally:
+        sys.modules.pop(name, None)
+    return out.getvalue()
 
 
 def line_starting(stdout: str, prefix: str) -> str:
@@ -38,8 +71,8 @@ def line_starting(stdout: str, prefix: str) -> str:
     return lines[0]
 
 
-def test_swap_linear_matches_the_dense_model_with_a_shard_of_its_memory():
-    out = run_example("swap_linear.py", "--tp", 2, "--vocab", 37, "--d", 16, "--hidden", 45, "--layers", 1,
+def test_swap_linear_matches_the_dense_model_with_a_shard_of_its_memory(worlds, monkeypatch):
+    out = run_example_on_pool(worlds, monkeypatch, "swap_linear.py", "--tp", 2, "--vocab", 37, "--d", 16, "--hidden", 45, "--layers", 1,
                       "--batch", 2, "--seq", 5)
     assert "OK: the parallelized model matches the dense one at tp=2" in line_starting(out, "OK")
     # the memory table: one row per rank, the embedding and fc1 split unevenly (37 = 19 + 18, 45 = 23 + 22)
@@ -81,10 +114,10 @@ def save_tiny_gpt2(path: Path, *, tokenizer: bool = False) -> Any:
     return model
 
 
-def test_hf_gpt2_greedy_generation_equals_hugging_face(tmp_path):
+def test_hf_gpt2_greedy_generation_equals_hugging_face(worlds, monkeypatch, tmp_path):
     hf = save_tiny_gpt2(tmp_path)
     new = 8
-    out = run_example("hf_gpt2_generate.py", "--model-dir", tmp_path, "--tp", 2, "--prompt-ids",
+    out = run_example_on_pool(worlds, monkeypatch, "hf_gpt2_generate.py", "--model-dir", tmp_path, "--tp", 2, "--prompt-ids",
                       ",".join(map(str, PROMPT_IDS)), "--max-new-tokens", new, "--temperature", 0)
     assert line_starting(out, "OK") == f"OK: all 2 ranks generated the same {new} new tokens"
     tokens = ast.literal_eval(line_starting(out, "tokens: ").removeprefix("tokens: "))
@@ -97,9 +130,9 @@ def test_hf_gpt2_greedy_generation_equals_hugging_face(tmp_path):
     assert tokens == expected
 
 
-def test_hf_gpt2_samples_text_with_a_tokenizer(tmp_path):
+def test_hf_gpt2_samples_text_with_a_tokenizer(worlds, monkeypatch, tmp_path):
     save_tiny_gpt2(tmp_path, tokenizer=True)
-    out = run_example("hf_gpt2_generate.py", "--model-dir", tmp_path, "--tp", 2, "--prompt", "hello, world",
+    out = run_example_on_pool(worlds, monkeypatch, "hf_gpt2_generate.py", "--model-dir", tmp_path, "--tp", 2, "--prompt", "hello, world",
                       "--max-new-tokens", 5, "--temperature", 0.8, "--top-k", 10, "--seed", 3)
     assert line_starting(out, "OK") == "OK: all 2 ranks generated the same 5 new tokens"
     prompt_ids = ast.literal_eval(line_starting(out, "prompt ids: ").removeprefix("prompt ids: "))

@@ -25,10 +25,6 @@ def report(offset):
     return dist.get_rank(), dist.get_world_size(), os.environ["LOCAL_RANK"], x.item() + offset
 
 
-def test_spawn_returns_each_rank_result_in_rank_order():
-    assert tensorpar.spawn(report, 3, 10) == [(r, 3, str(r), 13.0) for r in range(3)]
-
-
 def fail_on_rank_one():
     if dist.get_rank() == 1:
         raise ValueError("out_features (1) is smaller than tp (2)")
@@ -97,8 +93,14 @@ def listening_sockets():
 LOOPBACK = {"0100007F", "0000000000000000FFFF00000100007F"}  # 127.0.0.1, as IPv4 and as IPv4-mapped IPv6
 
 
-def test_the_rendezvous_store_and_the_ranks_listen_on_loopback_only():
-    for store, ranks in tensorpar.spawn(listening_sockets, 2):
+def report_and_listening_sockets(offset):
+    return report(offset), listening_sockets()
+
+
+def test_spawn_returns_each_rank_result_in_rank_order_and_listens_on_loopback_only():
+    results = tensorpar.spawn(report_and_listening_sockets, 3, 10)  # one start serves both checks
+    assert [reported for reported, _ in results] == [(r, 3, str(r), 13.0) for r in range(3)]
+    for _, (store, ranks) in results:  # the rendezvous store and the ranks' own sockets
         assert store and all(address in LOOPBACK for _, address, _ in store), store
         assert all(address in LOOPBACK for _, address, _ in ranks), ranks
 

@@ -4,11 +4,15 @@ a cell error.
 Each one is executed into a temporary copy (the committed notebook and its
 outputs are left alone) by the notebooks' own runner, ``python notebooks/run.py``:
 a fresh kernel on this interpreter, with notebooks/ as working directory and on
-``PYTHONPATH``.
+``PYTHONPATH``. The runs are started all at once, when the first is needed, and
+each test waits for its own: a notebook spends much of its time starting
+processes and waiting on them, so together they take little more than the
+slowest alone.
 """
 
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
@@ -40,17 +44,44 @@ def test_committed_notebook_has_its_outputs(path):
     assert all("image/png" in o.data for o in figures), f"{path.name}: a figure is not an inline PNG"
 
 
-@pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
-def test_notebook_runs(path, tmp_path):
-    committed = path.read_bytes()
-    copy = tmp_path / path.name
-    done = subprocess.run([sys.executable, str(NOTEBOOKS / "run.py"), str(path), "--output-dir", str(tmp_path),
-                           f"--timeout={CELL_TIMEOUT}"], capture_output=True, text=True, timeout=3 * CELL_TIMEOUT)
-    assert done.returncode == 0, f"{path.name} failed:\n{done.stderr[-3000:]}"
+@dataclass
+class NotebookRun:
+    """A notebook being executed by ``notebooks/run.py`` into ``output``."""
 
-    nb = nbformat.read(copy, as_version=4)
+    process: subprocess.Popen
+    output: Path
+    stderr: Path
+    committed: bytes  # the committed notebook's bytes before the run
+
+
+@pytest.fixture(scope="module")
+def notebook_runs(tmp_path_factory):
+    """Every notebook's run, by path, all started at once; killed at the end if still running."""
+    runs = {}
+    for path in PATHS:
+        out = tmp_path_factory.mktemp(path.stem)
+        stderr = out / "stderr.txt"
+        with open(stderr, "w") as err:  # a file, not a pipe: a run that writes much never blocks on it
+            process = subprocess.Popen([sys.executable, str(NOTEBOOKS / "run.py"), str(path), "--output-dir",
+                                        str(out), f"--timeout={CELL_TIMEOUT}"], stdout=subprocess.DEVNULL,
+                                       stderr=err)
+        runs[path] = NotebookRun(process, out / path.name, stderr, path.read_bytes())
+    yield runs
+    for run in runs.values():
+        if run.process.poll() is None:
+            run.process.kill()
+            run.process.wait()
+
+
+@pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
+def test_notebook_runs(path, notebook_runs):
+    run = notebook_runs[path]
+    returncode = run.process.wait(timeout=3 * CELL_TIMEOUT)
+    assert returncode == 0, f"{path.name} failed:\n{run.stderr.read_text()[-3000:]}"
+
+    nb = nbformat.read(run.output, as_version=4)
     errors = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs if o.output_type == "error"]
     assert not errors, f"{path.name}: {errors[0].ename}: {errors[0].evalue}"
     code_cells = [cell for cell in nb.cells if cell.cell_type == "code"]
     assert all(cell.execution_count is not None for cell in code_cells), f"{path.name}: a cell did not run"
-    assert path.read_bytes() == committed, f"{path.name} was rewritten by its own run"
+    assert path.read_bytes() == run.committed, f"{path.name} was rewritten by its own run"

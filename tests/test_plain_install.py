@@ -6,8 +6,9 @@ transformers cannot be found: a ``sitecustomize`` on ``PYTHONPATH`` replaces ``s
 path finder by one blind to them, so the ranks that ``tensorpar.spawn`` starts are blind too. On
 2 ranks they run the layers (a ColumnParallelLinear backward and a RowParallelLinear forward
 through the shared-memory all-reduce), ``layers.parallelize``, a GPT (loss, gradients, clipping,
-full state dict, generation, export to GPT-2 files) and a short ``examples/train_gpt.py`` run.
-This file is also that subprocess's program: ``python tests/test_plain_install.py DIR``.
+full state dict, generation, export to GPT-2 files) and a short ``examples/train_gpt.py`` run (on
+the same ranks, as torchrun runs it); the launching process then asks for each extra. This file
+is also that subprocess's program: ``python tests/test_plain_install.py DIR``.
 
 A wheel built from the source tree ships the LICENSE, each package's ``py.typed`` marker and the
 version that ``tensorpar.__version__`` reads from the installed metadata.
@@ -15,12 +16,16 @@ version that ``tensorpar.__version__`` reads from the installed metadata.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import importlib
 import importlib.metadata
 import importlib.util
+import io
 import json
 import os
 import re
+import runpy
 import shutil
 import subprocess
 import sys
@@ -35,7 +40,7 @@ import tensorpar
 from layers import GPT, Block, ColumnParallelLinear, GPTConfig, RowParallelLinear, parallelize
 from layers.hf import export_gpt2
 from tensorpar.comm import shm
-from tensorpar.testing import TOLERANCES, assert_sharded_equivalent, rel_error
+from tensorpar.testing import TOLERANCES, assert_sharded_equivalent, rel_error, run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 OPTIONAL_PACKAGES = ("hypothesis", "matplotlib", "numpy", "safetensors", "tqdm", "transformers")
@@ -174,24 +179,59 @@ TRAIN_SMALL = ["--steps", "2", "--n-layer", "1", "--n-head", "2", "--n-embd", "1
                "--batch-size", "2", "--sample-tokens", "4"]
 
 
-def main(directory: str) -> None:
-    """The README's examples, then a short ``examples/train_gpt.py`` run with its checkpoints (they
-    need no extra); the ranks' results as the last line of stdout."""
-    results = tensorpar.spawn(readme_examples, 2, directory)
-    sys.path.insert(0, str(ROOT / "examples"))  # the spawned ranks import the script from here too
-    import train_gpt
+def readme_examples_then_training(directory: str) -> dict[str, object]:
+    """On each of 2 ranks: the README's examples, then a short ``examples/train_gpt.py`` run with its
+    checkpoints (they need no extra), on these ranks as torchrun would run it."""
+    results = readme_examples(directory)
+    run_script(ROOT / "examples" / "train_gpt.py", *TRAIN_SMALL, "--out", directory + "-run")
+    return results
 
-    train_gpt.main([*TRAIN_SMALL, "--out", directory + "-run"])
-    print(json.dumps(results))
+
+def missing_extras(directory: str) -> dict[str, str]:
+    """What each feature with an extra says without it (or that it works), by feature."""
+    said = {}
+    try:
+        importlib.import_module("tensorpar.testing.strategies")
+    except ImportError as e:
+        said["strategies"] = str(e)
+    tensorpar.init()
+    try:  # a checkpoint either works without the extras or says which one it needs
+        tensorpar.checkpoint.save(directory, torch.nn.Linear(3, 2), step=1)
+        tensorpar.checkpoint.load(directory, torch.nn.Linear(3, 2))
+        said["checkpoint"] = "works"
+    except ImportError as e:
+        said["checkpoint"] = str(e)
+    tensorpar.shutdown()
+    for script, args in (("hf_gpt2_generate.py", ["--model-dir", directory]),):  # exits before any rank starts
+        saved = sys.argv[:]
+        sys.argv[:] = [script, *args]
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            try:
+                runpy.run_path(str(ROOT / "examples" / script), run_name="__main__")
+                said[script] = "ran"
+            except SystemExit as e:
+                said[script] = e.code if isinstance(e.code, str) else f"exit {e.code}, {err.getvalue().strip()}"
+            finally:
+                sys.argv[:] = saved
+    return said
+
+
+def main(directory: str) -> None:
+    """The ranks' results and what each missing extra says, as the last line of stdout (the
+    training run prints before it)."""
+    ranks = tensorpar.spawn(readme_examples_then_training, 2, directory + "-gpt2")
+    print(json.dumps({"ranks": ranks, "missing": missing_extras(directory + "-ckpt")}))
 
 
 # ---------------------------------------------------------------- the tests (pytest process)
 
-def test_readme_examples_run_without_any_extra(tmp_path):
-    done = without_extras([__file__, str(tmp_path / "gpt2")], tmp_path)
+def test_readme_examples_run_and_each_missing_extra_is_named_without_any_extra(tmp_path):
+    done = without_extras([__file__, str(tmp_path / "out")], tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     *train, last = done.stdout.splitlines()
-    ranks = json.loads(last)
+    results = json.loads(last)
+
+    ranks = results["ranks"]  # the README's examples and a training run
     assert ranks[0]["tokens"] == ranks[1]["tokens"]
     for rank in ranks:
         assert all(err <= TOLERANCES[torch.float32] for err in rank["errors"].values()), rank["errors"]
@@ -200,39 +240,9 @@ def test_readme_examples_run_without_any_extra(tmp_path):
         assert rank["version"] == importlib.metadata.version("tensorpar")
     assert "tqdm is not installed (pip install 'tensorpar[train]'): no progress bar" in train
     assert any(line.startswith("loss ") and "over steps 1-2" in line for line in train), train
-    assert (tmp_path / "gpt2-run" / "latest").exists()  # checkpoints need no extra
+    assert (tmp_path / "out-gpt2-run" / "latest").exists()  # checkpoints need no extra
 
-
-MISSING = f'''
-import contextlib, io, runpy, sys, torch, tensorpar
-
-try:
-    import tensorpar.testing.strategies
-except ImportError as e:
-    print("strategies:", e)
-tensorpar.init()
-try:  # a checkpoint either works without the extras or says which one it needs
-    tensorpar.checkpoint.save(sys.argv[1], torch.nn.Linear(3, 2), step=1)
-    tensorpar.checkpoint.load(sys.argv[1], torch.nn.Linear(3, 2))
-    print("checkpoint: works")
-except ImportError as e:
-    print("checkpoint:", e)
-tensorpar.shutdown()
-for script, args in (("hf_gpt2_generate.py", ["--model-dir", sys.argv[1]]),):  # exits before any rank starts
-    sys.argv[:] = [script, *args]
-    with contextlib.redirect_stderr(io.StringIO()) as err:
-        try:
-            runpy.run_path("examples/" + script, run_name="__main__")
-        except SystemExit as e:
-            message = e.code if isinstance(e.code, str) else f"exit {{e.code}}, {{err.getvalue().strip()}}"
-    print(script + ":", message)
-'''
-
-
-def test_each_missing_extra_is_named(tmp_path):
-    done = without_extras(["-c", MISSING, str(tmp_path / "ckpt")], tmp_path)
-    assert done.returncode == 0, done.stderr[-4000:]
-    said = dict(line.split(": ", 1) for line in done.stdout.splitlines())
+    said = results["missing"]  # each extra, named where it is missing
     assert "pip install 'tensorpar[test]'" in said["strategies"] and "hypothesis" in said["strategies"]
     assert said["checkpoint"] == "works"  # checkpoints need no extra
     assert said["hf_gpt2_generate.py"] == ("exit 2, hf_gpt2_generate.py: error: this example reads the model "
