@@ -5,11 +5,11 @@ Each one is executed into a temporary copy (the committed notebook and its
 outputs are left alone) by the notebooks' own runner, ``python notebooks/run.py``:
 a fresh kernel on this interpreter, with notebooks/ as working directory and on
 ``PYTHONPATH``. The runs are started all at once, when the first is needed, and
-each test waits for its own: a notebook spends much of its time starting
-processes and waiting on them, so together they take little more than the
-slowest alone.
+each test waits for its own: while one notebook waits on its ranks, the others
+use the cores.
 """
 
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -53,24 +53,40 @@ class NotebookRun:
     stderr: Path
     committed: bytes  # the committed notebook's bytes before the run
 
+    def stop(self) -> None:
+        """Interrupt the run if it is still going: the runner then kills its kernel's process group
+        (the kernel and the ranks it started); kill the runner if it does not end in time."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
 
-@pytest.fixture(scope="module")
-def notebook_runs(tmp_path_factory):
-    """Every notebook's run, by path, all started at once; killed at the end if still running."""
+
+def start_runs(directory: Path) -> dict[Path, NotebookRun]:
+    """Every notebook's run, by path, all started now, each into a folder of its own in ``directory``."""
     runs = {}
     for path in PATHS:
-        out = tmp_path_factory.mktemp(path.stem)
+        out = directory / path.stem
+        out.mkdir()
         stderr = out / "stderr.txt"
         with open(stderr, "w") as err:  # a file, not a pipe: a run that writes much never blocks on it
             process = subprocess.Popen([sys.executable, str(NOTEBOOKS / "run.py"), str(path), "--output-dir",
                                         str(out), f"--timeout={CELL_TIMEOUT}"], stdout=subprocess.DEVNULL,
                                        stderr=err)
         runs[path] = NotebookRun(process, out / path.name, stderr, path.read_bytes())
+    return runs
+
+
+@pytest.fixture(scope="module")
+def notebook_runs(tmp_path_factory):
+    """Every notebook's run, by path, all started at once; stopped at the end if still running."""
+    runs = start_runs(tmp_path_factory.mktemp("notebooks"))
     yield runs
     for run in runs.values():
-        if run.process.poll() is None:
-            run.process.kill()
-            run.process.wait()
+        run.stop()
 
 
 @pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])

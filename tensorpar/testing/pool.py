@@ -14,6 +14,7 @@ import os
 import pickle
 import runpy
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -45,9 +46,17 @@ def _serve(conn: multiprocessing.connection.Connection) -> None:
                 return fn(*args)
         reply(conn, task)
     shutdown(timedelta(seconds=10))
-    # Out of the group with every reply sent: end now. The interpreter's teardown with torch loaded
-    # costs about a second of CPU per rank, and a pool's ranks all stop at once; shared-memory
-    # channels are anonymous files, which the kernel frees with the process.
+    _end()
+
+
+def _end() -> None:
+    """End this rank as a fork-started ``multiprocessing`` child ends: once threads that tasks left
+    running have finished, with its output flushed, and without the interpreter's teardown, which
+    with torch loaded costs about a second of CPU per rank (and a pool's ranks all stop at once).
+    Shared-memory channels are anonymous files: the kernel frees them with the process."""
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
