@@ -1,13 +1,16 @@
 """Train a small GPT with tensor x data parallelism, nanoGPT style.
 
-With plain `python` it starts tp x dp local processes itself (gloo on CPU,
-NCCL when there is a GPU per rank); under `torchrun` each process is one rank
-and dp = world / tp. Tensor parallelism is inside a node-local group of tp
-ranks; data parallelism across them is DistributedDataParallel (optionally
-with ZeroRedundancyOptimizer: --zero), or FSDP2 with the tp shards inside
-(--fsdp). AdamW, cosine learning rate with warmup, gradient clipping by the
-norm of the whole unsharded gradient, gradient accumulation; float32 on CPU,
-bf16 autocast on GPU.
+With plain `python` it starts tp x dp x pp local processes itself (gloo on
+CPU, NCCL when there is a GPU per rank); under `torchrun` each process is one
+rank and dp = world / (tp x pp). Tensor parallelism is inside a node-local
+group of tp ranks; data parallelism across them is DistributedDataParallel
+(optionally with ZeroRedundancyOptimizer: --zero), or FSDP2 with the tp shards
+inside (--fsdp); with --pp the blocks are split into pipeline stages run by a
+schedule of torch.distributed.pipelining (--schedule gpipe, 1f1b or
+interleaved, over --microbatches). AdamW (its state optionally in host memory:
+--offload-optimizer), cosine learning rate with warmup, gradient clipping by
+the norm of the whole unsharded gradient, gradient accumulation; float32 on
+CPU, bf16 autocast on GPU.
 
 Data: bytes of a text (the built-in corpus unless --data names a file; its
 last --val-fraction held out for validation), or a directory holding
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -37,10 +41,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import tensorpar
-from layers import GPT, GPTConfig
+from layers import GPT, GPTConfig, PipelinedGPT
 from tensorpar import checkpoint
 from tensorpar.random import mix_seed
 from tensorpar.training import (ByteData, TokenData, TrainConfig, autocast_for, cosine_lr, open_log, open_logger,
@@ -52,6 +57,7 @@ EPILOG = """examples:
   python examples/train_gpt.py --tp 2 --dp 2 --zero     # 4 processes, optimizer state sharded over dp
   python examples/train_gpt.py --tp 2 --dp 2 --fsdp     # parameters, gradients and optimizer state too
   python examples/train_gpt.py --tp 4 --sequence-parallel   # activations split along the tokens too
+  python examples/train_gpt.py --tp 2 --pp 2 --schedule 1f1b --microbatches 4   # 2 pipeline stages of tp=2
   python examples/train_gpt.py --data my.txt --steps 2000 --out run1 --stop-at 1000
   python examples/train_gpt.py --data my.txt --steps 2000 --out run1 --resume    # steps 1001-2000
   python examples/train_gpt.py --data data/shakespeare --vocab-size 50257 --eval-every 50 --logger tensorboard
@@ -64,27 +70,42 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     return parse_training_args(argv, prog=Path(__file__).name, description=__doc__, epilog=EPILOG)
 
 
-def build(cfg: TrainConfig, mesh: tensorpar.Mesh) -> tuple[GPT, torch.optim.Optimizer]:
-    tensorpar.manual_seed(cfg.seed)  # the same full weights at any tp and dp
-    model = GPT(GPTConfig(vocab_size=cfg.vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer,
-                          n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
-                          activation_checkpointing=cfg.activation_checkpointing,
-                          sequence_parallel=cfg.sequence_parallel),
-                device=mesh.device)
-    if cfg.fsdp:  # before the optimizer: FSDP2 replaces the parameters by their dp shards
-        tensorpar.fully_shard_dp(model, mesh, modules=model.transformer.h)
+def build(cfg: TrainConfig, mesh: tensorpar.Mesh) -> tuple[GPT | PipelinedGPT, torch.optim.Optimizer]:
+    tensorpar.manual_seed(cfg.seed)  # the same full weights at any tp, dp and pp
+    config = GPTConfig(vocab_size=cfg.vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                       n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
+                       activation_checkpointing=cfg.activation_checkpointing, sequence_parallel=cfg.sequence_parallel)
+    model: GPT | PipelinedGPT
+    if mesh.pp > 1:
+        model = PipelinedGPT(config, stages_per_rank=cfg.stages_per_rank, mesh=mesh)
+        if cfg.fsdp:  # each stage its own FSDP2 root, its blocks the units
+            for stage in model.stages:
+                tensorpar.fully_shard_dp(stage, mesh, modules=stage.blocks)
+    else:
+        model = GPT(config, device=mesh.device)
+        if cfg.fsdp:  # before the optimizer: FSDP2 replaces the parameters by their dp shards
+            tensorpar.fully_shard_dp(model, mesh, modules=model.transformer.h)
     if cfg.compile:  # block by block, as FSDP2 and activation checkpointing wrap them
-        for block in model.transformer.h:
+        for block in blocks(model):
             block.compile(fullgraph=True)
     params = list(model.parameters())
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # no decay: biases, norms
+    optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW
+    if cfg.offload_optimizer:
+        optimizer_class = functools.partial(tensorpar.OffloadedOptimizer, optimizer_class=torch.optim.AdamW)
     if cfg.zero and mesh.dp > 1:
         optimizer: torch.optim.Optimizer = ZeroRedundancyOptimizer(
-            groups, optimizer_class=torch.optim.AdamW, process_group=mesh.dp_group, lr=cfg.lr, betas=(0.9, 0.95))
+            groups, optimizer_class=optimizer_class, process_group=mesh.dp_group, lr=cfg.lr, betas=(0.9, 0.95))
     else:
-        optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+        optimizer = optimizer_class(groups, lr=cfg.lr, betas=(0.9, 0.95))
     return model, optimizer
+
+
+def blocks(model: GPT | PipelinedGPT) -> list[nn.Module]:
+    """The model's transformer blocks (this rank's, when pipelined)."""
+    h = model.transformer.h
+    return list(h.values()) if isinstance(h, nn.ModuleDict) else list(h)
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -98,12 +119,19 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     out = Path(cfg.out) if cfg.out else None
     if cfg.resume != "never" and out and (out / "latest").exists():
         done = checkpoint.load(out, model, optimizer)["step"]
-    ddp = DistributedDataParallel(model, process_group=mesh.dp_group) if mesh.dp > 1 and not cfg.fsdp else model
+    pipe = None
+    if isinstance(model, PipelinedGPT):  # each stage wrapped in DDP, which reduces after the step's last backward
+        wrap = functools.partial(DistributedDataParallel, process_group=mesh.dp_group)
+        pipe = model.pipeline(cfg.schedule, cfg.microbatches, wrap=wrap if mesh.dp > 1 and not cfg.fsdp else None)
+        ddp: nn.Module = model
+    else:
+        ddp = DistributedDataParallel(model, process_group=mesh.dp_group) if mesh.dp > 1 and not cfg.fsdp else model
     if lead and out:
         out.mkdir(parents=True, exist_ok=True)
     log = open_log(out, done + 1) if lead and out else None
     logger = open_logger(cfg.logger, out, start=done + 1, config=dataclasses.asdict(cfg)) if lead and out else None
-    bar = progress(cfg.steps, done, f"train tp={mesh.tp} dp={mesh.dp}") if lead and cfg.progress else None
+    layout = f"tp={mesh.tp} dp={mesh.dp}" + (f" pp={mesh.pp} {cfg.schedule}" if mesh.pp > 1 else "")
+    bar = progress(cfg.steps, done, f"train {layout}") if lead and cfg.progress else None
     losses: dict[int, float] = {}
     norms: dict[int, float] = {}
     vals: dict[int, float] = {}
@@ -120,6 +148,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         for micro in range(cfg.grad_accum):
             x, y = data.batch(index, micro, batch_size=cfg.batch_size, block_size=cfg.block_size,
                               accum=cfg.grad_accum, dp=mesh.dp, dp_rank=mesh.dp_rank)
+            if pipe is not None:  # forward and backward, micro-batch by micro-batch through the stages
+                with autocast_for(mesh.device):
+                    loss_sum += pipe.step(x.to(mesh.device), y.to(mesh.device), loss_scale=1 / cfg.grad_accum)
+                continue
             reduce = micro == cfg.grad_accum - 1  # the gradients go over dp after the last micro-batch only
             if cfg.fsdp:
                 model.set_requires_gradient_sync(reduce)
@@ -129,7 +161,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                     loss = ddp(x.to(mesh.device), y.to(mesh.device)) / cfg.grad_accum
                 loss.backward()
             loss_sum += loss.detach()
-        norm = tensorpar.clip_grad_norm_(model, cfg.clip) if cfg.clip else tensorpar.grad_norm(model)
+        if isinstance(model, PipelinedGPT):  # the whole model's norm, over the stages too
+            norm = model.clip_grad_norm_(cfg.clip) if cfg.clip else model.grad_norm()
+        else:
+            norm = tensorpar.clip_grad_norm_(model, cfg.clip) if cfg.clip else tensorpar.grad_norm(model)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if mesh.dp > 1:  # the step's loss over the whole batch, for the log
@@ -138,11 +173,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         losses[step], norms[step] = loss_sum.item(), norm.item()
         seconds = time.perf_counter() - began
         row = {"step": step, "loss": losses[step], "lr": lr, "grad_norm": norms[step],
-               "tokens_per_s": tokens_per_step / seconds, "tp": mesh.tp, "dp": mesh.dp}
+               "tokens_per_s": tokens_per_step / seconds, "tp": mesh.tp, "dp": mesh.dp, "pp": mesh.pp}
         if cfg.eval_every and step % cfg.eval_every == 0:
             row["val_loss"] = vals[step] = validation_loss(model, val, iters=cfg.eval_iters, mesh=mesh,
                                                            batch_size=cfg.batch_size // cfg.grad_accum,
-                                                           block_size=cfg.block_size)
+                                                           block_size=cfg.block_size,
+                                                           loss_of=pipe.evaluate if pipe else None)
         if out and ((cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == last):
             checkpoint.save(out, model, optimizer, step=step, mesh=mesh,
                             extra={"data_position": {"step": step, "tokens": step * tokens_per_step},
@@ -159,8 +195,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     for opened in (bar, log, logger):
         if opened:
             opened.close()
-    sample = _sample(model, cfg, mesh, val) if cfg.sample_tokens and last == cfg.steps else None
-    full = model.full_state_dict() if mesh.dp_rank == 0 or cfg.fsdp else None  # FSDP: gathered over dp too
+    sample = None
+    if cfg.sample_tokens and last == cfg.steps and isinstance(model, GPT):  # a pipeline holds part of the model
+        sample = _sample(model, cfg, mesh, val)
+    full = None
+    if isinstance(model, GPT) and (mesh.dp_rank == 0 or cfg.fsdp):  # FSDP: gathered over dp too
+        full = model.full_state_dict()
     if not lead:
         return {}
     if out and (losses or done):
@@ -185,7 +225,7 @@ def _sample(model: GPT, cfg: TrainConfig, mesh: tensorpar.Mesh, val: TokenData) 
 
 def spawned(cfg: TrainConfig) -> dict[str, Any]:
     """One rank of a local run started by ``tensorpar.spawn``."""
-    tensorpar.init(cfg.tp, cfg.dp)
+    tensorpar.init(cfg.tp, cfg.dp, pp=cfg.pp)
     torch.set_num_threads(1)
     return train(cfg)
 
@@ -194,17 +234,18 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
     began = time.perf_counter()
     if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
-        mesh = tensorpar.init(cfg.tp, cfg.dp)
+        mesh = tensorpar.init(cfg.tp, cfg.dp, pp=cfg.pp)
         result = train(cfg)
         if mesh.rank:
             return
     else:
-        result = tensorpar.spawn(spawned, cfg.tp * cfg.dp, cfg)[0]
+        result = tensorpar.spawn(spawned, cfg.tp * cfg.dp * cfg.pp, cfg)[0]
     losses, vals = result["losses"], result["val_losses"]
     if losses:
         first, last = losses[min(losses)], losses[max(losses)]
         print(f"loss {first:.3f} -> {last:.3f} over steps {min(losses)}-{max(losses)} "
-              f"in {time.perf_counter() - began:.0f} s (tp={cfg.tp}, dp={cfg.dp})")
+              f"in {time.perf_counter() - began:.0f} s (tp={cfg.tp}, dp={cfg.dp}"
+              + (f", pp={cfg.pp} {cfg.schedule} x {cfg.microbatches} micro-batches)" if cfg.pp > 1 else ")"))
     if vals:
         print(f"validation loss {vals[max(vals)]:.3f} after step {max(vals)}")
     if cfg.out:
@@ -212,6 +253,8 @@ def main(argv: list[str] | None = None) -> None:
               + (f", {cfg.logger}: {cfg.out}" if cfg.logger != "none" else ""))
     if result.get("sample"):
         print("sample:\n" + result["sample"])
+    elif cfg.pp > 1 and cfg.sample_tokens and cfg.out:
+        print(f"no sample: each pipeline rank holds part of the model; load {cfg.out}/latest at --pp 1 to sample")
     if losses and not math.isfinite(losses[max(losses)]):
         raise SystemExit("the loss is not finite")
 

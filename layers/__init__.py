@@ -7,9 +7,11 @@ from .hf_parallel import parallelize_hf
 from .linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from .mlp import ParallelMLP
 from .parallelize import STYLES, parallelize
+from .pipeline import GPTStage, PipelinedGPT
 from .regions import CopyToTP, GatherSequence, ReduceFromTP, ReduceScatterSequence
 from .sequence import SequenceParallelLayerNorm, ShardedDropout
 
-__all__ = ["GPT", "STYLES", "Block", "ColumnParallelLinear", "CopyToTP", "GPTConfig", "GatherSequence", "ParallelMLP",
+__all__ = ["GPT", "STYLES", "Block", "ColumnParallelLinear", "CopyToTP", "GPTConfig", "GPTStage", "GatherSequence",
+           "ParallelMLP", "PipelinedGPT",
            "ParallelSelfAttention", "ReduceFromTP", "ReduceScatterSequence", "ReplicatedLinear", "RowParallelLinear",
            "SequenceParallelLayerNorm", "ShardedDropout", "VocabParallelEmbedding", "parallelize", "parallelize_hf"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,6 +132,48 @@ def _checkpointed(block: Block, x: torch.Tensor, seq_len: int) -> torch.Tensor:
                       context_fn=functools.partial(recompute_contexts, *trackers))
 
 
+def embed(parts: nn.ModuleDict, config: GPTConfig, idx: torch.Tensor) -> torch.Tensor:
+    """Token ids ``(B, T)`` -> the first block's input through ``parts`` (``wte``, ``wpe``, ``reduce``,
+    ``drop``): ``(B, T, C)``, replicated, or with sequence parallelism this rank's tokens ``(B, T_r, C)``."""
+    t = idx.shape[1]
+    if t > config.block_size:
+        raise ValueError(f"sequence length ({t}) is longer than block_size ({config.block_size})")
+    pos = torch.arange(t, device=idx.device)
+    x = parts.reduce(parts.wte(idx) + parts.wpe(pos))  # (B, T, C) or (B, T_r, C)
+    return parts.drop(x, t) if config.sequence_parallel else parts.drop(x)
+
+
+def run_blocks(blocks: Iterable[Block], x: torch.Tensor, seq_len: int, config: GPTConfig) -> torch.Tensor:
+    """``x`` through ``blocks`` in turn, each checkpointed when ``config.activation_checkpointing`` (and
+    gradients are on)."""
+    recompute = config.activation_checkpointing and torch.is_grad_enabled()
+    for block in blocks:
+        x = _checkpointed(block, x, seq_len) if recompute else block(x, seq_len)  # (B, T, C) or (B, T_r, C)
+    return x
+
+
+def initialise_(config: GPTConfig, named: Iterable[tuple[str, list[torch.Tensor]]],
+                geometry: Mapping[str, Mapping[str, Any]]) -> None:
+    """nanoGPT's initialisation, drawn tp-invariantly, of the tensors held for each parameter name of
+    the GPT, in the GPT's order: weights ``N(0, 0.02)`` (residual projections ``N(0, 0.02 / √(2
+    n_layer))``), biases 0, LayerNorm weights 1. Each weight takes one draw of the global generator
+    whether this rank holds it (a pipeline stage holds some blocks only) or not, and every copy held
+    of it (a tied head on another stage) gets the same values, so all layouts agree."""
+    with torch.no_grad():
+        for name, held in named:
+            if len(geometry[name]["full_shape"]) < 2:  # biases, LayerNorms: no draw
+                for p in held:
+                    p.fill_(0.0 if name.endswith("bias") else 1.0)
+                continue
+            std = 0.02 / math.sqrt(2 * config.n_layer) if name.endswith("c_proj.weight") else 0.02
+            state = torch.get_rng_state()
+            if not held:
+                torch.randint(0, 2**62, ())  # the draw tiled_init would take
+            for p in held:
+                torch.set_rng_state(state)
+                tensorpar.tiled_init.normal_(p, 0.0, std, **geometry[name])
+
+
 class GPT(nn.Module):
     """A GPT sharded over the tp group, with nanoGPT's module and parameter names.
 
@@ -160,17 +202,20 @@ class GPT(nn.Module):
             tensorpar.partition_sizes(getattr(c, name), tp, name=name)
         factory: dict[str, Any] = dict(device=device, dtype=dtype)
         sp = c.sequence_parallel  # the embeddings' sum reduce-scattered into this rank's tokens, gathered for the head
-        self.transformer = nn.ModuleDict(dict(
-            wte=VocabParallelEmbedding(c.vocab_size, c.n_embd, reduce_output=False, group=group, **factory),
-            wpe=VocabParallelEmbedding(c.block_size, c.n_embd, reduce_output=False, group=group, **factory),
-            reduce=ReduceScatterSequence(group=group) if sp else ReduceFromTP(group=group),  # g (ḡ) over both lookups
-            drop=ShardedDropout(c.dropout, group=group) if sp else nn.Dropout(c.dropout),
-            h=nn.ModuleList([Block(c, group=group, **factory) for _ in range(c.n_layer)]),
-            ln_f=(SequenceParallelLayerNorm(c.n_embd, bias=c.bias, group=group, **factory) if sp
-                  else nn.LayerNorm(c.n_embd, bias=c.bias, **factory)),
-        ))
-        self.lm_head = ColumnParallelLinear(c.n_embd, c.vocab_size, bias=False, sequence_parallel=sp, group=group,
-                                            **factory)
+        # The layers initialise themselves, then reset_parameters draws every weight again: only its draws
+        # count, so a model takes one draw per weight however it is built (a pipeline stage builds a few).
+        with torch.random.fork_rng(devices=[]):
+            self.transformer = nn.ModuleDict(dict(
+                wte=VocabParallelEmbedding(c.vocab_size, c.n_embd, reduce_output=False, group=group, **factory),
+                wpe=VocabParallelEmbedding(c.block_size, c.n_embd, reduce_output=False, group=group, **factory),
+                reduce=ReduceScatterSequence(group=group) if sp else ReduceFromTP(group=group),  # g (ḡ) over both lookups
+                drop=ShardedDropout(c.dropout, group=group) if sp else nn.Dropout(c.dropout),
+                h=nn.ModuleList([Block(c, group=group, **factory) for _ in range(c.n_layer)]),
+                ln_f=(SequenceParallelLayerNorm(c.n_embd, bias=c.bias, group=group, **factory) if sp
+                      else nn.LayerNorm(c.n_embd, bias=c.bias, **factory)),
+            ))
+            self.lm_head = ColumnParallelLinear(c.n_embd, c.vocab_size, bias=False, sequence_parallel=sp, group=group,
+                                                **factory)
         self._tie()
         # .to(), .to_empty() and load_state_dict(assign=True) may replace the parameters: tie them again
         self.register_load_state_dict_post_hook(lambda module, _: module._tie())
@@ -187,14 +232,7 @@ class GPT(nn.Module):
     def reset_parameters(self) -> None:
         """nanoGPT's initialisation, drawn tp-invariantly: weights ``N(0, 0.02)`` (residual
         projections ``N(0, 0.02 / √(2 n_layer))``), biases 0, LayerNorm weights 1."""
-        geometry = tensorpar.shard_geometry(self)
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                if p.dim() >= 2:
-                    std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith("c_proj.weight") else 0.02
-                    tensorpar.tiled_init.normal_(p, 0.0, std, **geometry[name])
-                else:
-                    p.fill_(0.0 if name.endswith("bias") else 1.0)
+        initialise_(self.config, [(name, [p]) for name, p in self.named_parameters()], tensorpar.shard_geometry(self))
 
     @staticmethod
     def _check_ids(ids: torch.Tensor, name: str = "token ids") -> None:
@@ -209,17 +247,8 @@ class GPT(nn.Module):
     def _hidden(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids ``(B, T)`` (checked) -> final hidden states ``(B, T, C)``, replicated (with
         sequence parallelism, this rank's tokens ``(B, T_r, C)``)."""
-        t = idx.shape[1]
-        if t > self.config.block_size:
-            raise ValueError(f"sequence length ({t}) is longer than block_size ({self.config.block_size})")
-        pos = torch.arange(t, device=idx.device)
-        x = self.transformer.reduce(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C) or (B, T_r, C)
-        sp = self.config.sequence_parallel
-        x = self.transformer.drop(x, t) if sp else self.transformer.drop(x)
-        recompute = self.config.activation_checkpointing and torch.is_grad_enabled()
-        for block in self.transformer.h:
-            x = _checkpointed(block, x, t) if recompute else block(x, t)  # (B, T, C) or (B, T_r, C)
-        return self.transformer.ln_f(x)
+        x = embed(self.transformer, self.config, idx)
+        return self.transformer.ln_f(run_blocks(self.transformer.h, x, idx.shape[1], self.config))
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         self._check_ids(idx)

@@ -20,6 +20,8 @@ their squares are summed over dp as well (one more scalar all-reduce). A
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
@@ -43,15 +45,19 @@ def _replicas(x: DTensor, name: str) -> int:
     return copies
 
 
-def grad_norm(model: nn.Module, group: ProcessGroup | None = None) -> torch.Tensor:
+def grad_norm(model: nn.Module, group: ProcessGroup | None = None, *, pp_group: ProcessGroup | None = None,
+              exclude: Collection[str] = ()) -> torch.Tensor:
     """The 2-norm of the unsharded model's gradient, the same on every rank (float32).
 
     A collective over the tp group, and under FSDP2 over the dp sub-mesh too (every rank calls it).
+    ``model`` may be one pipeline stage (or a rank's stages) of a larger model: then its squares are
+    summed over ``pp_group`` too, leaving out the parameters named in ``exclude`` (copies of a
+    parameter that another stage counts, such as a tied head).
     """
     split = placements(model)
     group = next(iter(split.values()))[1] if group is None and split else tp_group(group)
     _, n = group_rank_size(group)
-    grads = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
+    grads = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None and name not in exclude]
     device = local_part(grads[0][1]).device if grads else local_part(next(model.parameters())).device
     zero = torch.zeros((), dtype=torch.float32, device=device)
     sums: dict[DeviceMesh | None, torch.Tensor] = {None: zero}  # by the mesh the gradients are sharded over
@@ -63,7 +69,7 @@ def grad_norm(model: nn.Module, group: ProcessGroup | None = None) -> torch.Tens
         sq = local_part(grad).detach().float().pow(2).sum()
         sums[mesh] = sums.get(mesh, zero) + (sq if copies == 1 else sq / copies)
     if len(sums) == 1:  # no DTensor: one scalar over tp, as it always was
-        return all_reduce_sum(sums[None], group).sqrt()
+        return _over_stages(all_reduce_sum(sums[None], group), pp_group).sqrt()
     meshes = [mesh for mesh in sums if mesh is not None]
     totals = all_reduce_sum(torch.stack([sums[None], *(sums[m] for m in meshes)]), group)  # one over tp
     total = totals[0]
@@ -71,15 +77,22 @@ def grad_norm(model: nn.Module, group: ProcessGroup | None = None) -> torch.Tens
         for dim in range(mesh.ndim):  # sharded pieces (and 1/size of each replica) summed over the mesh
             part = all_reduce_sum(part, mesh.get_group(dim))
         total = total + part
-    return total.sqrt()
+    return _over_stages(total, pp_group).sqrt()
 
 
-def clip_grad_norm_(model: nn.Module, max_norm: float, group: ProcessGroup | None = None) -> torch.Tensor:
+def _over_stages(squares: torch.Tensor, pp_group: ProcessGroup | None) -> torch.Tensor:
+    """The sum of every pipeline stage's squares (``squares`` itself without pipelining)."""
+    return squares if pp_group is None or group_rank_size(pp_group)[1] == 1 else all_reduce_sum(squares, pp_group)
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, group: ProcessGroup | None = None, *,
+                    pp_group: ProcessGroup | None = None, exclude: Collection[str] = ()) -> torch.Tensor:
     """Scale the gradients so that the unsharded model's gradient norm is at most ``max_norm``
     (as ``torch.nn.utils.clip_grad_norm_`` would on the unsharded model); return the norm before.
 
     Works alike on plain tp models (with DDP or ``ZeroRedundancyOptimizer`` over dp) and on
-    models sharded over dp with :func:`tensorpar.fully_shard_dp`.
+    models sharded over dp with :func:`tensorpar.fully_shard_dp`, and on pipeline stages (``pp_group``,
+    ``exclude``: see :func:`grad_norm`).
 
     Example::
 
@@ -87,7 +100,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, group: ProcessGroup | Non
         norm = tensorpar.clip_grad_norm_(model, 1.0)
         optimizer.step()
     """
-    norm = grad_norm(model, group)
+    norm = grad_norm(model, group, pp_group=pp_group, exclude=exclude)
     coef = max_norm / (norm.item() + 1e-6)
     if coef < 1.0:
         with torch.no_grad():

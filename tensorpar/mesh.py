@@ -1,10 +1,15 @@
-"""The (dp, tp) process mesh and the default-mesh context.
+"""The (pp, dp, tp) process mesh and the default-mesh context.
 
-Ranks are laid out row-major on a ``(dp, tp)`` grid: tensor-parallel groups are
-runs of ``tp`` consecutive ranks (so they share a node under torchrun), and
-data-parallel groups stride across them. With 4 ranks and ``tp=2``::
+Ranks are laid out row-major on a ``(pp, dp, tp)`` grid: tensor-parallel groups
+are runs of ``tp`` consecutive ranks (so they share a node under torchrun),
+data-parallel groups stride across them, and pipeline stages are the outermost
+blocks of ``dp * tp`` ranks. With 4 ranks and ``tp=2``::
 
-    tp groups: [0, 1], [2, 3]        dp groups: [0, 2], [1, 3]
+    tp groups: [0, 1], [2, 3]        dp groups: [0, 2], [1, 3]      (pp = 1)
+
+and with 8 ranks, ``pp=2, dp=2, tp=2``: stage 0 is ranks 0-3, stage 1 ranks 4-7,
+tp groups [0, 1], [2, 3], ..., dp groups [0, 2], [1, 3], [4, 6], [5, 7], and pp
+groups (a rank and its twins in the other stages) [0, 4], [1, 5], [2, 6], [3, 7].
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 @dataclass(frozen=True)
 class Mesh:
-    """A 2-D ``("dp", "tp")`` mesh over the world, with its groups, ranks and sizes.
+    """A 3-D ``("pp", "dp", "tp")`` mesh over the world, with its groups, ranks and sizes.
 
     ``rng`` is this rank's random stream for sharded regions (see :mod:`tensorpar.random`);
     ``channels`` holds the shared-memory channels that :mod:`tensorpar.comm` opens for groups
@@ -44,10 +49,13 @@ class Mesh:
     device_mesh: DeviceMesh
     tp_group: ProcessGroup
     dp_group: ProcessGroup
+    pp_group: ProcessGroup
     tp: int
     dp: int
+    pp: int
     tp_rank: int
     dp_rank: int
+    pp_rank: int
     rank: int
     world_size: int
     device: torch.device
@@ -56,8 +64,8 @@ class Mesh:
         default_factory=weakref.WeakKeyDictionary, compare=False, repr=False)
 
     def __repr__(self) -> str:
-        return (f"Mesh(tp={self.tp}, dp={self.dp}, rank={self.rank}, tp_rank={self.tp_rank}, "
-                f"dp_rank={self.dp_rank}, device={self.device})")
+        return (f"Mesh(tp={self.tp}, dp={self.dp}, pp={self.pp}, rank={self.rank}, tp_rank={self.tp_rank}, "
+                f"dp_rank={self.dp_rank}, pp_rank={self.pp_rank}, device={self.device})")
 
 
 # The mesh that modules built without an explicit ``group`` use. A context
@@ -152,23 +160,25 @@ def shutdown(timeout: timedelta = DEFAULT_TIMEOUT) -> None:
     dist.destroy_process_group()
 
 
-def init(tp: int | None = None, dp: int | None = None, *, backend: str | None = None,
+def init(tp: int | None = None, dp: int | None = None, *, pp: int = 1, backend: str | None = None,
          timeout: timedelta = DEFAULT_TIMEOUT) -> Mesh:
-    """Build the ``(dp, tp)`` mesh over the world and make it the default.
+    """Build the ``(pp, dp, tp)`` mesh over the world and make it the default.
 
     Initialises ``torch.distributed`` from torchrun's environment first when it
-    is not initialised yet (a single-process world when there is none). ``dp``
-    defaults to ``world // tp`` and ``tp`` to ``world // dp`` (all ranks when
-    neither is given). Every rank must call it, with the same arguments: they
-    are compared across ranks, and ranks that differ all raise. An ``init``
-    that raises leaves no process group behind that it created.
+    is not initialised yet (a single-process world when there is none). ``pp``
+    (pipeline stages) defaults to 1; ``dp`` defaults to ``world // (pp * tp)``
+    and ``tp`` to ``world // (pp * dp)`` (all ranks of a stage when neither is
+    given). Every rank must call it, with the same arguments: they are compared
+    across ranks, and ranks that differ all raise. An ``init`` that raises
+    leaves no process group behind that it created.
 
     Example::
 
         mesh = tensorpar.init(tp=2)          # under `torchrun --nproc-per-node 4`: dp = 2
         layer = ColumnParallelLinear(768, 3072)   # uses mesh.tp_group
+        mesh = tensorpar.init(tp=2, pp=2)    # 8 ranks: 2 stages of tp=2 x dp=2
     """
-    for name, value in (("tp", tp), ("dp", dp)):
+    for name, value in (("tp", tp), ("dp", dp), ("pp", pp)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     created = not dist.is_initialized()
@@ -178,8 +188,8 @@ def init(tp: int | None = None, dp: int | None = None, *, backend: str | None = 
         raise ValueError(f"init(backend={backend!r}): the process group already exists with backend "
                          f"{dist.get_backend()!r}; destroy it first or leave backend out")
     try:
-        _agree(tp, dp, backend)
-        mesh = _build_mesh(tp, dp)
+        _agree(tp, dp, pp, backend)
+        mesh = _build_mesh(tp, dp, pp)
     except BaseException:
         if created:  # leave nothing half-initialised
             atexit.unregister(_shutdown_at_exit)
@@ -205,41 +215,48 @@ def exchange_ints(row: list[int], group: ProcessGroup | None = None,
     return everyone.tolist()
 
 
-def _agree(tp: int | None, dp: int | None, backend: str | None) -> None:
+def _agree(tp: int | None, dp: int | None, pp: int, backend: str | None) -> None:
     """Compare ``init``'s arguments across the world (one small all-reduce); every rank raises alike."""
     if dist.get_world_size() == 1:
         return
     device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in dist.get_backend() else None
-    everyone = exchange_ints([tp or 0, dp or 0, _BACKENDS.index(backend) if backend in _BACKENDS else -1],
+    everyone = exchange_ints([tp or 0, dp or 0, pp, _BACKENDS.index(backend) if backend in _BACKENDS else -1],
                              device=device)
     if all(row == everyone[0] for row in everyone):
         return
-    views = [f"rank {r}: tp={t or None}, dp={d or None}, backend={_BACKENDS[b] if b >= 0 else 'other'!r}"
-             for r, (t, d, b) in enumerate(everyone)]
+    views = [f"rank {r}: tp={t or None}, dp={d or None}, pp={p}, backend={_BACKENDS[b] if b >= 0 else 'other'!r}"
+             for r, (t, d, p, b) in enumerate(everyone)]
     raise ValueError(f"the ranks called tensorpar.init with different arguments ({'; '.join(views)})")
 
 
-def _build_mesh(tp: int | None, dp: int | None) -> Mesh:
+def _build_mesh(tp: int | None, dp: int | None, pp: int) -> Mesh:
     world = dist.get_world_size()
-    if dp is not None and world % dp:
-        raise ValueError(f"dp ({dp}) does not divide the world size ({world})")
+    if world % pp:
+        raise ValueError(f"pp ({pp}) does not divide the world size ({world})")
+    stage = world // pp  # ranks per pipeline stage
+    if dp is not None and stage % dp:
+        raise ValueError(f"dp ({dp}) does not divide the ranks of a pipeline stage ({stage} = {world} // pp ({pp}))"
+                         if pp > 1 else f"dp ({dp}) does not divide the world size ({world})")
     if tp is None:
-        tp = world // dp if dp is not None else world
-    if world % tp:
-        raise ValueError(f"tp ({tp}) does not divide the world size ({world})")
-    dp = world // tp if dp is None else dp
-    if tp * dp != world:
-        raise ValueError(f"tp ({tp}) x dp ({dp}) = {tp * dp} does not match the world size ({world})")
+        tp = stage // dp if dp is not None else stage
+    if stage % tp:
+        raise ValueError(f"tp ({tp}) does not divide the ranks of a pipeline stage ({stage} = {world} // pp ({pp}))"
+                         if pp > 1 else f"tp ({tp}) does not divide the world size ({world})")
+    dp = stage // tp if dp is None else dp
+    if pp * dp * tp != world:
+        shape = f"pp ({pp}) x dp ({dp}) x tp ({tp}) = {pp * dp * tp}" if pp > 1 else f"tp ({tp}) x dp ({dp}) = {tp * dp}"
+        raise ValueError(f"{shape} does not match the world size ({world})")
     on_gpu = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    grid = torch.arange(world).reshape(dp, tp)
-    device_mesh = DeviceMesh(device.type, grid, mesh_dim_names=("dp", "tp"))
+    grid = torch.arange(world).reshape(pp, dp, tp)
+    device_mesh = DeviceMesh(device.type, grid, mesh_dim_names=("pp", "dp", "tp"))
     rank = dist.get_rank()
     return Mesh(
         device_mesh=device_mesh,
         tp_group=device_mesh.get_group("tp"),
         dp_group=device_mesh.get_group("dp"),
-        tp=tp, dp=dp, tp_rank=rank % tp, dp_rank=rank // tp,
+        pp_group=device_mesh.get_group("pp"),
+        tp=tp, dp=dp, pp=pp, tp_rank=rank % tp, dp_rank=rank // tp % dp, pp_rank=rank // (tp * dp),
         rank=rank, world_size=world, device=device, rng=RNGStatesTracker(rank % tp),
     )
 

@@ -1,4 +1,4 @@
-"""tensorpar.init: the (dp, tp) mesh, its groups, defaults and misuse."""
+"""tensorpar.init: the (pp, dp, tp) mesh, its groups, defaults and misuse."""
 
 import os
 import re
@@ -31,20 +31,45 @@ def test_init_builds_a_dp_by_tp_mesh_with_contiguous_tp_groups(worlds):
         assert (tp_rank, dp_rank) == (rank % 2, rank // 2)
         assert tp_sum == {0: 1, 1: 1, 2: 5, 3: 5}[rank]  # tp groups [0, 1] and [2, 3]
         assert dp_sum == {0: 2, 1: 4, 2: 2, 3: 4}[rank]  # dp groups [0, 2] and [1, 3]
-        assert names == ("dp", "tp") and grid == [[0, 1], [2, 3]] and is_default
+        assert names == ("pp", "dp", "tp") and grid == [[[0, 1], [2, 3]]] and is_default
+
+
+def check_mesh_3d(tp, dp, pp):
+    mesh = tensorpar.init(tp=tp, dp=dp, pp=pp)
+    sums = []
+    for group in (mesh.tp_group, mesh.dp_group, mesh.pp_group):
+        total = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(total, group=group)
+        sums.append(total.item())
+    return (mesh.tp_rank, mesh.dp_rank, mesh.pp_rank), sums, mesh.device_mesh.mesh.tolist()
+
+
+def test_pipeline_stages_are_the_outermost_dimension(worlds):
+    # pp=2 x tp=2: stages {0, 1} and {2, 3}; each rank's twin in the other stage is its pp peer
+    for rank, (ranks, (tp_sum, dp_sum, pp_sum), grid) in enumerate(worlds[4].run(check_mesh_3d, 2, 1, 2, mesh=False)):
+        assert ranks == (rank % 2, 0, rank // 2) and grid == [[[0, 1]], [[2, 3]]]
+        assert (tp_sum, dp_sum, pp_sum) == ({0: 1, 1: 1, 2: 5, 3: 5}[rank], rank, {0: 2, 1: 4, 2: 2, 3: 4}[rank])
+    # pp=2 x dp=2 x tp=1: dp groups [0, 1] and [2, 3], pp groups [0, 2] and [1, 3]
+    for rank, (ranks, (tp_sum, dp_sum, pp_sum), grid) in enumerate(worlds[4].run(check_mesh_3d, 1, 2, 2, mesh=False)):
+        assert ranks == (0, rank % 2, rank // 2) and grid == [[[0], [1]], [[2], [3]]]
+        assert (tp_sum, dp_sum, pp_sum) == (rank, {0: 1, 1: 1, 2: 5, 3: 5}[rank], {0: 2, 1: 4, 2: 2, 3: 4}[rank])
 
 
 def check_defaults():
-    return [(m.tp, m.dp) for m in (tensorpar.init(tp=2), tensorpar.init(dp=4), tensorpar.init())]
+    meshes = (tensorpar.init(tp=2), tensorpar.init(dp=4), tensorpar.init(), tensorpar.init(pp=2),
+              tensorpar.init(pp=2, dp=2), tensorpar.init(pp=4))
+    return [(m.pp, m.dp, m.tp) for m in meshes]
 
 
 def test_init_fills_in_the_missing_size(worlds):
-    assert worlds[4].run(check_defaults, mesh=False)[0] == [(2, 2), (1, 4), (4, 1)]
+    assert worlds[4].run(check_defaults, mesh=False)[0] == [(1, 2, 2), (1, 4, 1), (1, 1, 4), (2, 1, 2), (2, 2, 1),
+                                                            (4, 1, 1)]
 
 
 def check_init_errors():
     messages = []
-    for kwargs in ({"tp": 3}, {"tp": 2, "dp": 1}, {"tp": 0}, {"dp": 2.5}, {"dp": 3}):
+    for kwargs in ({"tp": 3}, {"tp": 2, "dp": 1}, {"tp": 0}, {"dp": 2.5}, {"dp": 3}, {"pp": 3}, {"pp": 2, "tp": 4},
+                   {"pp": 2, "dp": 3}, {"pp": 2, "tp": 1, "dp": 1}, {"pp": 0}):
         try:
             tensorpar.init(**kwargs)
             messages.append(None)
@@ -61,6 +86,11 @@ def test_init_misuse_is_a_clear_error(worlds):
         "tp must be a positive integer, got 0",
         "dp must be a positive integer, got 2.5",
         "dp (3) does not divide the world size (4)",
+        "pp (3) does not divide the world size (4)",
+        "tp (4) does not divide the ranks of a pipeline stage (2 = 4 // pp (2))",
+        "dp (3) does not divide the ranks of a pipeline stage (2 = 4 // pp (2))",
+        "pp (2) x dp (1) x tp (1) = 2 does not match the world size (4)",
+        "pp must be a positive integer, got 0",
     ]
 
 

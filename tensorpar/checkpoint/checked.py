@@ -9,7 +9,7 @@ from typing import Any
 
 from . import index, publish
 from .manifest import MANIFEST, CheckpointError, check_listing, read_manifest
-from .meta import FORMAT, NAME, check_fields, shard_files
+from .meta import FORMAT, NAME, check_fields, shard_files, world_of
 
 
 def resolve(path: str | Path) -> Path:
@@ -28,6 +28,6 @@ def read_checked(path: str | Path) -> tuple[Path, dict[str, Any], dict[str, inde
     meta = read_manifest(directory, FORMAT)
     where = directory / MANIFEST
     check_fields(meta, where)
-    files = shard_files(meta["tp"] * meta["dp"])
+    files = shard_files(world_of(meta))
     check_listing(directory, meta, files)
     return directory, meta, index.parse(meta.get("tensors"), where, len(files)), files

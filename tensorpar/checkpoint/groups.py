@@ -27,6 +27,19 @@ def grouped_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[li
     return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
 
 
+def merged_names(rows: list[dict[str, Any]], n_groups: int) -> list[list[str]]:
+    """Each group's parameter names over every rank's ``rows[r]["names"]`` (pipeline stages hold different
+    parameters), each name once, in rank order."""
+    if any(len(row["names"]) != n_groups for row in rows):
+        raise CheckpointError(f"the ranks' optimizers have different numbers of parameter groups "
+                              f"({sorted({len(row['names']) for row in rows})})")
+    merged: list[dict[str, None]] = [{} for _ in range(n_groups)]
+    for row in rows:
+        for group, names in zip(merged, row["names"]):
+            group.update(dict.fromkeys(names))
+    return [list(group) for group in merged]
+
+
 def positions(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Each parameter's index in the optimizer's state dict (its place over all groups)."""
     return {name: i for i, name in enumerate(n for group in grouped_names(model, optimizer) for n in group)}
@@ -76,16 +89,18 @@ def check_groups(meta: Mapping[str, Any], where: Path, model: nn.Module,
     they name the optimizer's parameters and carry hyper-parameters of the optimizer's structure."""
     ours = grouped_names(model, optimizer)
     saved = meta["param_groups"]
-    if [group["params"] for group in saved] != ours:
+    mine = {name for group in ours for name in group}
+    # a pipeline stage holds some of the checkpoint's parameters: those it holds must be grouped alike
+    if len(saved) != len(ours) or any(sorted(set(s["params"]) & mine) != sorted(o) for s, o in zip(saved, ours)):
         raise CheckpointError("the optimizer's parameters (or their grouping) differ from the checkpoint's")
     groups, start = [], 0
-    for i, (group, current) in enumerate(zip(saved, optimizer.param_groups)):
+    for i, (group, current, names) in enumerate(zip(saved, optimizer.param_groups, ours)):
         keys, expected = set(group) - {"params"}, set(current) - {"params"}
         if keys != expected:
             problems = [f"lacks {sorted(expected - keys)}"] * bool(expected - keys)
             problems += [f"has {sorted(keys - expected)}, which the optimizer lacks"] * bool(keys - expected)
             raise CheckpointError(f"{where}: param_groups[{i}] {' and '.join(problems)}")
         hyper = {k: conform(group[k], current[k], f"{where}: param_groups[{i}].{k}") for k in sorted(keys)}
-        groups.append(hyper | {"params": list(range(start, start + len(group["params"])))})
-        start += len(group["params"])
+        groups.append(hyper | {"params": list(range(start, start + len(names)))})
+        start += len(names)
     return groups

@@ -29,7 +29,7 @@ from .agree import described, settle, share
 from .boxes import Box
 from .checked import read_checked
 from .manifest import MANIFEST, check_file
-from .meta import check_config
+from .meta import check_config, layout_of, world_of
 from .planner import BoxLoadPlanner
 from .saving import dcp_call
 from .storage import ShardReader
@@ -47,11 +47,12 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 
 def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
          restore_rng: bool = True, cast: bool = False, mesh: Mesh | None = None) -> dict[str, Any]:
-    """Load a checkpoint saved at any (tp, dp), with or without FSDP2, into ``model`` (and ``optimizer``);
-    return its metadata. A collective: every rank calls it.
+    """Load a checkpoint saved at any (tp, dp, pp), with or without FSDP2, into ``model`` (and
+    ``optimizer``); return its metadata. A collective: every rank calls it. A pipeline rank's model
+    (its stages, under the whole model's names) reads just its own tensors.
 
     Every rank reads only its own boxes of each tensor. Generator states are
-    restored when the checkpoint was saved at the same (tp, dp) and
+    restored when the checkpoint was saved at the same (tp, dp, pp) and
     ``restore_rng`` is set. A tensor stored in a dtype other than the model's
     (or than the optimizer keeps) is refused unless ``cast=True``, which
     converts it. Raises :class:`CheckpointError` on every rank, naming the rank,
@@ -71,14 +72,14 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
         directory, meta, entries, files = read_checked(path)
         where = directory / MANIFEST
         check_config(meta, model)
-        rng.check_index(entries, meta["tp"] * meta["dp"], where)
-        tensors, boxes = state.destinations(model, entries, where, cast=cast)
+        rng.check_index(entries, world_of(meta), where)
+        tensors, boxes = state.destinations(model, entries, where, cast=cast, stage=mesh.pp > 1)
         optimizer_state = None
         if optimizer is not None:
             more, more_boxes, optimizer_state = optim.destinations(meta, entries, where, model, optimizer, cast=cast)
             tensors, boxes = tensors | more, boxes | more_boxes
         states: dict[str, torch.Tensor] = {}
-        if restore_rng and (meta["tp"], meta["dp"]) == (mesh.tp, mesh.dp):
+        if restore_rng and layout_of(meta) == (mesh.tp, mesh.dp, mesh.pp):
             states = rng.destinations(entries, mesh.rank)
             boxes |= {k: Box((0,) * v.dim(), tuple(v.shape), tuple(v.shape)) for k, v in states.items()}
         with dcp_call():

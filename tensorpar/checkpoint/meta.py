@@ -75,7 +75,17 @@ def config_dict(model: nn.Module) -> dict[str, Any] | None:
     return as_json({k: v for k, v in dataclasses.asdict(config).items() if k in fields}, "the model's config")
 
 
-MAX_WORLD = 1 << 16  # a larger tp x dp is no checkpoint this library wrote
+MAX_WORLD = 1 << 16  # a larger tp x dp x pp is no checkpoint this library wrote
+
+
+def world_of(meta: Mapping[str, Any]) -> int:
+    """The number of ranks that wrote the checkpoint: tp x dp x pp (pp is 1 when not recorded)."""
+    return meta["tp"] * meta["dp"] * meta.get("pp", 1)
+
+
+def layout_of(meta: Mapping[str, Any]) -> tuple[int, int, int]:
+    """``(tp, dp, pp)`` of the ranks that wrote the checkpoint."""
+    return meta["tp"], meta["dp"], meta.get("pp", 1)
 
 
 def check_fields(meta: Mapping[str, Any], where: Path) -> None:
@@ -84,8 +94,10 @@ def check_fields(meta: Mapping[str, Any], where: Path) -> None:
     for key, minimum in (("step", 0), ("tp", 1), ("dp", 1)):
         if not whole(meta.get(key), minimum):
             raise CheckpointError(f"{where}: {key} must be an integer >= {minimum} (it is {meta.get(key)!r})")
-    if meta["tp"] * meta["dp"] > MAX_WORLD:
-        raise CheckpointError(f"{where}: tp x dp must be at most {MAX_WORLD} (it is {meta['tp'] * meta['dp']})")
+    if "pp" in meta and not whole(meta["pp"], 1):
+        raise CheckpointError(f"{where}: pp must be an integer >= 1 (it is {meta['pp']!r})")
+    if world_of(meta) > MAX_WORLD:
+        raise CheckpointError(f"{where}: tp x dp x pp must be at most {MAX_WORLD} (it is {world_of(meta)})")
     config = meta.get("config")
     if config is not None and not isinstance(config, dict):
         raise CheckpointError(f"{where}: config must be an object or null (it is {config!r})")

@@ -67,24 +67,41 @@ def pieces(model: nn.Module, optimizer: torch.optim.Optimizer,
     return tensors, boxes
 
 
+def _home(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> torch.Tensor:
+    """A tensor on the device and of the dtype where ``optimizer`` keeps state shaped like ``param``:
+    ``param`` itself, unless the optimizer names another through ``state_like(param)`` (the host
+    float32 master copy of ``tensorpar.OffloadedOptimizer``)."""
+    state_like = getattr(optimizer, "state_like", None)
+    return param if state_like is None else state_like(param)
+
+
 def _expected_dtype(param: torch.Tensor, now: Any, shape: tuple[int, ...], stored: torch.dtype) -> torch.dtype:
-    """The dtype the optimizer keeps a state in: the parameter's for a float tensor shaped like it (as
-    torch's ``load_state_dict`` would cast it), else that of the state it holds now, else as stored."""
+    """The dtype the optimizer keeps a state in: that of ``param`` (its :func:`_home`) for a float tensor
+    shaped like it (as torch's ``load_state_dict`` would cast it), else that of the state it holds now,
+    else as stored."""
     if shape and param.is_floating_point() and stored.is_floating_point:
         return param.dtype
     return now.dtype if isinstance(now, torch.Tensor) else stored
 
 
-def _stored_fields(entries: Mapping[str, Entry], order: Mapping[str, int], where: Path) -> dict[str, set[str]]:
-    """``{parameter: its state fields}`` in the checkpoint, each parameter one of the optimizer's."""
-    fields: dict[str, set[str]] = {}
+def _stored_fields(entries: Mapping[str, Entry], order: Mapping[str, int], known: set[str], copies: Mapping[str, str],
+                   where: Path) -> dict[str, tuple[str, set[str]]]:
+    """``{parameter: (the name its state is stored under, the state's fields)}`` for the optimizer's
+    parameters, after checking that every state stored is that of a parameter of the checkpoint's
+    groups (``known``: the optimizer's, and on a pipeline stage those of the other stages). A copy of
+    a tied parameter (``copies``: {copy: original}) whose own state is not stored takes the original's."""
+    stored: dict[str, set[str]] = {}
     for key in entries:
         if key.startswith(OPTIM):
             name, _, field = key.removeprefix(OPTIM).rpartition(".")
-            if name not in order or not field:
+            if name not in known or not field:
                 raise CheckpointError(f"{where}: {key} is not the state of a parameter of the optimizer")
-            fields.setdefault(name, set()).add(field)
-    return fields
+            stored.setdefault(name, set()).add(field)
+    found = {name: (name, fields) for name, fields in stored.items() if name in order}
+    for copy, original in copies.items():
+        if copy in order and copy not in found and original in stored:
+            found[copy] = (original, stored[original])
+    return found
 
 
 def destinations(meta: Mapping[str, Any], entries: Mapping[str, Entry], where: Path, model: nn.Module,
@@ -98,34 +115,35 @@ def destinations(meta: Mapping[str, Any], entries: Mapping[str, Entry], where: P
                for p, fields in _owned(optimizer).items() if fields and id(p) in names}
     local = _spread(optimizer)
     wanted = {names[id(p)] for group in (local or optimizer).param_groups for p in group["params"]}
-    stored = _stored_fields(entries, order, where)
+    known = {name for group in meta["param_groups"] for name in group["params"]} | set(order)
+    stored = _stored_fields(entries, order, known, getattr(model, "tied_copies", {}), where)
     first = min(stored, key=order.__getitem__, default="")
-    for name, fields in stored.items():  # a missing field would fail only in the optimizer's next step
+    for name, (_, fields) in stored.items():  # a missing field would fail only in the optimizer's next step
         now = current.get(name)
         if now is not None and fields != set(now):
             raise CheckpointError(f"{where}: the state of {name} holds {sorted(fields)}, "
                                   f"the optimizer's holds {sorted(now)}")
-        if fields != stored[first]:
+        if fields != stored[first][1]:
             raise CheckpointError(f"{where}: the state of {name} holds {sorted(fields)}, "
-                                  f"that of {first} holds {sorted(stored[first])}")
+                                  f"that of {first} holds {sorted(stored[first][1])}")
     tensors, boxes, like_what = {}, {}, {}
     for name in sorted(set(stored) & wanted, key=order.__getitem__):
-        param = params[name]
-        for field in sorted(stored[name]):
-            key = f"{OPTIM}{name}.{field}"
+        param, (source, fields) = params[name], stored[name]
+        for field in sorted(fields):
+            key = f"{OPTIM}{source}.{field}"
             entry = entries[key]
             shaped = bool(entry.size)
             box = locate(param, *found.get(name, (None, None)))[1] if shaped else Box((), (), ())
-            dtype = _expected_dtype(param, current.get(name, {}).get(field), entry.size, entry.dtype)
+            home = _home(local or optimizer, param)
+            dtype = _expected_dtype(home, current.get(name, {}).get(field), entry.size, entry.dtype)
             check_entry(key, entry, box, dtype, where, cast=cast)
             tensors[key], boxes[key] = torch.empty(box.sizes, dtype=entry.dtype), box
-            like_what[key] = (param if shaped else None, dtype)
+            like_what[key] = (name, field, home if shaped else None, dtype)
 
     def state_dict() -> dict[str, Any]:
         state: dict[int, dict[str, torch.Tensor]] = {}
         for key, value in tensors.items():
-            name, _, field = key.removeprefix(OPTIM).rpartition(".")
-            param, dtype = like_what[key]
+            name, field, param, dtype = like_what[key]
             state.setdefault(order[name], {})[field] = value.to(dtype) if param is None else like(value, param, dtype)
         return {"state": state, "param_groups": groups}
 

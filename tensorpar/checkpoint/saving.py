@@ -39,7 +39,7 @@ from ..mesh import Mesh
 from . import index, optim, publish, rng, state
 from .agree import collect, described, settle, share
 from .boxes import Box
-from .groups import grouped_names, hyperparameters
+from .groups import grouped_names, hyperparameters, merged_names
 from .manifest import CheckpointError, write_manifest
 from .meta import FORMAT, NAME, as_json, config_dict, dirname, shard_file, shard_files, step_of, whole
 from .planner import BoxSavePlanner
@@ -77,10 +77,12 @@ class Job:
 
 def _fields(model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int, extra: Mapping[str, Any] | None,
             mesh: Mesh) -> dict[str, Any]:
-    fields = {"format": FORMAT, "step": step, "tp": mesh.tp, "dp": mesh.dp, "config": config_dict(model),
-              "param_groups": [], "extra": as_json(dict(extra or {}), "extra")}
+    fields = {"format": FORMAT, "step": step, "tp": mesh.tp, "dp": mesh.dp, "pp": mesh.pp,
+              "config": config_dict(model), "param_groups": [], "extra": as_json(dict(extra or {}), "extra")}
     if optimizer is not None:
         names = grouped_names(model, optimizer)
+        if mesh.pp > 1:  # each stage's parameters: every group names those of all stages
+            names = merged_names(share({"names": names}, mesh), len(names))
         fields["param_groups"] = [h | {"params": n} for h, n in zip(hyperparameters(optimizer), names)]
     return fields
 

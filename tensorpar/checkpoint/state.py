@@ -47,16 +47,17 @@ def check_entry(name: str, entry: Entry, box: Box, dtype: torch.dtype, where: Pa
                               "(load(..., cast=True) converts it)")
 
 
-def destinations(model: nn.Module, entries: Mapping[str, Entry], where: Path, *,
-                 cast: bool) -> tuple[dict[str, torch.Tensor], dict[str, Box]]:
+def destinations(model: nn.Module, entries: Mapping[str, Entry], where: Path, *, cast: bool,
+                 stage: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Box]]:
     """``(tensors to read into, their boxes)`` for the model's state, by name, after checking that the
-    checkpoint holds exactly the model's keys, each of the model's full shape and dtype."""
+    checkpoint holds exactly the model's keys (all of them, and no others unless the model is one
+    pipeline ``stage`` of the whole), each of the model's full shape and dtype."""
     state = model.state_dict()
     stored = {k.removeprefix(MODEL) for k in entries if k.startswith(MODEL)}
     missing, unexpected = sorted(set(state) - stored), sorted(stored - set(state))
     if missing:
         raise CheckpointError(f"{where}: the checkpoint lacks {missing}")
-    if unexpected:
+    if unexpected and not stage:
         raise CheckpointError(f"{where}: the checkpoint holds {unexpected}, which the model lacks")
     found = placements(model)
     tensors, boxes = {}, {}

@@ -165,7 +165,7 @@ class SharedMemoryChannel:
     def post(self, x: torch.Tensor, kind: int, read: Callable[[list[torch.Tensor]], None]) -> Round | None:
         """Start a round: put ``x`` (CPU, contiguous) in this rank's slot and say so. The returned round's
         ``wait()`` waits until every rank has posted the same kind of call (``kind``: an index of
-        ``_OPS``), then ``read``\ s every rank's slot, in rank order. Work done in between overlaps the
+        ``_OPS``), then calls ``read`` on every rank's slot, in rank order. Work done in between overlaps the
         wait for the peers. A round still open when the next is posted is finished first. ``None``
         when ``x`` is larger than the channel, which every rank then finds together."""
         if self.broken:

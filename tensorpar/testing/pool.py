@@ -27,7 +27,7 @@ from ..sendable import pack, unpack
 def _serve(conn: multiprocessing.connection.Connection) -> None:
     """A pool rank: say it is ready, then run tasks until told to stop."""
     conn.send_bytes(pickle.dumps((True, None)))
-    meshes: dict[tuple[int, int | None], Mesh] = {}  # reused: each init creates process groups
+    meshes: dict[tuple[int, int | None, int], Mesh] = {}  # reused: each init creates process groups
     while True:
         kind, payload = pickle.loads(conn.recv_bytes())
         if kind == "stop":
@@ -35,13 +35,13 @@ def _serve(conn: multiprocessing.connection.Connection) -> None:
         if kind == "path":
             sys.path[:] = payload
             continue
-        packed, tp, dp, with_mesh = payload
+        packed, tp, dp, pp, with_mesh = payload
 
         def task() -> Any:
             fn, args = unpack(packed)
             mesh = None
             if with_mesh:
-                mesh = meshes.get((tp, dp)) or meshes.setdefault((tp, dp), init(tp, dp))
+                mesh = meshes.get((tp, dp, pp)) or meshes.setdefault((tp, dp, pp), init(tp, dp, pp=pp))
             with use_mesh(mesh):
                 return fn(*args)
         reply(conn, task)
@@ -95,11 +95,12 @@ class World:
             raise RuntimeError(self._broken) from e
         return ranks
 
-    def run(self, fn: Callable[..., Any], *args: Any, tp: int | None = None, dp: int | None = None,
+    def run(self, fn: Callable[..., Any], *args: Any, tp: int | None = None, dp: int | None = None, pp: int = 1,
             mesh: bool = True, timeout: float | None = None) -> list[Any]:
         """``fn(*args)`` on every rank; the per-rank results, in rank order.
 
-        ``mesh=False`` runs with no default mesh (to test code that needs one).
+        The default mesh is ``tensorpar.init(tp, dp, pp=pp)`` (``tp``: every rank of a pipeline stage
+        unless given); ``mesh=False`` runs with no default mesh (to test code that needs one).
         """
         packed = pack(fn, args, caller="World.run")  # before any worker starts
         if self._ranks is None:
@@ -109,7 +110,7 @@ class World:
             self._path = list(sys.path)
             ranks.send(("path", self._path))
         self.runs += 1
-        ranks.send(("run", (packed, tp or self.size, dp, mesh)))
+        ranks.send(("run", (packed, tp or self.size // pp, dp, pp, mesh)))
         name = getattr(fn, "__name__", repr(fn))
         try:
             return ranks.collect(f"pool worker running {name}", self.timeout if timeout is None else timeout,

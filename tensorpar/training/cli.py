@@ -43,8 +43,14 @@ class TrainConfig:
     vocab_size: int | None = _opt(None, "model", "vocabulary size; required with token data, at least 256 "
                                   "for bytes", shown="256 (bytes)")
     tp: int = _opt(2, "parallelism", "tensor-parallel ranks (one node)")
-    dp: int | None = _opt(None, "parallelism", "data-parallel ranks; tp x dp ranks in all",
-                          shown="world / tp under torchrun, else 1")
+    dp: int | None = _opt(None, "parallelism", "data-parallel ranks; tp x dp x pp ranks in all",
+                          shown="world / (tp x pp) under torchrun, else 1")
+    pp: int = _opt(1, "parallelism", "pipeline stages (ranks), each holding whole blocks; tp x dp x pp ranks in all")
+    schedule: str = _opt("1f1b", "parallelism", "pipeline schedule (torch.distributed.pipelining)",
+                         choices=("gpipe", "1f1b", "interleaved"))
+    microbatches: int | None = _opt(None, "parallelism", "pipeline micro-batches per batch", shown="--pp")
+    stages_per_rank: int | None = _opt(None, "parallelism", "pipeline stages per rank (the interleaved schedule "
+                                       "loops over the ranks this many times)", shown="2 for interleaved, else 1")
     zero: bool = _opt(False, "parallelism", "shard the optimizer state over dp (ZeroRedundancyOptimizer)")
     fsdp: bool = _opt(False, "parallelism", "FSDP2 over dp: parameters, gradients and optimizer state sharded "
                       "(instead of DDP; excludes --zero)")
@@ -63,6 +69,8 @@ class TrainConfig:
     warmup: int = _opt(20, "optimisation", "steps of linear warmup")
     weight_decay: float = _opt(0.1, "optimisation", "AdamW weight decay of matrices (none on biases and norms)")
     clip: float = _opt(1.0, "optimisation", "clip the norm of the whole unsharded gradient to this; 0: no clipping")
+    offload_optimizer: bool = _opt(False, "optimisation", "keep the AdamW state (and fp32 master weights) in host "
+                                   "memory, stepping there (ZeRO-Offload style)")
     seed: int = _opt(1337, "optimisation", "seed of the weights, the batches and dropout")
     data: str | None = _opt(None, "data and validation", "a text file (trained on as bytes), or a directory "
                             "holding nanoGPT's train.bin and val.bin (uint16 token ids; needs --vocab-size)",
@@ -90,8 +98,12 @@ class TrainConfig:
         """Checks of the options among themselves (the environment is checked by :func:`resolve`)."""
         if self.fsdp and self.zero:
             raise ValueError("--fsdp and --zero exclude each other: --fsdp shards the optimizer state over dp itself")
-        for name in ("n_layer", "n_head", "n_embd", "block_size", "tp", "steps", "batch_size", "grad_accum",
-                     "eval_iters") + (("dp",) if self.dp is not None else ()):
+        if self.stages_per_rank is None:
+            self.stages_per_rank = 2 if self.schedule == "interleaved" else 1
+        if self.microbatches is None:
+            self.microbatches = self.pp
+        for name in ("n_layer", "n_head", "n_embd", "block_size", "tp", "pp", "microbatches", "stages_per_rank",
+                     "steps", "batch_size", "grad_accum", "eval_iters") + (("dp",) if self.dp is not None else ()):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
         for name in ("warmup", "ckpt_every", "eval_every", "sample_tokens", "clip", "weight_decay", "lr", "min_lr"):
@@ -105,6 +117,15 @@ class TrainConfig:
             raise ValueError(f"--n-embd {self.n_embd} is not divisible by --n-head {self.n_head}")
         if self.n_head < self.tp:
             raise ValueError(f"--n-head {self.n_head} is smaller than --tp {self.tp}: each tp rank needs a head")
+        stages = self.pp * self.stages_per_rank
+        if self.n_layer < stages:
+            raise ValueError(f"--n-layer {self.n_layer} is smaller than the pipeline's {stages} stages "
+                             f"(--pp {self.pp} x {self.stages_per_rank} per rank)")
+        if self.stages_per_rank > 1 and (self.schedule != "interleaved" or self.pp == 1):
+            raise ValueError(f"--stages-per-rank {self.stages_per_rank} needs --schedule interleaved and --pp > 1")
+        if self.schedule == "1f1b" and self.microbatches < self.pp:
+            raise ValueError(f"--schedule 1f1b needs at least --pp ({self.pp}) micro-batches, got --microbatches "
+                             f"{self.microbatches}")
         if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
             raise ValueError(f"--stop-at {self.stop_at} is not a step of the run (1 to --steps {self.steps})")
 
@@ -158,9 +179,10 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
     dp = _world_dp(cfg)
     if cfg.vocab_size is not None and cfg.vocab_size < cfg.tp:
         raise ValueError(f"--vocab-size {cfg.vocab_size} is smaller than --tp {cfg.tp}")
-    if cfg.batch_size % (dp * cfg.grad_accum):
+    if cfg.batch_size % (dp * cfg.grad_accum * cfg.microbatches):
+        pipelined = f" x --microbatches ({cfg.microbatches})" if cfg.pp > 1 or cfg.microbatches > 1 else ""
         raise ValueError(f"--batch-size {cfg.batch_size} is not divisible by dp ({dp}) x --grad-accum "
-                         f"({cfg.grad_accum})")
+                         f"({cfg.grad_accum}){pipelined}")
     cfg = dataclasses.replace(cfg, dp=dp, vocab_size=_check_data(cfg))
     _check_resume(cfg)
     for name, package, install in LOGGER_PACKAGES:
@@ -172,15 +194,16 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
 
 
 def _world_dp(cfg: TrainConfig) -> int:
-    """dp: as given, or the world over tp under torchrun (checked against it), else 1."""
+    """dp: as given, or the world over tp x pp under torchrun (checked against it), else 1."""
     if "WORLD_SIZE" not in os.environ:
         return cfg.dp or 1
-    world = int(os.environ["WORLD_SIZE"])
-    if world % cfg.tp:
-        raise ValueError(f"--tp {cfg.tp} does not divide the world of {world} ranks")
-    if cfg.dp is not None and cfg.tp * cfg.dp != world:
-        raise ValueError(f"--tp {cfg.tp} x --dp {cfg.dp} = {cfg.tp * cfg.dp} ranks, but the world has {world}")
-    return world // cfg.tp
+    world, stage = int(os.environ["WORLD_SIZE"]), cfg.tp * cfg.pp
+    shown = f"--tp {cfg.tp} x --pp {cfg.pp}" if cfg.pp > 1 else f"--tp {cfg.tp}"
+    if world % stage:
+        raise ValueError(f"{shown} does not divide the world of {world} ranks")
+    if cfg.dp is not None and stage * cfg.dp != world:
+        raise ValueError(f"{shown} x --dp {cfg.dp} = {stage * cfg.dp} ranks, but the world has {world}")
+    return world // stage
 
 
 def _check_data(cfg: TrainConfig) -> int:
@@ -215,7 +238,7 @@ def _check_resume(cfg: TrainConfig) -> None:
     if cfg.resume == "never":
         return
     if cfg.out is None:
-        raise ValueError(f"--resume needs --out (the directory holding the checkpoint)")
+        raise ValueError("--resume needs --out (the directory holding the checkpoint)")
     try:
         _, meta, _, _ = read_checked(cfg.out)  # the manifest only: each rank checks the files it reads
     except CheckpointError as e:

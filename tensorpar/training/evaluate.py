@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,9 +20,10 @@ def autocast_for(device: torch.device) -> Any:
 
 
 def validation_loss(model: nn.Module, data: TokenData, *, iters: int, batch_size: int, block_size: int,
-                    mesh: Mesh) -> float:
-    """The mean of ``model(x, y)`` (a mean loss over tokens) over ``data``'s batches ``0 .. iters - 1``,
-    each of ``batch_size`` rows over all dp ranks; a collective over dp.
+                    mesh: Mesh, loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> float:
+    """The mean of ``model(x, y)`` (a mean loss over tokens; ``loss_of(x, y)`` when given, such as a
+    pipeline's ``evaluate``) over ``data``'s batches ``0 .. iters - 1``, each of ``batch_size`` rows
+    over all dp ranks; a collective over dp.
 
     Every dp rank computes its own ``batch_size / dp`` rows of each batch, and
     as the parts are equal, the mean of the ranks' means is the mean over the
@@ -42,7 +44,7 @@ def validation_loss(model: nn.Module, data: TokenData, *, iters: int, batch_size
             for i in range(iters):
                 x, y = data.batch(i, batch_size=batch_size, block_size=block_size, dp=mesh.dp, dp_rank=mesh.dp_rank)
                 with autocast_for(mesh.device):
-                    total += model(x.to(mesh.device), y.to(mesh.device)).float()
+                    total += (loss_of or model)(x.to(mesh.device), y.to(mesh.device)).float()
     finally:
         model.train(was_training)
     if mesh.dp > 1:

@@ -1,0 +1,208 @@
+"""A GPT split into pipeline stages of whole blocks, each stage tensor-parallel inside.
+
+With ``pp`` pipeline ranks and ``v`` stages per rank there are ``pp * v``
+stages; the ``n_layer`` blocks are split over them in balanced runs, the longer
+first (5 blocks over 2 stages: 3 and 2). The first stage also holds the
+embeddings, the last the final LayerNorm and the LM head, whose logits stay
+vocab-sharded for the vocab-parallel loss::
+
+    stage 0:  idx (B, T) -> wte + wpe -> blocks 0-2 -> x (B, T, C)
+    stage 1:  x (B, T, C) -> blocks 3-4 -> ln_f -> lm_head -> logits (B, T, V / tp)
+
+(with sequence parallelism each rank passes its own tokens, ``(B, T_r, C)``).
+The head is tied to the token embedding; on different stages each keeps a copy,
+initialised alike, whose gradients are summed over the two stages after every
+step (Megatron's embedding group), so the copies stay equal.
+
+:class:`PipelinedGPT` holds this rank's stages under the GPT's own parameter
+names (``transformer.h.3.attn.c_q.weight``...), so checkpoints move between any
+(pp, dp, tp) and a GPT built from the same seed has the same weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import tensorpar
+from tensorpar.full import local_part
+from tensorpar.pipeline import Pipeline, rank_stages, stage_blocks
+from tensorpar.sharding import check_int
+
+from .gpt import GPT, Block, GPTConfig, embed, initialise_, run_blocks
+
+HEAD = "lm_head.weight"
+EMBEDDING = "transformer.wte.weight"
+
+
+class GPTStage(nn.Module):
+    """Stage ``index`` of ``n_stages``: ``blocks``, after the embeddings on the first stage, before the
+    final LayerNorm and the LM head on the last. Input: token ids ``(B, T)`` on the first stage, else
+    hidden states; output: hidden states, or vocab-sharded logits ``(B, T, V / tp)`` on the last."""
+
+    def __init__(self, config: GPTConfig, index: int, n_stages: int, blocks: list[Block], *,
+                 embedding: nn.ModuleDict | None, ln_f: nn.Module | None, lm_head: nn.Module | None,
+                 group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.config, self.index, self.n_stages, self.tp_group = config, index, n_stages, group
+        self.embedding = embedding
+        self.blocks = nn.ModuleList(blocks)
+        self.ln_f, self.lm_head = ln_f, lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embedding is not None:
+            GPT._check_ids(x)
+            t = x.shape[1]
+            x = embed(self.embedding, self.config, x)  # (B, T, C) or (B, T_r, C)
+        else:
+            t = tensorpar.sequence_length(x, None, self.tp_group) if self.config.sequence_parallel else x.shape[1]
+        x = run_blocks(self.blocks, x, t, self.config)
+        if self.lm_head is None:
+            return x
+        assert self.ln_f is not None
+        return self.lm_head(self.ln_f(x), t)  # (B, T, V / tp)
+
+
+class PipelinedGPT(nn.Module):
+    """This rank's stages of a GPT pipelined over ``mesh.pp`` ranks, ``stages_per_rank`` each
+    (more than one for the interleaved schedule), under the GPT's parameter names.
+
+    ``pipeline(schedule, microbatches)`` returns the :class:`tensorpar.pipeline.Pipeline` that trains
+    it: ``step(idx, targets)`` runs forward and backward over the batch and returns the mean loss on
+    every rank; the tied head's gradients are summed over its two stages then. ``clip_grad_norm_``
+    clips by the norm of the whole model's gradient (over tp and pp). Every rank of the mesh builds
+    it, with the same seed (:func:`tensorpar.manual_seed`): the weights equal a :class:`GPT`'s.
+
+    Example::
+
+        mesh = tensorpar.init(tp=2, pp=2)
+        tensorpar.manual_seed(0)
+        model = PipelinedGPT(GPTConfig(n_layer=5))          # stage 0: blocks 0-2, stage 1: 3-4
+        pipe = model.pipeline("1f1b", microbatches=4)
+        loss = pipe.step(idx, targets)                        # (B, T) on every rank
+        model.clip_grad_norm_(1.0)
+        optimizer.step()
+    """
+
+    def __init__(self, config: GPTConfig, *, stages_per_rank: int = 1, mesh: tensorpar.Mesh | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.mesh = mesh = mesh or tensorpar.current_mesh()
+        check_int(stages_per_rank, "stages_per_rank")
+        if stages_per_rank > 1 and mesh.pp == 1:
+            raise ValueError(f"stages_per_rank ({stages_per_rank}) > 1 needs pipeline ranks to loop over: pp is 1")
+        self.config, self.tp_group = config, mesh.tp_group
+        n_stages = mesh.pp * stages_per_rank
+        split = stage_blocks(config.n_layer, n_stages)
+        self.stage_ids = rank_stages(mesh.pp_rank, mesh.pp, stages_per_rank)
+        full = GPT(config, group=mesh.tp_group, device="meta", dtype=dtype)  # the structure: no draws on meta
+        names = [name for name, _ in full.named_parameters()]  # the GPT's order (the tied head once)
+        geometry = tensorpar.shard_geometry(full)
+        ours = [i for s in self.stage_ids for i in split[s]]
+        first, last = 0 in self.stage_ids, n_stages - 1 in self.stage_ids
+        t = full.transformer
+        parts: dict[str, nn.Module] = {k: t[k] for k in ("wte", "wpe", "reduce", "drop")} if first else {}
+        parts["h"] = nn.ModuleDict({str(i): t.h[i] for i in ours})
+        if last:
+            parts["ln_f"] = t.ln_f
+        self.transformer = nn.ModuleDict(parts)
+        self.copied_head = last and not first  # the head on another rank than the embedding: a copy
+        #: checkpoints: the copy's optimizer state is the embedding's where only that one is stored
+        self.tied_copies = {HEAD: EMBEDDING} if self.copied_head else {}
+        if last:
+            self.lm_head = full.lm_head
+            if self.copied_head:
+                self.lm_head.weight = nn.Parameter(torch.empty_like(t.wte.weight))
+        self.to_empty(device=device or mesh.device)
+        held = dict(self.named_parameters())
+
+        def copies(name: str) -> list[torch.Tensor]:  # the head's copy takes the embedding's values
+            found = [held[name]] if name in held else []
+            return found + [held[HEAD]] if name == EMBEDDING and self.copied_head else found
+
+        initialise_(config, [(name, copies(name)) for name in names], geometry)
+        self._embedding_group = _embedding_group(mesh) if mesh.pp > 2 else mesh.pp_group
+        self.stages = [GPTStage(config, s, n_stages, [self.transformer.h[str(i)] for i in split[s]],
+                                embedding=nn.ModuleDict({k: parts[k] for k in ("wte", "wpe", "reduce", "drop")})
+                                if s == 0 else None,
+                                ln_f=parts.get("ln_f") if s == n_stages - 1 else None,
+                                lm_head=self.lm_head if s == n_stages - 1 else None, group=mesh.tp_group)
+                       for s in self.stage_ids]
+
+    def _apply(self, fn: Any, recurse: bool = True) -> PipelinedGPT:
+        super()._apply(fn, recurse)
+        if "wte" in self.transformer and hasattr(self, "lm_head"):  # one rank holds both: tied
+            self.lm_head.weight = self.transformer.wte.weight
+        return self
+
+    def pipeline(self, schedule: str = "1f1b", microbatches: int = 1, *,
+                 wrap: Callable[[nn.Module], nn.Module] | None = None) -> Pipeline:
+        """The pipeline that trains this model with ``schedule`` (``"gpipe"``, ``"1f1b"`` or
+        ``"interleaved"``) over ``microbatches`` micro-batches. ``wrap`` wraps each stage module
+        before it enters the pipeline (``DistributedDataParallel`` over dp, say)."""
+        modules = [wrap(stage) if wrap else stage for stage in self.stages]
+        return Pipeline(modules, self.stage_ids, self.mesh, schedule=schedule, microbatches=microbatches,
+                        loss_fn=self._loss, check_inputs=self._check, after_backward=self.sum_tied_gradients)
+
+    def _check(self, idx: torch.Tensor, targets: torch.Tensor) -> None:
+        GPT._check_ids(idx)
+        GPT._check_ids(targets, "targets")
+        if targets.shape != idx.shape:
+            raise ValueError(f"targets of shape {tuple(targets.shape)} do not match idx of shape {tuple(idx.shape)}")
+        if idx.shape[1] > self.config.block_size:
+            raise ValueError(f"sequence length ({idx.shape[1]}) is longer than block_size ({self.config.block_size})")
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's stages' part of the unsharded model's state dict (gathered over tp; a collective)."""
+        return tensorpar.full_state_dict(self)
+
+    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load this rank's stages' part of an unsharded GPT state dict (from any layout)."""
+        tensorpar.load_full_state_dict(self, {k: state_dict[k] for k in self.state_dict() if k in state_dict})
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return tensorpar.vocab_parallel_cross_entropy(logits, targets, self.config.vocab_size, ignore_index=-1,
+                                                      group=self.tp_group)
+
+    def _tied(self) -> Iterator[nn.Parameter]:
+        if "wte" in self.transformer:
+            yield self.transformer.wte.weight
+        if self.copied_head:
+            yield self.lm_head.weight
+
+    def sum_tied_gradients(self) -> None:
+        """Sum the gradients of the token embedding and of the head's copy over their two stages (a
+        collective over those stages; nothing when one rank holds both)."""
+        if self.mesh.pp == 1 or self._embedding_group is None:
+            return
+        (p,) = self._tied()
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(local_part(p.grad), group=self._embedding_group)
+
+    def grad_norm(self) -> torch.Tensor:
+        """The 2-norm of the whole (unsharded, unpipelined) model's gradient, on every rank."""
+        return tensorpar.grad_norm(self, pp_group=self.mesh.pp_group, exclude=(HEAD,) if self.copied_head else ())
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by :meth:`grad_norm`, as ``torch.nn.utils.clip_grad_norm_`` would on the whole model;
+        return the norm before."""
+        return tensorpar.clip_grad_norm_(self, max_norm, pp_group=self.mesh.pp_group,
+                                         exclude=(HEAD,) if self.copied_head else ())
+
+
+def _embedding_group(mesh: tensorpar.Mesh) -> dist.ProcessGroup | None:
+    """The group of this rank's twins on the first and the last pipeline stage (every rank calls it;
+    ranks of the middle stages get ``None``)."""
+    grid = mesh.device_mesh.mesh.reshape(mesh.pp, -1)  # (pp, dp * tp)
+    pairs = [[int(grid[0, i]), int(grid[-1, i])] for i in range(grid.shape[1])]
+    mine = None
+    for pair in pairs:
+        group = dist.new_group(pair)
+        if mesh.rank in pair:
+            mine = group
+    return mine

@@ -1,0 +1,211 @@
+"""One training (or evaluation) step of a pipeline, through a schedule of ``torch.distributed.pipelining``.
+
+A rank runs one stage (GPipe, 1F1B) or several (interleaved 1F1B). The batch is
+cut into ``microbatches`` equal micro-batches along dim 0; the loss of each is
+divided by their number, so the gradients are those of the whole batch's mean
+loss and keep accumulating over calls (gradient accumulation works as without
+pipelining). The step's loss comes back on every rank of the pipeline.
+
+Each stage also measures itself (:class:`StageTimes`): seconds spent computing
+forward and backward chunks against the step's wall time (the rest is waiting
+for a neighbour stage: the bubble), and the most micro-batches whose
+activations it held at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..mesh import Mesh, current_mesh
+from ..sharding import check_int
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+def _schedule_class(name: str) -> type:
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}[name]
+
+
+@dataclass
+class StageTimes:
+    """What stage ``stage`` did over the steps since the last reset.
+
+    ``busy``: seconds in its forward and backward chunks; ``wall``: seconds of
+    the steps; ``idle_fraction = 1 - busy / wall`` (time spent waiting for the
+    neighbour stages, plus the small cost of the sends); ``peak_in_flight``: the
+    most micro-batches whose forward had run and whose backward had not.
+    """
+
+    stage: int
+    busy: float
+    wall: float
+    peak_in_flight: int
+
+    @property
+    def idle_fraction(self) -> float:
+        return 1.0 - self.busy / self.wall if self.wall > 0 else 0.0
+
+
+def _timed_stage_class() -> type:
+    from torch.distributed.pipelining import PipelineStage
+
+    class TimedStage(PipelineStage):  # type: ignore[misc]
+        """A ``PipelineStage`` that counts its compute time and in-flight micro-batches."""
+
+        busy = 0.0
+        peak = 0
+
+        def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return super().forward_one_chunk(*args, **kwargs)
+            finally:
+                self.busy += time.perf_counter() - began
+                self.peak = max(self.peak, len(self.fwd_cache))  # forwards awaiting their backward
+
+        def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return super().backward_one_chunk(*args, **kwargs)
+            finally:
+                self.busy += time.perf_counter() - began
+
+    return TimedStage
+
+
+class Pipeline:
+    """Run ``modules`` (this rank's stages, numbered ``stages`` of ``mesh.pp * len(modules)``) as one
+    pipeline over ``mesh.pp_group`` with the schedule ``schedule``.
+
+    ``loss_fn(output, target)`` is the mean loss of one micro-batch, from the last stage's output;
+    ``check_inputs(inputs, target)`` raises for a batch the model cannot take, on every rank before
+    any of them starts (give every rank the batch, so that all raise alike instead of waiting);
+    ``after_backward()`` runs on every rank after each training step's last backward (to sum the
+    gradients of weights shared between stages, say).
+    ``step(inputs, target)`` runs forward and backward over the batch (the gradients accumulate in
+    the stages' parameters); ``evaluate`` runs forward only. Both return the batch's mean loss, a
+    float64 scalar (summed over the micro-batches in float64), on every rank of the pipeline. A module may be wrapped in
+    ``DistributedDataParallel`` or be an FSDP2 module: the schedule reduces its gradients over dp
+    after the step's last backward.
+
+    Example::
+
+        mesh = tensorpar.init(tp=2, pp=2)
+        pipe = Pipeline([stage_module], [mesh.pp_rank], schedule="1f1b", microbatches=4, loss_fn=loss_fn)
+        loss = pipe.step(idx, targets)        # forward and backward of the whole batch
+        optimizer.step()
+    """
+
+    def __init__(self, modules: Sequence[nn.Module], stages: Sequence[int], mesh: Mesh | None = None, *,
+                 schedule: str = "1f1b", microbatches: int,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 check_inputs: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+                 after_backward: Callable[[], None] | None = None) -> None:
+        self.mesh = mesh = mesh or current_mesh()
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        check_int(microbatches, "microbatches")
+        if len(modules) != len(stages) or not modules:
+            raise ValueError(f"{len(modules)} stage modules for {len(stages)} stage indices")
+        if schedule != "interleaved" and len(modules) != 1:
+            raise ValueError(f"the {schedule} schedule runs one stage per rank, got {len(modules)}: "
+                             "use schedule='interleaved' for several")
+        self.n_stages = mesh.pp * len(modules)
+        if schedule == "1f1b" and microbatches < mesh.pp:
+            raise ValueError(f"the 1f1b schedule needs at least as many micro-batches as stages: "
+                             f"microbatches ({microbatches}) is smaller than pp ({mesh.pp})")
+        if schedule == "interleaved" and microbatches % max(1, microbatches // mesh.pp):
+            raise ValueError(f"interleaved 1F1B runs the micro-batches in rounds of pp ({mesh.pp}): "
+                             f"microbatches ({microbatches}) is not a multiple of {microbatches // mesh.pp}")
+        self.schedule_name, self.microbatches = schedule, microbatches
+        self.modules, self.stage_ids = list(modules), list(stages)
+        self._loss_fn, self._check, self._after_backward = loss_fn, check_inputs, after_backward
+        self._scale = 1.0
+        self._schedules: dict[tuple[Any, ...], tuple[Any, list[Any]]] = {}
+        self.reset_times()
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last(self) -> bool:
+        return self.n_stages - 1 in self.stage_ids
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # summed over the micro-batches: the mean (times the step's loss_scale)
+        return self._loss_fn(output, target) * (self._scale / self.microbatches)
+
+    def _schedule(self, key: tuple[Any, ...]) -> tuple[Any, list[Any]]:
+        """The schedule (and its stages) for batches of one shape: a stage learns its tensors' shapes
+        from its first micro-batch, so each shape gets its own."""
+        if key not in self._schedules:
+            stage_class = _timed_stage_class()
+            stages = [stage_class(m, s, self.n_stages, self.mesh.device, group=self.mesh.pp_group)
+                      for m, s in zip(self.modules, self.stage_ids)]
+            cls = _schedule_class(self.schedule_name)
+            first = stages if self.schedule_name == "interleaved" else stages[0]
+            self._schedules[key] = (cls(first, self.microbatches, loss_fn=self._loss, scale_grads=False), stages)
+        return self._schedules[key]
+
+    def _run(self, inputs: torch.Tensor, target: torch.Tensor, *, train: bool, loss_scale: float = 1.0) -> torch.Tensor:
+        for name, value in (("inputs", inputs), ("target", target)):
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                raise TypeError(f"{name} must be a batched tensor, got {value!r:.80}")
+            if value.shape[0] % self.microbatches:
+                raise ValueError(f"the batch of {value.shape[0]} rows ({name}) does not split into "
+                                 f"microbatches ({self.microbatches}) of equal size")
+        if self._check is not None:
+            self._check(inputs, target)
+        schedule, stages = self._schedule((train, tuple(inputs.shape), inputs.dtype))
+        self._scale = loss_scale
+        args = (inputs,) if self.has_first else ()
+        losses: list[torch.Tensor] = []
+        kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.has_last else {}
+        began = time.perf_counter()
+        if train:
+            schedule.step(*args, return_outputs=False, **kwargs)
+            if self._after_backward is not None:
+                self._after_backward()
+        else:
+            with torch.no_grad():
+                schedule.eval(*args, **kwargs)
+        wall = time.perf_counter() - began
+        for stage in stages:
+            s = stage.stage_index
+            self._busy[s], self._wall[s] = self._busy.get(s, 0.0) + stage.busy, self._wall.get(s, 0.0) + wall
+            self._peak[s] = max(self._peak.get(s, 0), stage.peak)
+            stage.busy, stage.peak = 0.0, 0
+        total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
+        if losses:
+            total += torch.stack([loss.detach().double() for loss in losses]).sum()
+        if self.mesh.pp > 1:  # the last stage's loss, to every stage
+            dist.all_reduce(total, group=self.mesh.pp_group)
+        return total
+
+    def step(self, inputs: torch.Tensor, target: torch.Tensor, *, loss_scale: float = 1.0) -> torch.Tensor:
+        """Forward and backward of the whole batch; the mean loss on every rank of the pipeline.
+        ``loss_scale`` multiplies the loss, and so the gradients (``1 / accumulation steps``, say)."""
+        return self._run(inputs, target, train=True, loss_scale=loss_scale)
+
+    def evaluate(self, inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The batch's mean loss, forward only, on every rank of the pipeline."""
+        return self._run(inputs, target, train=False)
+
+    def times(self) -> list[StageTimes]:
+        """This rank's stages' measurements since the last :meth:`reset_times`."""
+        return [StageTimes(s, self._busy[s], self._wall[s], self._peak[s]) for s in sorted(self._wall)]
+
+    def reset_times(self) -> None:
+        self._busy: dict[int, float] = {}
+        self._wall: dict[int, float] = {}
+        self._peak: dict[int, int] = {}
