@@ -120,9 +120,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.resume != "never" and out and (out / "latest").exists():
         done = checkpoint.load(out, model, optimizer)["step"]
     pipe = None
-    if isinstance(model, PipelinedGPT):  # each stage wrapped in DDP, which reduces after the step's last backward
-        wrap = functools.partial(DistributedDataParallel, process_group=mesh.dp_group)
-        pipe = model.pipeline(cfg.schedule, cfg.microbatches, wrap=wrap if mesh.dp > 1 and not cfg.fsdp else None)
+    if isinstance(model, PipelinedGPT):  # gradients averaged over dp once per step (or reduced by FSDP2)
+        pipe = model.pipeline(cfg.schedule, cfg.microbatches)
         ddp: nn.Module = model
     else:
         ddp = DistributedDataParallel(model, process_group=mesh.dp_group) if mesh.dp > 1 and not cfg.fsdp else model

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import tensorpar
 from tensorpar.full import local_part
@@ -73,8 +74,8 @@ class PipelinedGPT(nn.Module):
 
     ``pipeline(schedule, microbatches)`` returns the :class:`tensorpar.pipeline.Pipeline` that trains
     it: ``step(idx, targets)`` runs forward and backward over the batch and returns the mean loss on
-    every rank; the tied head's gradients are summed over its two stages then. ``clip_grad_norm_``
-    clips by the norm of the whole model's gradient (over tp and pp). Every rank of the mesh builds
+    every rank. ``clip_grad_norm_`` clips by the norm of the whole model's gradient (over tp and pp),
+    after summing the tied head's gradients over its two stages (:meth:`finish_gradients`). Every rank of the mesh builds
     it, with the same seed (:func:`tensorpar.manual_seed`): the weights equal a :class:`GPT`'s.
 
     Example::
@@ -125,7 +126,8 @@ class PipelinedGPT(nn.Module):
             return found + [held[HEAD]] if name == EMBEDDING and self.copied_head else found
 
         initialise_(config, [(name, copies(name)) for name in names], geometry)
-        self._embedding_group = _embedding_group(mesh) if mesh.pp > 2 else mesh.pp_group
+        self._embedding_group = _embedding_group(mesh) if mesh.pp > 2 else mesh.pp_group if mesh.pp > 1 else None
+        self._tied_pending, self.average_over_dp = False, True
         self.stages = [GPTStage(config, s, n_stages, [self.transformer.h[str(i)] for i in split[s]],
                                 embedding=nn.ModuleDict({k: parts[k] for k in ("wte", "wpe", "reduce", "drop")})
                                 if s == 0 else None,
@@ -142,11 +144,17 @@ class PipelinedGPT(nn.Module):
     def pipeline(self, schedule: str = "1f1b", microbatches: int = 1, *,
                  wrap: Callable[[nn.Module], nn.Module] | None = None) -> Pipeline:
         """The pipeline that trains this model with ``schedule`` (``"gpipe"``, ``"1f1b"`` or
-        ``"interleaved"``) over ``microbatches`` micro-batches. ``wrap`` wraps each stage module
-        before it enters the pipeline (``DistributedDataParallel`` over dp, say)."""
+        ``"interleaved"``) over ``microbatches`` micro-batches. Over dp, the gradients are averaged
+        once per optimizer step by :meth:`finish_gradients` (bucketed all-reduces, as DDP's), unless
+        the stages are FSDP2 modules (:func:`tensorpar.fully_shard_dp` on each of ``self.stages``) or
+        ``wrap`` wraps each stage module in something that reduces them itself."""
+        self.average_over_dp = wrap is None
         modules = [wrap(stage) if wrap else stage for stage in self.stages]
         return Pipeline(modules, self.stage_ids, self.mesh, schedule=schedule, microbatches=microbatches,
-                        loss_fn=self._loss, check_inputs=self._check, after_backward=self.sum_tied_gradients)
+                        loss_fn=self._loss, check_inputs=self._check, after_backward=self._backward_done)
+
+    def _backward_done(self) -> None:
+        self._tied_pending = True
 
     def _check(self, idx: torch.Tensor, targets: torch.Tensor) -> None:
         GPT._check_ids(idx)
@@ -174,25 +182,56 @@ class PipelinedGPT(nn.Module):
         if self.copied_head:
             yield self.lm_head.weight
 
-    def sum_tied_gradients(self) -> None:
-        """Sum the gradients of the token embedding and of the head's copy over their two stages (a
-        collective over those stages; nothing when one rank holds both)."""
-        if self.mesh.pp == 1 or self._embedding_group is None:
+    def finish_gradients(self) -> None:
+        """Once per optimizer step, after the last backward of any gradient accumulation: average the
+        gradients over dp (unless the stages were wrapped to do it, or are FSDP2 modules), then sum the
+        gradients of the token embedding and of the head's copy over their two stages (Megatron's
+        embedding group). A collective; nothing when no step ran since the last call.
+        :meth:`grad_norm` and :meth:`clip_grad_norm_` call it first; call it yourself before
+        ``optimizer.step()`` without them."""
+        pending, self._tied_pending = self._tied_pending, False
+        if not pending:
             return
-        (p,) = self._tied()
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        dist.all_reduce(local_part(p.grad), group=self._embedding_group)
+        if self.average_over_dp and self.mesh.dp > 1:
+            grads = [p.grad for p in self.parameters() if p.grad is not None and not isinstance(p.grad, DTensor)]
+            average_(grads, self.mesh.dp_group)
+        if self._embedding_group is not None:
+            (p,) = self._tied()
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(local_part(p.grad), group=self._embedding_group)
 
     def grad_norm(self) -> torch.Tensor:
         """The 2-norm of the whole (unsharded, unpipelined) model's gradient, on every rank."""
+        self.finish_gradients()
         return tensorpar.grad_norm(self, pp_group=self.mesh.pp_group, exclude=(HEAD,) if self.copied_head else ())
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by :meth:`grad_norm`, as ``torch.nn.utils.clip_grad_norm_`` would on the whole model;
         return the norm before."""
+        self.finish_gradients()
         return tensorpar.clip_grad_norm_(self, max_norm, pp_group=self.mesh.pp_group,
                                          exclude=(HEAD,) if self.copied_head else ())
+
+
+def average_(grads: list[torch.Tensor], group: dist.ProcessGroup, bucket_bytes: int = 25 << 20) -> None:
+    """Average ``grads`` over ``group`` in place: flattened into buckets of about ``bucket_bytes`` by dtype,
+    one all-reduce each (as DDP's buckets)."""
+    n = dist.get_world_size(group)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():
+        bucket: list[torch.Tensor] = []
+        for i, g in enumerate(same):
+            bucket.append(g)
+            if i == len(same) - 1 or sum(b.numel() * b.element_size() for b in bucket) >= bucket_bytes:
+                flat = torch.cat([b.reshape(-1) for b in bucket])
+                dist.all_reduce(flat, group=group)
+                flat /= n
+                for b, part in zip(bucket, flat.split([b.numel() for b in bucket])):
+                    b.copy_(part.view_as(b))
+                bucket = []
 
 
 def _embedding_group(mesh: tensorpar.Mesh) -> dist.ProcessGroup | None:

@@ -85,6 +85,7 @@ def train_against_reference(cfg, dtype, seed, schedule, microbatches, stages_per
     for step in range(2):
         idx, targets = tokens[step, :, :-1].contiguous(), tokens[step, :, 1:].contiguous()
         loss = pipe.step(idx, targets)
+        model.finish_gradients()  # the tied head's two copies: their gradients summed
         ref_loss = ref(idx, targets)
         ref_loss.backward()
         grads = tensorpar.full_grads(model)

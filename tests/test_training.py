@@ -48,9 +48,10 @@ def metrics(out):
 
 
 def run_training(worlds, out, tp=1, dp=1, **options):
-    """Run the training script on the ranks of a pool of tp x dp; the logged losses and gradient
-    norms by step, and the final checkpoint's unsharded weights."""
-    worlds[tp * dp].run(run_script, str(SCRIPT), *flags(SMALL | options | dict(tp=tp, dp=dp, out=out)))
+    """Run the training script on the ranks of a pool of tp x dp (x pp, an option); the logged losses
+    and gradient norms by step, and the final checkpoint's unsharded weights."""
+    worlds[tp * dp * options.get("pp", 1)].run(run_script, str(SCRIPT), *flags(SMALL | options | dict(tp=tp, dp=dp,
+                                                                                                      out=out)))
     rows = metrics(out)
     return {"losses": {r["step"]: r["loss"] for r in rows}, "grad_norms": {r["step"]: r["grad_norm"] for r in rows},
             "state": checkpoint.export_state_dict(out)}

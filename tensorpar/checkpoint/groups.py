@@ -89,6 +89,9 @@ def check_groups(meta: Mapping[str, Any], where: Path, model: nn.Module,
     they name the optimizer's parameters and carry hyper-parameters of the optimizer's structure."""
     ours = grouped_names(model, optimizer)
     saved = meta["param_groups"]
+    stored = {name for group in saved for name in group["params"]}
+    copies = getattr(model, "tied_copies", {})  # a copy of a tied parameter may be stored as the original only
+    ours = [[copies.get(n, n) if n not in stored else n for n in group] for group in ours]
     mine = {name for group in ours for name in group}
     # a pipeline stage holds some of the checkpoint's parameters: those it holds must be grouped alike
     if len(saved) != len(ours) or any(sorted(set(s["params"]) & mine) != sorted(o) for s, o in zip(saved, ours)):
