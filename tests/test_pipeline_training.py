@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_training import SMALL, compare_states, metrics, run_training
+from test_training import SMALL, assert_same_trajectory, compare_states, metrics, run_training
 
 from tensorpar import checkpoint
 
@@ -20,15 +20,6 @@ PIPELINED = dict(microbatches=2)
 def references(worlds, tmp_path_factory):
     """tp=1, dp=1, pp=1 runs, by number of blocks: the whole batch of each step in one process."""
     return {n: run_training(worlds, tmp_path_factory.mktemp(f"reference-{n}"), n_layer=n) for n in (2, 4)}
-
-
-def assert_same_trajectory(result, reference):
-    assert max(reference["grad_norms"].values()) > SMALL["clip"], "clipping was not active"
-    for step, loss in reference["losses"].items():
-        assert abs(result["losses"][step] - loss) <= 1e-5 * abs(loss), f"step {step}: loss differs"
-        norm = reference["grad_norms"][step]
-        assert abs(result["grad_norms"][step] - norm) <= 1e-5 * norm, f"step {step}: gradient norm differs"
-    assert max(compare_states(result["state"], reference["state"]).values()) <= 1e-5
 
 
 @pytest.mark.parametrize("tp, dp, pp, schedule, extra", [
