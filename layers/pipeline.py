@@ -75,8 +75,9 @@ class PipelinedGPT(nn.Module):
     ``pipeline(schedule, microbatches)`` returns the :class:`tensorpar.pipeline.Pipeline` that trains
     it: ``step(idx, targets)`` runs forward and backward over the batch and returns the mean loss on
     every rank. ``clip_grad_norm_`` clips by the norm of the whole model's gradient (over tp and pp),
-    after summing the tied head's gradients over its two stages (:meth:`finish_gradients`). Every rank of the mesh builds
-    it, with the same seed (:func:`tensorpar.manual_seed`): the weights equal a :class:`GPT`'s.
+    after averaging the gradients over dp and summing the tied head's over its two stages
+    (:meth:`finish_gradients`). Every rank of the mesh builds it, with the same seed
+    (:func:`tensorpar.manual_seed`): the weights equal a :class:`GPT`'s.
 
     Example::
 
@@ -142,16 +143,17 @@ class PipelinedGPT(nn.Module):
         return self
 
     def pipeline(self, schedule: str = "1f1b", microbatches: int = 1, *,
-                 wrap: Callable[[nn.Module], nn.Module] | None = None) -> Pipeline:
+                 wrap: Callable[[nn.Module], nn.Module] | None = None, timed: bool = False) -> Pipeline:
         """The pipeline that trains this model with ``schedule`` (``"gpipe"``, ``"1f1b"`` or
         ``"interleaved"``) over ``microbatches`` micro-batches. Over dp, the gradients are averaged
         once per optimizer step by :meth:`finish_gradients` (bucketed all-reduces, as DDP's), unless
         the stages are FSDP2 modules (:func:`tensorpar.fully_shard_dp` on each of ``self.stages``) or
-        ``wrap`` wraps each stage module in something that reduces them itself."""
+        ``wrap`` wraps each stage module in something that reduces them itself. ``timed``: see
+        :class:`tensorpar.pipeline.Pipeline`."""
         self.average_over_dp = wrap is None
         modules = [wrap(stage) if wrap else stage for stage in self.stages]
         return Pipeline(modules, self.stage_ids, self.mesh, schedule=schedule, microbatches=microbatches,
-                        loss_fn=self._loss, check_inputs=self._check, after_backward=self._backward_done)
+                        loss_fn=self._loss, check_inputs=self._check, after_backward=self._backward_done, timed=timed)
 
     def _backward_done(self) -> None:
         self._tied_pending = True

@@ -9,7 +9,8 @@ pipelining). The step's loss comes back on every rank of the pipeline.
 Each stage also measures itself (:class:`StageTimes`): seconds spent computing
 forward and backward chunks against the step's wall time (the rest is waiting
 for a neighbour stage: the bubble), and the most micro-batches whose
-activations it held at once.
+activations it held at once. With ``timed=True`` the stages start each step
+together (a barrier), so that every stage's wall time spans the whole step.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ class Pipeline:
                  schedule: str = "1f1b", microbatches: int,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  check_inputs: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
-                 after_backward: Callable[[], None] | None = None) -> None:
+                 after_backward: Callable[[], None] | None = None, timed: bool = False) -> None:
         self.mesh = mesh = mesh or current_mesh()
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -129,7 +130,7 @@ class Pipeline:
         self.schedule_name, self.microbatches = schedule, microbatches
         self.modules, self.stage_ids = list(modules), list(stages)
         self._loss_fn, self._check, self._after_backward = loss_fn, check_inputs, after_backward
-        self._scale = 1.0
+        self._scale, self.timed = 1.0, timed
         self._schedules: dict[tuple[Any, ...], tuple[Any, list[Any]]] = {}
         self.reset_times()
 
@@ -171,6 +172,8 @@ class Pipeline:
         args = (inputs,) if self.has_first else ()
         losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.has_last else {}
+        if self.timed:  # the stages start together, so each one's wall time spans the whole pipeline's step
+            dist.barrier(group=self.mesh.pp_group)
         began = time.perf_counter()
         if train:
             schedule.step(*args, return_outputs=False, **kwargs)
@@ -179,17 +182,17 @@ class Pipeline:
         else:
             with torch.no_grad():
                 schedule.eval(*args, **kwargs)
+        total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
+        if losses:
+            total += torch.stack([loss.detach().double() for loss in losses]).sum()
+        if self.mesh.pp > 1:  # the last stage's loss, to every stage (and the stages end together)
+            dist.all_reduce(total, group=self.mesh.pp_group)
         wall = time.perf_counter() - began
         for stage in stages:
             s = stage.stage_index
             self._busy[s], self._wall[s] = self._busy.get(s, 0.0) + stage.busy, self._wall.get(s, 0.0) + wall
             self._peak[s] = max(self._peak.get(s, 0), stage.peak)
             stage.busy, stage.peak = 0.0, 0
-        total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
-        if losses:
-            total += torch.stack([loss.detach().double() for loss in losses]).sum()
-        if self.mesh.pp > 1:  # the last stage's loss, to every stage
-            dist.all_reduce(total, group=self.mesh.pp_group)
         return total
 
     def step(self, inputs: torch.Tensor, target: torch.Tensor, *, loss_scale: float = 1.0) -> torch.Tensor:
