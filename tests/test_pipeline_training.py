@@ -14,6 +14,7 @@ from test_training import SMALL, assert_same_trajectory, compare_states, metrics
 from tensorpar import checkpoint
 
 PIPELINED = dict(microbatches=2)
+pytestmark = pytest.mark.slow  # runs in `make test`; `-m "not slow"` leaves these whole-script runs out
 
 
 @pytest.fixture(scope="module")
