@@ -1,6 +1,6 @@
 """Pipeline bubbles: each stage's idle fraction and peak in-flight micro-batches, GPipe against 1F1B.
 
-    python benchmarks/pipeline_bubble.py [--pp 2 4] [--microbatches 4 8] [--steps 3]
+    python benchmarks/pipeline_bubble.py [--pp 2 4] [--microbatches 4 8] [--steps 3] [--write]
 
 A stage's idle fraction is the part of a step it spends outside its forward and
 backward chunks (:class:`tensorpar.pipeline.StageTimes`): waiting for a
@@ -28,6 +28,7 @@ from torch import nn
 
 import tensorpar
 from layers import GPTConfig, PipelinedGPT
+from results import machine, write_section
 from tensorpar.pipeline import Pipeline
 
 
@@ -84,9 +85,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--forward-ms", type=float, default=20.0)
     parser.add_argument("--gpt-pp", type=int, nargs="*", default=[2], help="pipeline sizes for the GPT stages")
+    parser.add_argument("--write", action="store_true", help="record the table in benchmarks/RESULTS.md")
     args = parser.parse_args()
-    print("| stages | kind | m | schedule | ideal (p-1)/(m+p-1) | idle fraction by stage | peak in-flight by stage |")
-    print("|---:|---|---:|---|---:|---|---|")
+    lines = ["| stages | kind | m | schedule | ideal (p-1)/(m+p-1) | idle fraction by stage | peak in-flight by stage |",
+             "|---:|---|---:|---|---:|---|---|"]
+    print("\n".join(lines))
     for kind, sizes in (("timed", args.pp), ("GPT", args.gpt_pp)):
         for pp in sizes:
             for m in args.microbatches:
@@ -97,8 +100,13 @@ def main() -> None:
                                                                 args.forward_ms / 1000) for r in rank)
                     idle = ", ".join(f"{f:.3f}" for _, f, _ in rows)
                     peak = ", ".join(str(n) for _, _, n in rows)
-                    print(f"| {pp} | {kind} | {m} | {schedule} | {(pp - 1) / (m + pp - 1):.3f} | {idle} | {peak} |",
-                          flush=True)
+                    lines.append(f"| {pp} | {kind} | {m} | {schedule} | {(pp - 1) / (m + pp - 1):.3f} | {idle} | "
+                                 f"{peak} |")
+                    print(lines[-1], flush=True)
+    if args.write:
+        write_section("Pipeline bubbles (benchmarks/pipeline_bubble.py)",
+                      f"{machine()}; gloo, one thread per rank, {args.steps} steps after a warm-up; timed stages "
+                      f"sleep {args.forward_ms:g} ms forward and twice that backward.\n\n" + "\n".join(lines))
 
 
 def _run(kind: str, schedule: str, microbatches: int, steps: int, seconds: float) -> list[tuple[int, float, int]]:
