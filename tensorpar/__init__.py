@@ -50,6 +50,7 @@ from .mesh import (
     tp_group,
     use_mesh,
 )
+from .offload import OffloadedOptimizer
 from .random import RNGStatesTracker
 from .sharding import Shard, partition_bounds, partition_offsets, partition_sizes, shard
 
@@ -70,6 +71,7 @@ __all__ = [
     "CollectiveError",
     "CollectiveRecord",
     "Mesh",
+    "OffloadedOptimizer",
     "RNGStatesTracker",
     "RankError",
     "Shard",
