@@ -2,7 +2,9 @@
 
 from .attention import ParallelSelfAttention
 from .embedding import VocabParallelEmbedding
-from .gpt import GPT, Block, GPTConfig
+from .block import Block
+from .config import GPTConfig
+from .gpt import GPT
 from .hf_parallel import parallelize_hf
 from .linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from .mlp import ParallelMLP

@@ -18,118 +18,26 @@ split, so a rank holds little more than ``1/tp`` of the parameters.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
-from torch.utils.checkpoint import checkpoint
 
 import tensorpar
 from tensorpar.comm.collectives import broadcast_from_first_
-from tensorpar.random import RNGStatesTracker, recompute_contexts
 from tensorpar.sharding import check_int
 
 from . import hf
-from .attention import ParallelSelfAttention
+from .block import Block, run_blocks
+from .config import GPTConfig
 from .embedding import VocabParallelEmbedding
-from .linear import ColumnParallelLinear, check_activation
-from .mlp import ACTIVATIONS, ParallelMLP
+from .linear import ColumnParallelLinear
 from .regions import ReduceFromTP, ReduceScatterSequence
 from .sequence import SequenceParallelLayerNorm, ShardedDropout
-
-
-@dataclass
-class GPTConfig:
-    """nanoGPT's configuration, plus grouped-query attention, the MLP kind and activation checkpointing.
-
-    ``n_kv_head=None`` means ``n_head`` (multi-head attention); ``mlp`` is
-    ``"gelu"`` (hidden ``4 * n_embd``) or ``"swiglu"`` (hidden ``8 * n_embd // 3``).
-    ``activation_checkpointing=True`` keeps only each block's input for backward
-    and runs the block's forward again there (``torch.utils.checkpoint``,
-    non-reentrant), with the same dropout masks: less memory, one more forward.
-    ``sequence_parallel=True`` splits the tokens across the tp group outside the
-    matmuls (LayerNorm, dropout, residual stream; :mod:`tensorpar.comm.sequence`):
-    the same traffic, about ``1/tp`` of the activations per rank. Any sequence
-    length: 17 tokens at tp=4 are split 5/4/4/4. Neither changes the weights, so
-    checkpoints move freely between them.
-    """
-
-    block_size: int = 1024
-    vocab_size: int = 50304
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    dropout: float = 0.0
-    bias: bool = True
-    n_kv_head: int | None = None
-    mlp: str = "gelu"
-    activation_checkpointing: bool = field(default=False, metadata={"state": False})  # how it runs: not checkpointed
-    sequence_parallel: bool = field(default=False, metadata={"state": False})
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
-            check_int(getattr(self, name), f"GPTConfig.{name}")
-        check_int(self.n_kv_head, "GPTConfig.n_kv_head", optional=True)
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd ({self.n_embd}) is not divisible by n_head ({self.n_head})")
-        if self.n_head % self.kv_heads:
-            raise ValueError(f"n_head ({self.n_head}) is not divisible by n_kv_head ({self.kv_heads})")
-        if self.mlp not in ACTIVATIONS:
-            raise ValueError(f"mlp must be one of {ACTIVATIONS}, got {self.mlp!r}")
-        for name in ("activation_checkpointing", "sequence_parallel"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"GPTConfig.{name} must be a bool, got {getattr(self, name)!r}")
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_head if self.n_kv_head is None else self.n_kv_head
-
-    @property
-    def mlp_hidden(self) -> int:
-        return 4 * self.n_embd if self.mlp == "gelu" else 8 * self.n_embd // 3
-
-
-class Block(nn.Module):
-    """Pre-LayerNorm transformer block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``. ``(B, T, C)``,
-    or with ``config.sequence_parallel`` this rank's tokens ``(B, T_r, C)`` of ``seq_len`` (found with
-    one small collective when not given)."""
-
-    def __init__(self, config: GPTConfig, *, group: ProcessGroup | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        c = config
-        self.tp_group, self.sequence_parallel = tensorpar.tp_group(group), c.sequence_parallel
-        norm = functools.partial(SequenceParallelLayerNorm, group=group) if c.sequence_parallel else nn.LayerNorm
-        common = dict(bias=c.bias, dropout=c.dropout, sequence_parallel=c.sequence_parallel, group=group,
-                      device=device, dtype=dtype)
-        self.ln_1 = norm(c.n_embd, bias=c.bias, device=device, dtype=dtype)
-        self.attn = ParallelSelfAttention(c.n_embd, c.n_head, n_kv_head=c.kv_heads, **common)
-        self.ln_2 = norm(c.n_embd, bias=c.bias, device=device, dtype=dtype)
-        self.mlp = ParallelMLP(c.n_embd, c.mlp_hidden, activation=c.mlp, **common)
-
-    def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
-        check_activation(x, type(self).__name__)
-        if not self.sequence_parallel:  # seq_len is x's
-            x = x + self.attn(self.ln_1(x))  # (B, T, C)
-            return x + self.mlp(self.ln_2(x))
-        seq_len = tensorpar.sequence_length(x, seq_len, self.tp_group)
-        x = x + self.attn(self.ln_1(x), seq_len)  # (B, T_r, C)
-        return x + self.mlp(self.ln_2(x), seq_len)
-
-
-def _checkpointed(block: Block, x: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """``block(x)``, keeping only ``x`` for backward: the block runs again during backward, with
-    the default generator and the tp streams of its sharded dropout put back as they were."""
-    trackers = list({id(m.rng): m.rng for m in block.modules()
-                     if isinstance(getattr(m, "rng", None), RNGStatesTracker)}.values())
-    return checkpoint(block, x, seq_len, use_reentrant=False,
-                      context_fn=functools.partial(recompute_contexts, *trackers))
 
 
 def embed(parts: nn.ModuleDict, config: GPTConfig, idx: torch.Tensor) -> torch.Tensor:
@@ -141,15 +49,6 @@ def embed(parts: nn.ModuleDict, config: GPTConfig, idx: torch.Tensor) -> torch.T
     pos = torch.arange(t, device=idx.device)
     x = parts.reduce(parts.wte(idx) + parts.wpe(pos))  # (B, T, C) or (B, T_r, C)
     return parts.drop(x, t) if config.sequence_parallel else parts.drop(x)
-
-
-def run_blocks(blocks: Iterable[Block], x: torch.Tensor, seq_len: int, config: GPTConfig) -> torch.Tensor:
-    """``x`` through ``blocks`` in turn, each checkpointed when ``config.activation_checkpointing`` (and
-    gradients are on)."""
-    recompute = config.activation_checkpointing and torch.is_grad_enabled()
-    for block in blocks:
-        x = _checkpointed(block, x, seq_len) if recompute else block(x, seq_len)  # (B, T, C) or (B, T_r, C)
-    return x
 
 
 def initialise_(config: GPTConfig, named: Iterable[tuple[str, list[torch.Tensor]]],

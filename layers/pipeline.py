@@ -34,7 +34,9 @@ from tensorpar.full import local_part
 from tensorpar.pipeline import Pipeline, rank_stages, stage_blocks
 from tensorpar.sharding import check_int
 
-from .gpt import GPT, Block, GPTConfig, embed, initialise_, run_blocks
+from .block import Block, run_blocks
+from .config import GPTConfig
+from .gpt import GPT, embed, initialise_
 
 HEAD = "lm_head.weight"
 EMBEDDING = "transformer.wte.weight"

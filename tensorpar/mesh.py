@@ -7,9 +7,8 @@ blocks of ``dp * tp`` ranks. With 4 ranks and ``tp=2``::
 
     tp groups: [0, 1], [2, 3]        dp groups: [0, 2], [1, 3]      (pp = 1)
 
-and with 8 ranks, ``pp=2, dp=2, tp=2``: stage 0 is ranks 0-3, stage 1 ranks 4-7,
-tp groups [0, 1], [2, 3], ..., dp groups [0, 2], [1, 3], [4, 6], [5, 7], and pp
-groups (a rank and its twins in the other stages) [0, 4], [1, 5], [2, 6], [3, 7].
+and with 8 ranks at ``pp=2, dp=2, tp=2``: stages 0-3 and 4-7, dp groups [0, 2], [1, 3],
+[4, 6], [5, 7], and pp groups (a rank and its twins in other stages) [0, 4], [1, 5], ...
 """
 
 from __future__ import annotations
@@ -68,8 +67,7 @@ class Mesh:
                 f"dp_rank={self.dp_rank}, pp_rank={self.pp_rank}, device={self.device})")
 
 
-# The mesh that modules built without an explicit ``group`` use. A context
-# variable rather than a global: ``use_mesh`` scopes it, and it is per-thread.
+# The default mesh of modules built without a ``group``: scoped by ``use_mesh``, per thread.
 _current: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("tensorpar_mesh", default=None)
 
 

@@ -36,7 +36,7 @@ def test_ranks_that_call_init_differently_all_raise(worlds):
     errors = worlds[2].run(init_with_rank_dependent_tp, mesh=False)
     assert errors[0] == errors[1] == (
         "ValueError: the ranks called tensorpar.init with different arguments "
-        "(rank 0: tp=2, dp=None, backend=None; rank 1: tp=1, dp=None, backend=None)")
+        "(rank 0: tp=2, dp=None, pp=1, backend=None; rank 1: tp=1, dp=None, pp=1, backend=None)")
 
 
 def init_with_another_backend():

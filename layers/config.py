@@ -1,0 +1,60 @@
+"""The GPT's configuration: nanoGPT's ``GPTConfig``, with the options tensorpar adds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tensorpar.sharding import check_int
+
+from .mlp import ACTIVATIONS
+
+
+@dataclass
+class GPTConfig:
+    """nanoGPT's configuration, plus grouped-query attention, the MLP kind and activation checkpointing.
+
+    ``n_kv_head=None`` means ``n_head`` (multi-head attention); ``mlp`` is
+    ``"gelu"`` (hidden ``4 * n_embd``) or ``"swiglu"`` (hidden ``8 * n_embd // 3``).
+    ``activation_checkpointing=True`` keeps only each block's input for backward
+    and runs the block's forward again there (``torch.utils.checkpoint``,
+    non-reentrant), with the same dropout masks: less memory, one more forward.
+    ``sequence_parallel=True`` splits the tokens across the tp group outside the
+    matmuls (LayerNorm, dropout, residual stream; :mod:`tensorpar.comm.sequence`):
+    the same traffic, about ``1/tp`` of the activations per rank. Any sequence
+    length: 17 tokens at tp=4 are split 5/4/4/4. Neither changes the weights, so
+    checkpoints move freely between them.
+    """
+
+    block_size: int = 1024
+    vocab_size: int = 50304
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True
+    n_kv_head: int | None = None
+    mlp: str = "gelu"
+    activation_checkpointing: bool = field(default=False, metadata={"state": False})  # how it runs: not checkpointed
+    sequence_parallel: bool = field(default=False, metadata={"state": False})
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            check_int(getattr(self, name), f"GPTConfig.{name}")
+        check_int(self.n_kv_head, "GPTConfig.n_kv_head", optional=True)
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) is not divisible by n_head ({self.n_head})")
+        if self.n_head % self.kv_heads:
+            raise ValueError(f"n_head ({self.n_head}) is not divisible by n_kv_head ({self.kv_heads})")
+        if self.mlp not in ACTIVATIONS:
+            raise ValueError(f"mlp must be one of {ACTIVATIONS}, got {self.mlp!r}")
+        for name in ("activation_checkpointing", "sequence_parallel"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"GPTConfig.{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    @property
+    def mlp_hidden(self) -> int:
+        return 4 * self.n_embd if self.mlp == "gelu" else 8 * self.n_embd // 3
