@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -76,15 +77,18 @@ def build(cfg: TrainConfig, mesh: tensorpar.Mesh) -> tuple[GPT | PipelinedGPT, t
                        n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
                        activation_checkpointing=cfg.activation_checkpointing, sequence_parallel=cfg.sequence_parallel)
     model: GPT | PipelinedGPT
+    fsdp_options: dict[str, Any] = {}  # with --offload-optimizer, FSDP2 offloads its own shards (and steps on the host)
+    if cfg.offload_optimizer and cfg.fsdp:
+        fsdp_options["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device.type == "cuda")
     if mesh.pp > 1:
         model = PipelinedGPT(config, stages_per_rank=cfg.stages_per_rank, mesh=mesh)
         if cfg.fsdp:  # each stage its own FSDP2 root, its blocks the units
             for stage in model.stages:
-                tensorpar.fully_shard_dp(stage, mesh, modules=stage.blocks)
+                tensorpar.fully_shard_dp(stage, mesh, modules=stage.blocks, **fsdp_options)
     else:
         model = GPT(config, device=mesh.device)
         if cfg.fsdp:  # before the optimizer: FSDP2 replaces the parameters by their dp shards
-            tensorpar.fully_shard_dp(model, mesh, modules=model.transformer.h)
+            tensorpar.fully_shard_dp(model, mesh, modules=model.transformer.h, **fsdp_options)
     if cfg.compile:  # block by block, as FSDP2 and activation checkpointing wrap them
         for block in blocks(model):
             block.compile(fullgraph=True)
@@ -92,7 +96,7 @@ def build(cfg: TrainConfig, mesh: tensorpar.Mesh) -> tuple[GPT | PipelinedGPT, t
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # no decay: biases, norms
     optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW
-    if cfg.offload_optimizer:
+    if cfg.offload_optimizer and not cfg.fsdp:
         optimizer_class = functools.partial(tensorpar.OffloadedOptimizer, optimizer_class=torch.optim.AdamW)
     if cfg.zero and mesh.dp > 1:
         optimizer: torch.optim.Optimizer = ZeroRedundancyOptimizer(

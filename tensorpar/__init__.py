@@ -1,13 +1,13 @@
 """tensorpar: Megatron-style tensor parallelism for PyTorch.
 
-The runtime core: the (dp, tp) process mesh, Megatron's ``f`` and ``g`` and the
-other autograd collectives (:mod:`tensorpar.comm`), balanced sharding and full
-views of sharded models, tp-invariant initialisation, per-rank random streams,
-vocab-parallel cross-entropy, gradient clipping, checkpoints and a local
-launcher. ``tensorpar.testing`` is the multi-process test kit;
-``tensorpar.training`` holds helpers for training loops (data, LR schedule)
-outside the core. The ``nn.Module``\\ s built on this core live in a package of
-their own.
+The runtime core: the (pp, dp, tp) process mesh, Megatron's ``f`` and ``g`` and
+the other autograd collectives (:mod:`tensorpar.comm`), balanced sharding and
+full views of sharded models, tp-invariant initialisation, per-rank random
+streams, vocab-parallel cross-entropy, gradient clipping, pipeline stages and
+schedules (:mod:`tensorpar.pipeline`), checkpoints and a local launcher.
+``tensorpar.testing`` is the multi-process test kit; ``tensorpar.training``
+holds helpers for training loops (data, LR schedule) outside the core. The
+``nn.Module``\\ s built on this core live in a package of their own.
 """
 
 import importlib.metadata

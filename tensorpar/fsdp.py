@@ -30,12 +30,13 @@ from torch import nn
 from .mesh import Mesh, current_mesh
 
 if TYPE_CHECKING:  # imported when called: torch.distributed.fsdp's FSDP2 API is torch >= 2.6
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 
 def fully_shard_dp(model: nn.Module, mesh: Mesh | None = None, *, modules: Iterable[nn.Module] = (),
                    reshard_after_forward: bool = True,
-                   mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+                   mp_policy: MixedPrecisionPolicy | None = None,
+                   offload_policy: OffloadPolicy | None = None) -> nn.Module:
     """Shard ``model``'s parameters, gradients and optimizer state over the dp dimension of ``mesh``
     with FSDP2, keeping tensorpar's tp shards inside; return ``model`` (now an ``FSDPModule``).
 
@@ -43,7 +44,9 @@ def fully_shard_dp(model: nn.Module, mesh: Mesh | None = None, *, modules: Itera
     reduce-scattered as one; ``model`` itself then takes every parameter left. ``mesh`` defaults
     to the current mesh. Build the optimizer *after* this call: FSDP2 replaces the parameters.
     ``reshard_after_forward`` frees each unit's gathered parameters after its forward (gathering
-    them again for backward); ``mp_policy`` is an FSDP2 ``MixedPrecisionPolicy``.
+    them again for backward); ``mp_policy`` is an FSDP2 ``MixedPrecisionPolicy``, ``offload_policy``
+    its ``CPUOffloadPolicy`` (the dp shards of parameters, gradients and optimizer state kept in host
+    memory, the optimizer stepping there: FSDP2's own ZeRO-Offload).
 
     Under FSDP2, :func:`tensorpar.full_state_dict`, :func:`tensorpar.full_grads` and
     :func:`tensorpar.clip_grad_norm_` are collectives over the whole mesh (every rank calls them);
@@ -56,7 +59,7 @@ def fully_shard_dp(model: nn.Module, mesh: Mesh | None = None, *, modules: Itera
         tensorpar.fully_shard_dp(model, mesh, modules=model.transformer.h)
         optimizer = torch.optim.AdamW(model.parameters())   # its state is sharded over dp too
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"fully_shard_dp expects an nn.Module, got {type(model).__name__}")
@@ -81,6 +84,10 @@ def fully_shard_dp(model: nn.Module, mesh: Mesh | None = None, *, modules: Itera
         if not isinstance(mp_policy, MixedPrecisionPolicy):
             raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
         options["mp_policy"] = mp_policy
+    if offload_policy is not None:
+        if not isinstance(offload_policy, OffloadPolicy):
+            raise TypeError(f"offload_policy must be an FSDP2 OffloadPolicy, got {type(offload_policy).__name__}")
+        options["offload_policy"] = offload_policy
     for unit in units:  # bottom-up: each unit keeps its own parameters, the root takes the rest
         fully_shard(unit, **options)
     fully_shard(model, **options)

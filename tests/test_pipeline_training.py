@@ -1,5 +1,6 @@
-"""Training with pipeline x tensor x data parallelism (``train_gpt.py --pp``): the same trajectory as the
-whole model in one process, and checkpoints written at one (pp, tp, dp) that resume at others.
+"""Training with pipeline x tensor x data parallelism (``train_gpt.py --pp``), and with the optimizer
+state offloaded to host memory: the same trajectory as the whole model in one process, and
+checkpoints written at one (pp, tp, dp) that resume at others.
 
 As in test_training, the script runs on the pool's ranks as torchrun would run it and is judged by
 what it writes. The pipeline splits each accumulation step's batch into ``--microbatches``."""
@@ -30,6 +31,9 @@ def references(worlds, tmp_path_factory):
     (1, 2, 2, "gpipe", {"fsdp": True}),  # FSDP2 over dp in each stage
     (1, 2, 2, "1f1b", {"zero": True}),
     (1, 1, 2, "interleaved", {"n_layer": 4}),  # 2 stages per rank: blocks 0 and 2 on rank 0
+    (2, 1, 2, "1f1b", {"offload_optimizer": True}),  # AdamW in host memory (the device is the CPU here)
+    (1, 2, 1, "1f1b", {"offload_optimizer": True, "zero": True}),  # no pipeline: ZeRO's shards offloaded
+    (1, 2, 1, "1f1b", {"offload_optimizer": True, "fsdp": True}),  # FSDP2's own CPUOffloadPolicy
 ])
 def test_pipelined_layouts_follow_the_same_trajectory(worlds, references, tmp_path, tp, dp, pp, schedule, extra):
     result = run_training(worlds, tmp_path, tp, dp, pp=pp, schedule=schedule, **PIPELINED | extra)

@@ -70,7 +70,8 @@ class TrainConfig:
     weight_decay: float = _opt(0.1, "optimisation", "AdamW weight decay of matrices (none on biases and norms)")
     clip: float = _opt(1.0, "optimisation", "clip the norm of the whole unsharded gradient to this; 0: no clipping")
     offload_optimizer: bool = _opt(False, "optimisation", "keep the AdamW state (and fp32 master weights) in host "
-                                   "memory, stepping there (ZeRO-Offload style)")
+                                   "memory, stepping there (ZeRO-Offload style; with --fsdp, FSDP2's "
+                                   "CPUOffloadPolicy, which keeps the parameters' dp shards there too)")
     seed: int = _opt(1337, "optimisation", "seed of the weights, the batches and dropout")
     data: str | None = _opt(None, "data and validation", "a text file (trained on as bytes), or a directory "
                             "holding nanoGPT's train.bin and val.bin (uint16 token ids; needs --vocab-size)",
