@@ -40,7 +40,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -79,6 +78,7 @@ def build(cfg: TrainConfig, mesh: tensorpar.Mesh) -> tuple[GPT | PipelinedGPT, t
     model: GPT | PipelinedGPT
     fsdp_options: dict[str, Any] = {}  # with --offload-optimizer, FSDP2 offloads its own shards (and steps on the host)
     if cfg.offload_optimizer and cfg.fsdp:
+        from torch.distributed.fsdp import CPUOffloadPolicy  # FSDP2's API: torch >= 2.6, as --fsdp needs
         fsdp_options["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device.type == "cuda")
     if mesh.pp > 1:
         model = PipelinedGPT(config, stages_per_rank=cfg.stages_per_rank, mesh=mesh)
