@@ -101,9 +101,13 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, group: ProcessGroup | Non
         optimizer.step()
     """
     norm = grad_norm(model, group, pp_group=pp_group, exclude=exclude)
-    coef = max_norm / (norm.item() + 1e-6)
-    if coef < 1.0:
-        with torch.no_grad():
-            grads = [local_part(p.grad) for p in model.parameters() if p.grad is not None]
-            torch._foreach_mul_(grads, coef)
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # on the device: no host sync, no branch on it
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            grad = local_part(p.grad)
+            by_device.setdefault(grad.device, []).append(grad)
+    with torch.no_grad():
+        for device, grads in by_device.items():  # a coefficient of 1.0 leaves a gradient exactly as it was
+            torch._foreach_mul_(grads, coef.to(device))
     return norm

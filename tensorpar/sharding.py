@@ -48,20 +48,26 @@ def check_int(value: object, name: str, *, minimum: int = 1, optional: bool = Fa
 
 
 def check_ids(ids: torch.Tensor, limit: int, what: str, detail: str, *, allowed: int | None = None) -> None:
-    """Raise unless every id in ``ids`` is in ``[0, limit)`` (or equals ``allowed``).
+    """Assert that every id in ``ids`` is in ``[0, limit)`` (or equals ``allowed``), without a host sync.
 
-    Eagerly a ``ValueError`` names the first id out of range (a host sync):
-    ``"{what} {id} is out of range for {detail}"``. In a ``torch.compile``
-    graph, where a data-dependent branch would break the graph, the same check
-    is an in-graph assertion (a ``RuntimeError`` without the id).
+    The check is an assertion in the stream of ops (``torch._assert_async``), as ``nn.Embedding``'s
+    own: on a GPU a device-side assertion with the message ``"a {what} is out of range for {detail}"``,
+    raised by the next operation that waits for the device; in a ``torch.compile`` graph a part of the
+    graph. On the CPU it fails at once, and the ``ValueError`` it becomes names the first id out of
+    range: ``"{what} {id} is out of range for {detail}"``.
     """
     bad = (ids < 0) | (ids >= limit)  # (*)
     if allowed is not None:
         bad &= ids != allowed
-    if torch.compiler.is_compiling():
-        torch._assert_async(~bad.any(), f"a {what} is out of range for {detail}")
-    elif bad.any():
-        raise ValueError(f"{what} {ids[bad][0].item()} is out of range for {detail}")
+    message = f"a {what} is out of range for {detail}"
+    if torch.compiler.is_compiling() or ids.device.type != "cpu":
+        torch._assert_async(~bad.any(), message)
+        return
+    try:
+        torch._assert_async(~bad.any(), message)
+    except RuntimeError:  # only the failing path reads an id back
+        raise ValueError(f"{what} {ids[bad][0].item()} is out of range for {detail}") from None
+
 
 def partition_sizes(size: int, parts: int, *, unit: int = 1, name: str = "size") -> list[int]:
     """Sizes of ``parts`` balanced shards of ``size`` elements, in whole units.
