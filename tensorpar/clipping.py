@@ -94,6 +94,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, group: ProcessGroup | Non
     models sharded over dp with :func:`tensorpar.fully_shard_dp`, and on pipeline stages (``pp_group``,
     ``exclude``: see :func:`grad_norm`).
 
+    No host sync: the factor ``min(1, max_norm / norm)`` stays on the device and every gradient is
+    multiplied by it (as torch's own clipping does; by exactly 1.0 when the norm is within ``max_norm``).
+
     Example::
 
         loss.backward()
@@ -101,13 +104,13 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, group: ProcessGroup | Non
         optimizer.step()
     """
     norm = grad_norm(model, group, pp_group=pp_group, exclude=exclude)
-    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # on the device: no host sync, no branch on it
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # (), on the device: nothing branches on it
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for p in model.parameters():
         if p.grad is not None:
             grad = local_part(p.grad)
             by_device.setdefault(grad.device, []).append(grad)
     with torch.no_grad():
-        for device, grads in by_device.items():  # a coefficient of 1.0 leaves a gradient exactly as it was
+        for device, grads in by_device.items():
             torch._foreach_mul_(grads, coef.to(device))
     return norm
