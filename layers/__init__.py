@@ -8,12 +8,12 @@ from .gpt import GPT
 from .hf_parallel import parallelize_hf
 from .linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from .mlp import ParallelMLP
-from .parallelize import STYLES, parallelize
+from .parallelize import STYLES, HeadRow, QKVColumn, parallelize
 from .pipeline import GPTStage, PipelinedGPT
 from .regions import CopyToTP, GatherSequence, ReduceFromTP, ReduceScatterSequence
 from .sequence import SequenceParallelLayerNorm, ShardedDropout
 
 __all__ = ["GPT", "STYLES", "Block", "ColumnParallelLinear", "CopyToTP", "GPTConfig", "GPTStage", "GatherSequence",
-           "ParallelMLP", "PipelinedGPT",
-           "ParallelSelfAttention", "ReduceFromTP", "ReduceScatterSequence", "ReplicatedLinear", "RowParallelLinear",
+           "HeadRow", "ParallelMLP", "PipelinedGPT",
+           "ParallelSelfAttention", "QKVColumn", "ReduceFromTP", "ReduceScatterSequence", "ReplicatedLinear", "RowParallelLinear",
            "SequenceParallelLayerNorm", "ShardedDropout", "VocabParallelEmbedding", "parallelize", "parallelize_hf"]

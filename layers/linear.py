@@ -21,7 +21,8 @@ reading one input (Q, K and V) share one ``f`` instead of applying their own:
 the module owning them calls a :class:`~layers.regions.CopyToTP` once and
 builds them with ``copy_input=False``. ``unit=k`` keeps
 whole groups of ``k`` features together (``unit=head_dim``: whole attention
-heads per rank). Shards are balanced
+heads per rank); a column layer's ``blocks=3`` splits a fused ``[Q | K | V]``
+projection block by block (:class:`~tensorpar.sharding.Shard`). Shards are balanced
 and need not divide evenly; weights are initialised identically at every tp.
 """
 
@@ -55,18 +56,25 @@ class _ParallelLinear(nn.Module):
     split_dim: ClassVar[int]  # 0: output features are split; 1: input features are split
 
     def __init__(self, in_features: int, out_features: int, bias: bool, unit: int, group: ProcessGroup | None,
-                 device: torch.device | str | None, dtype: torch.dtype | None) -> None:
+                 device: torch.device | str | None, dtype: torch.dtype | None, blocks: int = 1) -> None:
         super().__init__()
-        for name, value in (("in_features", in_features), ("out_features", out_features), ("unit", unit)):
+        for name, value in (("in_features", in_features), ("out_features", out_features), ("unit", unit),
+                            ("blocks", blocks)):
             check_int(value, f"{type(self).__name__}: {name}")
-        self.in_features, self.out_features, self.unit = in_features, out_features, unit
+        self.in_features, self.out_features, self.unit, self.blocks = in_features, out_features, unit, blocks
         self.tp_group = tensorpar.tp_group(group)
         self.tp_rank, self.tp = tensorpar.group_rank_size(self.tp_group)
         full = (out_features, in_features)
         name = ("out_features", "in_features")[self.split_dim]
+        if full[self.split_dim] % blocks:
+            raise ValueError(f"{type(self).__name__}: {name} ({full[self.split_dim]}) is not a whole number of "
+                             f"{blocks} blocks")
+        name = name if blocks == 1 else f"{name} per block ({blocks} blocks)"
         name = name if unit == 1 else f"{name} in units of {unit}"
-        self.local_offset, self.local_features = partition_bounds(full[self.split_dim], self.tp, self.tp_rank,
-                                                                  unit=unit, name=name)
+        # with blocks > 1: this rank's offset in each block, and its features in all of them
+        self.local_offset, per_block = partition_bounds(full[self.split_dim] // blocks, self.tp, self.tp_rank,
+                                                        unit=unit, name=name)
+        self.local_features = blocks * per_block
         local = list(full)
         local[self.split_dim] = self.local_features
         self.weight = nn.Parameter(torch.empty(local, device=device, dtype=dtype))
@@ -76,16 +84,20 @@ class _ParallelLinear(nn.Module):
 
     def sharding(self) -> dict[str, Shard]:
         """Placements of the split parameters (see :mod:`tensorpar.full`)."""
-        split = {"weight": Shard(self.split_dim, (self.out_features, self.in_features)[self.split_dim], self.unit)}
+        size = (self.out_features, self.in_features)[self.split_dim]
+        split = {"weight": Shard(self.split_dim, size, self.unit, self.blocks)}
         if self.bias is not None and self.split_dim == 0:
-            split["bias"] = Shard(0, self.out_features, self.unit)
+            split["bias"] = Shard(0, self.out_features, self.unit, self.blocks)
         return split
 
     def reset_parameters(self) -> None:
         """``nn.Linear``'s default: weight and bias ``U(-1/√in, 1/√in)``, drawn tp-invariantly."""
         bound = 1 / math.sqrt(self.in_features)
         for name, geometry in tensorpar.shard_geometry(self).items():
-            tensorpar.tiled_init.uniform_(getattr(self, name), -bound, bound, **geometry)
+            p = getattr(self, name)
+            if self.blocks > 1 and p.dim() < len(geometry["full_shape"]):  # split by blocks: fill the blocked view
+                p = p.unflatten(self.split_dim, (self.blocks, -1))
+            tensorpar.tiled_init.uniform_(p, -bound, bound, **geometry)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **options: Any) -> _ParallelLinear:
@@ -125,10 +137,11 @@ class _ParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         split = ("out_features", "in_features")[self.split_dim]
-        lo, hi = self.local_offset, self.local_offset + self.local_features
+        lo, hi = self.local_offset, self.local_offset + self.local_features // self.blocks
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, local {split}={self.local_features} [{lo}:{hi}] "
-                f"on tp rank {self.tp_rank} of {self.tp}" + (f", unit={self.unit}" if self.unit > 1 else ""))
+                f"bias={self.bias is not None}, local {split}={self.local_features} [{lo}:{hi}]"
+                + (f" of each of {self.blocks} blocks" if self.blocks > 1 else "")
+                + f" on tp rank {self.tp_rank} of {self.tp}" + (f", unit={self.unit}" if self.unit > 1 else ""))
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -143,25 +156,32 @@ class ColumnParallelLinear(_ParallelLinear):
     ``sequence_parallel=True`` takes this rank's tokens ``(..., T_r, in_features)``
     instead and all-gathers them (``f̄``, :mod:`tensorpar.comm.sequence`);
     ``forward(x, seq_len=T)`` names the full length (else one small collective finds it).
+    ``blocks=3`` splits a fused ``[Q | K | V]`` projection block by block: each rank
+    holds its features (its heads, with ``unit=head_dim``) of Q, of K and of V, and
+    outputs ``[Q_r | K_r | V_r]``.
 
     Example::
 
         tensorpar.init(tp=2)
         fc = ColumnParallelLinear(768, 3072)   # weight (1536, 768) on each rank
         y = fc(x)                              # (B, T, 1536)
+        qkv = ColumnParallelLinear(768, 3 * 768, unit=64, blocks=3)   # 6 of the 12 heads of each of Q, K, V
     """
 
     split_dim = 0
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, gather_output: bool = False,
-                 copy_input: bool = True, sequence_parallel: bool = False, unit: int = 1,
+                 copy_input: bool = True, sequence_parallel: bool = False, unit: int = 1, blocks: int = 1,
                  group: ProcessGroup | None = None, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         if sequence_parallel and not copy_input:
             raise ValueError("ColumnParallelLinear: sequence_parallel=True gathers the tokens itself; with "
                              "copy_input=False the input is already gathered (a GatherSequence shared by several "
                              "layers): leave sequence_parallel off there")
-        super().__init__(in_features, out_features, bias, unit, group, device, dtype)
+        if gather_output and blocks > 1:
+            raise ValueError(f"ColumnParallelLinear: gather_output=True would interleave the {blocks} blocks' "
+                             "shards; split the local output into its blocks instead (blocks > 1)")
+        super().__init__(in_features, out_features, bias, unit, group, device, dtype, blocks)
         self.gather_output, self.copy_input, self.sequence_parallel = gather_output, copy_input, sequence_parallel
 
     def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:

@@ -13,14 +13,16 @@ from layers import ColumnParallelLinear, RowParallelLinear
 
 def build_full_layer(kind, in_f, out_f, bias, seed):
     torch.manual_seed(seed)
-    cls = ColumnParallelLinear if kind == "column" else RowParallelLinear
-    layer = cls(in_f, out_f, bias=bias)
+    if kind == "qkv":  # a fused [Q | K | V] split block by block
+        layer = ColumnParallelLinear(in_f, 3 * out_f, bias=bias, blocks=3)
+    else:
+        layer = (ColumnParallelLinear if kind == "column" else RowParallelLinear)(in_f, out_f, bias=bias)
     next_draw = torch.randint(0, 2**62, ()).item()  # the global RNG must be in the same place at every tp
     return layer.to_linear().state_dict(), next_draw
 
 
 @settings(max_examples=8)
-@given(kind=st.sampled_from(["column", "row"]), in_f=st.integers(4, 600), out_f=st.integers(4, 600),
+@given(kind=st.sampled_from(["column", "row", "qkv"]), in_f=st.integers(4, 600), out_f=st.integers(4, 600),
        bias=st.booleans(), seed=st.integers(0, 2**31))
 def test_full_weights_are_bitwise_identical_at_every_tp(worlds, kind, in_f, out_f, bias, seed):
     # Sizes up to 600 cross the 256-element tile boundaries at uneven shard offsets.

@@ -11,7 +11,7 @@ from torch import nn
 
 import tensorpar
 import tensorpar.testing
-from layers import ColumnParallelLinear, RowParallelLinear, parallelize
+from layers import ColumnParallelLinear, HeadRow, QKVColumn, RowParallelLinear, parallelize
 from tensorpar.testing import assert_sharded_equivalent
 from tensorpar.testing.strategies import tp_sizes
 
@@ -50,16 +50,22 @@ def test_parallelize_by_glob_matches_the_dense_model(worlds, tp, d, extra, n_blo
         assert max(errors.values()) <= 1e-10
 
 
-def check_plan_errors():
-    model = Toy(5, 4, 8, 1)
+def plan_errors(cases):
+    """The error each ``(model, plan)`` of ``cases`` gets from parallelize, as ``"Kind: message"``."""
     messages = []
-    for plan in ({"blocks.*.nope": "column"}, {"head": "diagonal"}, {"blocks.0": "column"},
-                 {"blocks.*.fc1": "column", "blocks.0.*": "row"}, {"head": 42}):
+    for model, plan in cases:
         try:
             parallelize(model, plan)
         except (ValueError, TypeError) as e:
             messages.append(f"{type(e).__name__}: {e}")
     return messages
+
+
+def check_plan_errors():
+    model = Toy(5, 4, 8, 1)
+    plans = ({"blocks.*.nope": "column"}, {"head": "diagonal"}, {"blocks.0": "column"},
+             {"blocks.*.fc1": "column", "blocks.0.*": "row"}, {"head": 42})
+    return plan_errors((model, plan) for plan in plans)
 
 
 def test_bad_plans_get_clear_errors(worlds):
@@ -105,3 +111,89 @@ def check_parallelized_embedding(vocab, d, seed):
 def test_parallelize_swaps_embeddings_by_the_embedding_style(worlds, tp, vocab, d, seed):
     for kind, grad_err, out_err in worlds[tp].run(check_parallelized_embedding, vocab, d, seed):
         assert kind == "VocabParallelEmbedding" and grad_err <= 1e-10 and out_err <= 1e-10
+
+
+class NanoAttention(nn.Module):
+    """nanoGPT's CausalSelfAttention (the SDPA path), written plainly. Its head width and output width
+    come from ``self.n_head`` and ``self.n_embd`` (nanoGPT takes them from the input's C)."""
+
+    def __init__(self, n_embd, n_head):
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd, dtype=torch.float64)
+        self.c_proj = nn.Linear(n_embd, n_embd, dtype=torch.float64)
+        self.n_head, self.n_embd = n_head, n_embd
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        hs = self.n_embd // self.n_head
+        q, k, v = (z.view(B, T, self.n_head, hs).transpose(1, 2) for z in (q, k, v))  # (B, nh, T, hs)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, self.n_embd)
+        return self.c_proj(y)
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, n_embd, n_head):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd, dtype=torch.float64)
+        self.attn = NanoAttention(n_embd, n_head)
+        self.ln_2 = nn.LayerNorm(n_embd, dtype=torch.float64)
+        self.mlp = DenseMLP(n_embd, 4 * n_embd, dtype=torch.float64)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+def check_nano_block(n_head, head_dim, t, seed):
+    torch.manual_seed(seed)
+    dense = NanoBlock(n_head * head_dim, n_head)
+    with torch.no_grad():  # nonzero LayerNorm parameters, so their gradients are checked through every path
+        for p in dense.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    model = parallelize(copy.deepcopy(dense), {"attn.c_attn": QKVColumn(n_head), "attn.c_proj": HeadRow(n_head),
+                                               "mlp.fc1": "column", "mlp.fc2": "row"})
+    errors = assert_sharded_equivalent(model, dense, torch.randn(2, t, n_head * head_dim, dtype=torch.float64),
+                                       seed=seed)
+    full = tensorpar.full_state_dict(model)
+    same = {k: full[k].shape == v.shape and torch.equal(full[k], v) for k, v in dense.state_dict().items()}
+    attn = model.attn
+    return errors, sorted(full) == sorted(dense.state_dict()) and all(same.values()), \
+        (attn.n_head, attn.n_embd, tuple(attn.c_attn.weight.shape), tuple(attn.c_proj.weight.shape))
+
+
+@settings(max_examples=8)
+@given(tp=tp_sizes(), extra=st.integers(0, 3), head_dim=st.integers(1, 4), t=st.integers(1, 6),
+       seed=st.integers(0, 2**31))
+def test_qkv_column_splits_nanogpt_attention_by_whole_heads(worlds, tp, extra, head_dim, t, seed):
+    n_head = tp + extra  # at least one head per rank, often uneven
+    results = worlds[tp].run(check_nano_block, n_head, head_dim, t, seed)
+    heads = [n_head // tp + (r < n_head % tp) for r in range(tp)]  # balanced: 4 heads at tp=3 are 2, 1, 1
+    c = n_head * head_dim
+    for rank, (errors, state_matches, local) in enumerate(results):
+        assert max(errors.values()) <= 1e-10, errors  # float64
+        assert state_matches  # nanoGPT's keys and shapes, with the dense values
+        width = heads[rank] * head_dim
+        assert local == (heads[rank], width, (3 * width, c), (c, width))
+
+
+def check_qkv_column_errors():
+    return plan_errors([(NanoBlock(8, 4), {"attn.c_attn": QKVColumn(3)}),  # 8 features are not 3 heads
+                        (NanoBlock(8, 4), {"attn.c_proj": HeadRow(3)}),
+                        (NanoBlock(8, 4), {"attn.c_attn": QKVColumn(4, heads_attr="heads")}),
+                        (NanoBlock(8, 4), {"attn": QKVColumn(4)}),
+                        (NanoBlock(2, 1), {"attn.c_attn": QKVColumn(1)})])  # 1 head at tp=2
+
+
+def test_qkv_column_errors_name_the_numbers(worlds):
+    messages = worlds[2].run(check_qkv_column_errors)[0]
+    assert len(messages) == 5, messages
+    assert messages[0] == ("ValueError: cannot parallelize 'attn.c_attn': QKVColumn: 8 features are not a whole "
+                           "number of 3 heads")
+    assert messages[1] == ("ValueError: cannot parallelize 'attn.c_proj': HeadRow: 8 features are not a whole "
+                           "number of 3 heads")
+    assert "NanoAttention has no attribute 'heads' to set to this rank's 2" in messages[2]
+    assert messages[3] == "TypeError: cannot parallelize 'attn': QKVColumn expects an nn.Linear, got NanoAttention"
+    assert messages[4].startswith("ValueError: cannot parallelize 'attn.c_attn'") and "smaller than tp (2)" in \
+        messages[4]
