@@ -177,6 +177,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     bar = progress(cfg.steps, done, f"train {layout} {mesh.device} {dtype_name}") if lead and cfg.progress else None
     meter = speed_meter(cfg, mesh, dtype)
     speed: dict[str, float] = {}
+    device = device_name(mesh.device)
     losses: dict[int, float] = {}
     norms: dict[int, float] = {}
     vals: dict[int, float] = {}
@@ -220,7 +221,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         speed = meter.step(seconds)
         memory = peak_memory_bytes(mesh.device)  # rank 0's; every rank's at the end
         row = {"step": step, "loss": losses[step], "lr": lr, "grad_norm": norms[step], **speed, "step_s": seconds,
-               "peak_memory_mib": memory / 2**20, "device": device_name(mesh.device), "dtype": dtype_name,
+               "peak_memory_mib": memory / 2**20, "device": device, "dtype": dtype_name,
                "tp": mesh.tp, "dp": mesh.dp, "pp": mesh.pp}
         if cfg.eval_every and step % cfg.eval_every == 0:
             row["val_loss"] = vals[step] = validation_loss(model, val, iters=cfg.eval_iters, mesh=mesh,
@@ -245,7 +246,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     for opened in (bar, log, logger):
         if opened:
             opened.close()
-    hardware = dict(speed, device=device_name(mesh.device), dtype=dtype_name, window=len(meter.seconds),
+    hardware = dict(speed, device=device, dtype=dtype_name, window=len(meter.seconds),
                     peak_tflops=meter.peak_flops and meter.peak_flops / 1e12 / mesh.world_size,
                     devices=mesh.world_size, peak_memory_bytes=peak_memory_per_rank(mesh))
     if cfg.export_hf and isinstance(model, GPT):  # every rank: each tp group gathers, rank 0 writes
