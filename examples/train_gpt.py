@@ -10,10 +10,8 @@ schedule of torch.distributed.pipelining (--schedule gpipe, 1f1b or
 interleaved, over --microbatches). AdamW (its state optionally in host memory:
 --offload-optimizer), cosine learning rate with warmup, gradient clipping by
 the norm of the whole unsharded gradient, gradient accumulation; bf16 autocast
-on a GPU and float32 on the CPU unless --dtype says otherwise (bf16 autocast
-works on the CPU too; fp16 is refused, as it would need loss scaling kept alike
-on every rank). A host with fewer GPUs than the run has local ranks trains on
-the CPU, and the script warns when that happens with GPUs present.
+on a GPU, float32 on the CPU, or --dtype. A host with fewer GPUs than local
+ranks trains on the CPU (with a warning when it has GPUs).
 
 Data: bytes of a text (the built-in corpus unless --data names a file; its
 last --val-fraction held out for validation), or a directory holding
@@ -29,13 +27,8 @@ and prints a sample. Each rank writes its own shards of each checkpoint
 (torch.distributed.checkpoint) into OUT/step-NNNNNN; --export-hf DIR saves the
 final model as a Hugging Face GPT-2 directory.
 
-What the hardware does, in the bar, in each line of metrics.jsonl and in the
-summary at the end: tokens_per_s over the last 20 steps (wall clock, all dp
-ranks' tokens), mfu (model FLOPs 6N + 12LHQT per token over the devices' dense
-peak: known for H100, H200 and A100, else given by --peak-tflops, else left
-out), peak_memory_mib of rank 0 (a GPU's max allocated memory; on the CPU the
-process's peak resident set), step_s, and the device and dtype; the summary
-gives every rank's peak memory.
+The bar, metrics.jsonl and the summary show tokens_per_s (last 20 steps), mfu,
+peak memory (rank 0's; the summary every rank's), step_s, device and dtype.
 """
 
 from __future__ import annotations
@@ -46,7 +39,6 @@ import functools
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -63,8 +55,9 @@ from layers.hf import export_gpt2
 from tensorpar import checkpoint
 from tensorpar.random import mix_seed
 from tensorpar.training import (DTYPES, ByteData, Throughput, TokenData, TrainConfig, autocast_for, compute_dtype,
-                                cosine_lr, cpu_fallback_warning, device_name, open_log, open_logger, open_splits,
-                                peak_memory_bytes, plot, progress, reset_peak_memory, validation_loss)
+                                cosine_lr, device_name, hardware_summary, open_log, open_logger, open_splits,
+                                peak_memory_bytes, peak_memory_per_rank, plot, progress, reset_peak_memory,
+                                validation_loss, warn_if_gpus_unused)
 from tensorpar.training import parse_args as parse_training_args
 from tensorpar.training.hardware import model_flops_per_token, peak_tflops
 
@@ -87,15 +80,11 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     return parse_training_args(argv, prog=Path(__file__).name, description=__doc__, epilog=EPILOG)
 
 
-def model_config(cfg: TrainConfig) -> GPTConfig:
-    return GPTConfig(vocab_size=cfg.vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                     n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
-                     activation_checkpointing=cfg.activation_checkpointing, sequence_parallel=cfg.sequence_parallel)
-
-
 def build(cfg: TrainConfig, mesh: tensorpar.Mesh) -> tuple[GPT | PipelinedGPT, torch.optim.Optimizer]:
     tensorpar.manual_seed(cfg.seed)  # the same full weights at any tp, dp and pp
-    config = model_config(cfg)
+    config = GPTConfig(vocab_size=cfg.vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                       n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
+                       activation_checkpointing=cfg.activation_checkpointing, sequence_parallel=cfg.sequence_parallel)
     model: GPT | PipelinedGPT
     fsdp_options: dict[str, Any] = {}  # with --offload-optimizer, FSDP2 offloads its own shards (and steps on the host)
     if cfg.offload_optimizer and cfg.fsdp:
@@ -133,22 +122,6 @@ def blocks(model: GPT | PipelinedGPT) -> list[nn.Module]:
     return list(h.values()) if isinstance(h, nn.ModuleDict) else list(h)
 
 
-def speed_meter(cfg: TrainConfig, mesh: tensorpar.Mesh, dtype: torch.dtype) -> Throughput:
-    """Tokens/s of the whole job, and its MFU when one device's peak is known (or given)."""
-    c = model_config(cfg)
-    flops = model_flops_per_token(c.parameter_count(), c.n_layer, c.n_head, c.n_embd // c.n_head, c.block_size)
-    return Throughput(tokens_per_step=cfg.batch_size * cfg.block_size, flops_per_token=flops,
-                      peak_tflops=cfg.peak_tflops or peak_tflops(mesh.device, dtype), devices=mesh.world_size)
-
-
-def peak_memory_per_rank(mesh: tensorpar.Mesh) -> list[int]:
-    """Every rank's peak memory in bytes, on every rank (a collective over the world)."""
-    peaks = torch.zeros(mesh.world_size, dtype=torch.int64, device=mesh.device)
-    peaks[mesh.rank] = peak_memory_bytes(mesh.device)
-    dist.all_reduce(peaks)
-    return peaks.tolist()
-
-
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run on every rank of the current mesh; rank 0 returns the losses, validation losses and gradient
     norms by step, the sample, the final full weights and what the hardware did (``hardware``)."""
@@ -175,13 +148,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     logger = open_logger(cfg.logger, out, start=done + 1, config=dataclasses.asdict(cfg)) if lead and out else None
     layout = f"tp={mesh.tp} dp={mesh.dp}" + (f" pp={mesh.pp} {cfg.schedule}" if mesh.pp > 1 else "")
     bar = progress(cfg.steps, done, f"train {layout} {mesh.device} {dtype_name}") if lead and cfg.progress else None
-    meter = speed_meter(cfg, mesh, dtype)
-    speed: dict[str, float] = {}
-    device = device_name(mesh.device)
+    c, device = model.config, device_name(mesh.device)
+    flops = model_flops_per_token(c.parameter_count(), c.n_layer, c.n_head, c.n_embd // c.n_head, c.block_size)
+    tokens_per_step = cfg.batch_size * cfg.block_size
+    meter = Throughput(tokens_per_step=tokens_per_step, flops_per_token=flops, devices=mesh.world_size,
+                       peak_tflops=cfg.peak_tflops or peak_tflops(mesh.device, dtype))  # MFU: with a known peak
     losses: dict[int, float] = {}
     norms: dict[int, float] = {}
     vals: dict[int, float] = {}
-    tokens_per_step = cfg.batch_size * cfg.block_size
     last = cfg.stop_at or cfg.steps
     for step in range(done + 1, last + 1):
         began = time.perf_counter()
@@ -246,9 +220,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     for opened in (bar, log, logger):
         if opened:
             opened.close()
-    hardware = dict(speed, device=device, dtype=dtype_name, window=len(meter.seconds),
-                    peak_tflops=meter.peak_flops and meter.peak_flops / 1e12 / mesh.world_size,
-                    devices=mesh.world_size, peak_memory_bytes=peak_memory_per_rank(mesh))
+    hardware = meter.summary() | dict(device=device, dtype=dtype_name, peak_memory_bytes=peak_memory_per_rank(mesh))
     if cfg.export_hf and isinstance(model, GPT):  # every rank: each tp group gathers, rank 0 writes
         export_gpt2(model, cfg.export_hf)
     sample = None
@@ -287,31 +259,9 @@ def spawned(cfg: TrainConfig) -> dict[str, Any]:
     return train(cfg)
 
 
-def warn_if_gpus_unused(cfg: TrainConfig) -> None:
-    """On stderr, once: this host's GPUs are left idle because the run has more local ranks than GPUs."""
-    torchrun = "WORLD_SIZE" in os.environ
-    if torchrun and os.environ.get("RANK", "0") != "0":
-        return
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if torchrun else cfg.tp * cfg.dp * cfg.pp
-    warning = cpu_fallback_warning(tp=cfg.tp, dp=cfg.dp, pp=cfg.pp, local_ranks=local, torchrun=torchrun,
-                                   cuda_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0)
-    if warning:
-        print(f"warning: {warning}", file=sys.stderr, flush=True)
-
-
-def hardware_summary(hardware: dict[str, Any]) -> str:
-    """The end-of-run lines on speed and memory."""
-    mfu = (f"MFU {hardware['mfu']:.1%} of {hardware['devices']} x {hardware['peak_tflops']:g} TFLOP/s"
-           if "mfu" in hardware else "MFU unknown (no known peak for this device: give --peak-tflops)")
-    memory = ", ".join(f"{b / 2**30:.2f}" for b in hardware["peak_memory_bytes"])
-    kind = "max allocated on the GPU" if hardware["device"].startswith("cuda") else "peak resident set"
-    return (f"{hardware['device']}, {hardware['dtype']}: {hardware['tokens_per_s']:,.0f} tokens/s (last "
-            f"{hardware['window']} steps), {mfu}\npeak memory per rank (GiB, {kind}): {memory}")
-
-
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
-    warn_if_gpus_unused(cfg)
+    warn_if_gpus_unused(tp=cfg.tp, dp=cfg.dp, pp=cfg.pp)
     began = time.perf_counter()
     if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         mesh = tensorpar.init(cfg.tp, cfg.dp, pp=cfg.pp)

@@ -13,10 +13,16 @@ from hypothesis import strategies as st
 from reference_gpt import RefConfig, RefGPT
 
 from layers import GPTConfig
-from tensorpar.training import Throughput, cpu_fallback_warning, parse_args, peak_memory_bytes
+import tensorpar
+from tensorpar.training import (Throughput, cpu_fallback_warning, hardware_summary, peak_memory_bytes,
+                                warn_if_gpus_unused)
 from tensorpar.training.hardware import model_flops_per_token, peak_tflops
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
+
+
+class RanksWouldStart(Exception):
+    pass
 
 
 @settings(max_examples=15, deadline=None)
@@ -67,6 +73,11 @@ def test_throughput_is_over_the_window_and_mfu_over_every_device():
         figures = meter.step(0.5)
     assert figures["tokens_per_s"] == 2000.0  # the first step has left the window
     assert figures["mfu"] == pytest.approx(2000 * 2e9 / (2 * 100e12), rel=1e-12)
+    assert meter.summary() == dict(figures, window=3, devices=2, peak_tflops=100.0)
+    assert hardware_summary(meter.summary() | dict(device="cuda:0 (NVIDIA H100 80GB HBM3)", dtype="bf16",
+                                                   peak_memory_bytes=[3 * 2**30, 2**29])) == (
+        "cuda:0 (NVIDIA H100 80GB HBM3), bf16: 2,000 tokens/s (last 3 steps), MFU 2.0% of 2 x 100 TFLOP/s\n"
+        "peak memory per rank (GiB, max allocated on the GPU): 3.00, 0.50")
     with pytest.raises(ValueError, match="window must be at least 1 step, got 0"):
         Throughput(tokens_per_step=1, flops_per_token=1.0, peak_tflops=None, devices=1, window=0)
 
@@ -93,14 +104,20 @@ def test_cpu_fallback_warning_says_why_and_how_to_use_the_gpu():
 
 @pytest.mark.parametrize("argv, devices, warned", [(["--tp=2"], 1, True), (["--tp=1"], 1, False),
                                                    (["--tp=2"], 0, False), (["--tp=2"], 2, False)])
-def test_the_script_warns_before_its_ranks_start(monkeypatch, capsys, argv, devices, warned):
-    """The script's own check, with torch.cuda faked: the warning goes to stderr exactly when it applies."""
+def test_the_script_warns_before_its_ranks_start(monkeypatch, capsys, tmp_path, argv, devices, warned):
+    """The script's main with torch.cuda faked, stopped where it would start its ranks: the warning
+    goes to stderr exactly when it applies."""
     for name in ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: devices > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: devices)
-    warn = runpy.run_path(str(SCRIPT), run_name="train_gpt")["warn_if_gpus_unused"]
-    warn(parse_args(argv))
+
+    def no_ranks(*args, **kwargs):
+        raise RanksWouldStart
+
+    monkeypatch.setattr(tensorpar, "spawn", no_ranks)
+    with pytest.raises(RanksWouldStart):
+        runpy.run_path(str(SCRIPT), run_name="train_gpt")["main"]([*argv, f"--out={tmp_path}"])
     captured = capsys.readouterr()
     assert captured.out == ""
     assert (captured.err == "warning: CUDA is available (1 device) but tp x dp x pp = 2 x 1 x 1 = 2 ranks need 2 "
@@ -111,13 +128,11 @@ def test_the_script_warns_before_its_ranks_start(monkeypatch, capsys, argv, devi
 def test_under_torchrun_only_rank_0_warns(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    warn = runpy.run_path(str(SCRIPT), run_name="train_gpt")["warn_if_gpus_unused"]
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    cfg = parse_args(["--tp=2"])
     for rank, expected in (("1", ""), ("0", "torchrun's 2 processes on this host need 2 GPUs")):
         monkeypatch.setenv("RANK", rank)
-        warn(cfg)
+        warn_if_gpus_unused(tp=2, dp=1, pp=1)
         err = capsys.readouterr().err
         assert expected in err and (err == "") == (expected == "")
     assert "--nproc-per-node 1" in err

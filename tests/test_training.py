@@ -212,9 +212,7 @@ def check_exported_checkpoint(out):
 def test_export_loads_into_the_plain_model(worlds, tmp_path):
     run_training(worlds, tmp_path, 2, steps=3, ckpt_every=3)
     assert max(worlds[2].run(check_exported_checkpoint, str(tmp_path))) <= 1e-5
-    for row in metrics(tmp_path):  # the default on the CPU: float32, and no MFU without a known peak
-        assert (row["device"], row["dtype"], "mfu" in row) == ("cpu", "fp32", False)
-        assert row["tokens_per_s"] > 0 and row["peak_memory_mib"] > 0
+    assert {(r["dtype"], "mfu" in r, r["tokens_per_s"] > 0) for r in metrics(tmp_path)} == {("fp32", False, True)}
 
 
 def _workers(parent: int) -> list[int]:

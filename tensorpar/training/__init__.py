@@ -10,13 +10,14 @@ notebooks do.
 from .cli import TrainConfig, build_parser, parse_args, resolve
 from .data import VOCAB_SIZE, ByteData, TokenData, default_corpus, open_splits
 from .device import (DTYPES, compute_dtype, cpu_fallback_warning, device_name, peak_memory_bytes,
-                     reset_peak_memory)
+                     peak_memory_per_rank, reset_peak_memory, warn_if_gpus_unused)
 from .evaluate import autocast_for, validation_loss
 from .output import open_log, open_logger, plot, progress
 from .schedule import cosine_lr
-from .throughput import Throughput
+from .throughput import Throughput, hardware_summary
 
 __all__ = ["DTYPES", "VOCAB_SIZE", "ByteData", "Throughput", "TokenData", "TrainConfig", "autocast_for",
            "build_parser", "compute_dtype", "cosine_lr", "cpu_fallback_warning", "default_corpus", "device_name",
-           "open_log", "open_logger", "open_splits", "parse_args", "peak_memory_bytes", "plot", "progress",
-           "reset_peak_memory", "resolve", "validation_loss"]
+           "hardware_summary", "open_log", "open_logger", "open_splits", "parse_args", "peak_memory_bytes",
+           "peak_memory_per_rank", "plot", "progress", "reset_peak_memory", "resolve", "validation_loss",
+           "warn_if_gpus_unused"]

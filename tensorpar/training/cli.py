@@ -145,8 +145,8 @@ class TrainConfig:
             raise ValueError(f"--peak-tflops must be above 0, got {self.peak_tflops}")
         if self.export_hf is not None and self.pp > 1:
             raise ValueError(f"--export-hf needs --pp 1 (each of the {self.pp} pipeline ranks holds part of the "
-                             "model): train at --pp 1, or load the checkpoint into a GPT and call "
-                             "layers.hf.export_gpt2")
+                             "model): train at --pp 1, or load the checkpoint into a GPT at --pp 1 and call "
+                             "export_gpt2")
         if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
             raise ValueError(f"--stop-at {self.stop_at} is not a step of the run (1 to --steps {self.steps})")
 

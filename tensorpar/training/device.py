@@ -8,13 +8,18 @@ trains on the CPU, and :func:`cpu_fallback_warning` says so before the ranks sta
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
+from types import MappingProxyType
 
 import torch
+import torch.distributed as dist
+
+from ..mesh import Mesh
 
 #: ``--dtype``'s names of the dtypes a run computes in (bf16 and fp16 through autocast)
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = MappingProxyType({"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32})
 
 
 def compute_dtype(name: str | None, device: torch.device) -> str:
@@ -45,6 +50,14 @@ def peak_memory_bytes(device: torch.device) -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
+def peak_memory_per_rank(mesh: Mesh) -> list[int]:
+    """Every rank's :func:`peak_memory_bytes`, on every rank (a collective over the world)."""
+    peaks = torch.zeros(mesh.world_size, dtype=torch.int64, device=mesh.device)
+    peaks[mesh.rank] = peak_memory_bytes(mesh.device)
+    dist.all_reduce(peaks)
+    return peaks.tolist()
+
+
 def cpu_fallback_warning(*, tp: int, dp: int, pp: int, local_ranks: int, cuda_devices: int,
                          torchrun: bool = False) -> str | None:
     """What to tell a user whose ``local_ranks`` ranks on this host would train on the CPU although
@@ -71,3 +84,16 @@ def cpu_fallback_warning(*, tp: int, dp: int, pp: int, local_ranks: int, cuda_de
             fix = f"Use at most {cuda_devices} ranks (tp x dp x pp <= {cuda_devices}) to train on the GPUs."
     return (f"CUDA is available ({devices}) but {ranks} need {local_ranks} GPUs (NCCL: one GPU per rank); "
             f"this run uses the CPU. {fix}")
+
+
+def warn_if_gpus_unused(*, tp: int, dp: int, pp: int) -> None:
+    """Print :func:`cpu_fallback_warning` for this host on stderr, if it applies: before a local run
+    starts its ``tp * dp * pp`` ranks, or on rank 0 of torchrun's (``LOCAL_WORLD_SIZE`` per host)."""
+    torchrun = "WORLD_SIZE" in os.environ
+    if torchrun and os.environ.get("RANK", "0") != "0":
+        return
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if torchrun else tp * dp * pp
+    warning = cpu_fallback_warning(tp=tp, dp=dp, pp=pp, local_ranks=local, torchrun=torchrun,
+                                   cuda_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)

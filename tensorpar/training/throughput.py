@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 
 class Throughput:
@@ -26,8 +27,10 @@ class Throughput:
         if window < 1:
             raise ValueError(f"window must be at least 1 step, got {window}")
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.peak_tflops, self.devices = peak_tflops, devices
         self.peak_flops = None if peak_tflops is None else peak_tflops * 1e12 * devices  # all devices together
         self.seconds: deque[float] = deque(maxlen=window)
+        self.figures: dict[str, float] = {}
 
     def step(self, seconds: float) -> dict[str, float]:
         """Count a step of ``seconds``; the window's ``tokens_per_s`` and, with a known peak, ``mfu``
@@ -37,4 +40,21 @@ class Throughput:
         figures = {"tokens_per_s": tokens_per_s}
         if self.peak_flops is not None:
             figures["mfu"] = tokens_per_s * self.flops_per_token / self.peak_flops
+        self.figures = figures
         return figures
+
+    def summary(self) -> dict[str, Any]:
+        """The last step's figures with the ``window`` they span, the ``devices`` and one's
+        ``peak_tflops`` (None: unknown); no figures before the first step."""
+        return dict(self.figures, window=len(self.seconds), devices=self.devices, peak_tflops=self.peak_tflops)
+
+
+def hardware_summary(hardware: dict[str, Any]) -> str:
+    """Two lines on a run's speed and memory: :meth:`Throughput.summary` with the ``device``, the
+    ``dtype`` and every rank's ``peak_memory_bytes``."""
+    mfu = (f"MFU {hardware['mfu']:.1%} of {hardware['devices']} x {hardware['peak_tflops']:g} TFLOP/s"
+           if "mfu" in hardware else "MFU unknown (no known peak for this device: give --peak-tflops)")
+    memory = ", ".join(f"{b / 2**30:.2f}" for b in hardware["peak_memory_bytes"])
+    kind = "max allocated on the GPU" if hardware["device"].startswith("cuda") else "peak resident set"
+    return (f"{hardware['device']}, {hardware['dtype']}: {hardware['tokens_per_s']:,.0f} tokens/s (last "
+            f"{hardware['window']} steps), {mfu}\npeak memory per rank (GiB, {kind}): {memory}")
