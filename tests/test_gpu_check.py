@@ -13,6 +13,12 @@ gpu_check = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gpu_check)
 
 
+def test_the_gpu_tests_are_collected_from_the_files_that_mark_them():
+    files = [p.name for p in gpu_check.gpu_test_files(Path("tests"))]
+    assert {"test_gpu.py", "test_dcp_cuda.py", "test_compile.py"} <= set(files)
+    assert "test_notebooks.py" not in files and "test_gpu_check.py" not in files
+
+
 def test_pytest_tally():
     text = "....s\n==== 12 passed, 1 failed, 3 skipped, 2 errors, 400 deselected in 61.2s ====\n"
     assert gpu_check.pytest_counts(text) == {"passed": 12, "failed": 1, "skipped": 3, "error": 2, "deselected": 400}
