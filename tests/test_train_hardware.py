@@ -14,8 +14,8 @@ from reference_gpt import RefConfig, RefGPT
 
 from layers import GPTConfig
 import tensorpar
-from tensorpar.training import (Throughput, cpu_fallback_warning, hardware_summary, peak_memory_bytes,
-                                warn_if_gpus_unused)
+from tensorpar.training import (Throughput, compute_dtype, cpu_fallback_warning, hardware_summary,
+                                peak_memory_bytes, warn_if_gpus_unused)
 from tensorpar.training.hardware import model_flops_per_token, peak_tflops
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
@@ -57,6 +57,12 @@ def test_peak_tflops_of_known_gpus(monkeypatch, name, dtype, peak):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert peak_tflops(torch.device("cuda", 0), dtype) == peak
+
+
+def test_the_default_dtype_is_bf16_on_a_gpu_and_fp32_on_the_cpu():
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert (compute_dtype(None, gpu), compute_dtype(None, cpu)) == ("bf16", "fp32")
+    assert (compute_dtype("fp32", gpu), compute_dtype("bf16", cpu)) == ("fp32", "bf16")
 
 
 def test_no_peak_and_no_mfu_on_the_cpu():
