@@ -148,8 +148,9 @@ def train_and_resume(out: Path, *, small: bool, steps: int, timeout: float) -> d
     for name, extra in runs.items():
         code, text = run(name, [*common, *extra], out, timeout)
         if code != 0:
-            return {"ok": False, "bitwise": False, "why": f"{name} {'timed out' if code is None else 'failed'}: "
-                                                          f"{text.strip().splitlines()[-1:] or ''}"}
+            said = (text.strip().splitlines() or [""])[-1]
+            return {"ok": False, "bitwise": False,
+                    "why": f"{name} {'timed out' if code is None else 'failed'}: {said} (see {name}.log)"}
     verdict = resume_verdict(losses(out / "straight"), losses(out / "resumed"), stop)
     last = json.loads((out / "straight" / "metrics.jsonl").read_text().splitlines()[-1])
     return verdict | {"train": last}
