@@ -9,7 +9,7 @@ TORCH  := $(VENV)/.torch
 DEMO   := $(VENV)/.installed-demo
 TEST   := $(VENV)/.installed-test
 
-.PHONY: test demo bench clean
+.PHONY: test demo bench gpu-check clean
 
 $(TORCH):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,12 @@ bench: $(TEST)
 	$(PY) -m pip install -e ".[bench]"
 	$(PY) -m pip install --no-deps megatron-core==0.16.1
 	$(PY) benchmarks/run.py
+
+# On a machine with a GPU and torch already installed (no virtualenv, nothing installed): the GPU
+# tests, the GPU benchmarks and a GPT-2 124M training run resumed from a checkpoint, in one table.
+OUT ?= out/gpu-check
+gpu-check:
+	PYTHONPATH=. $(PYTHON) benchmarks/gpu_check.py --out $(OUT)
 
 clean:
 	rm -rf $(VENV) *.egg-info .hypothesis

@@ -9,8 +9,9 @@ inside (--fsdp); with --pp the blocks are split into pipeline stages run by a
 schedule of torch.distributed.pipelining (--schedule gpipe, 1f1b or
 interleaved, over --microbatches). AdamW (its state optionally in host memory:
 --offload-optimizer), cosine learning rate with warmup, gradient clipping by
-the norm of the whole unsharded gradient, gradient accumulation; float32 on
-CPU, bf16 autocast on GPU.
+the norm of the whole unsharded gradient, gradient accumulation; bf16 autocast
+on a GPU, float32 on the CPU, or --dtype. A host with fewer GPUs than local
+ranks trains on the CPU (with a warning when it has GPUs).
 
 Data: bytes of a text (the built-in corpus unless --data names a file; its
 last --val-fraction held out for validation), or a directory holding
@@ -23,7 +24,11 @@ checkpoint at step N resumes with step N + 1. Rank 0 shows a progress bar,
 writes OUT/metrics.jsonl (one JSON line per step: loss, lr, grad_norm,
 tokens_per_s, and val_loss after every --eval-every steps) and OUT/loss.png,
 and prints a sample. Each rank writes its own shards of each checkpoint
-(torch.distributed.checkpoint) into OUT/step-NNNNNN.
+(torch.distributed.checkpoint) into OUT/step-NNNNNN; --export-hf DIR saves the
+final model as a Hugging Face GPT-2 directory.
+
+The bar, metrics.jsonl and the summary show tokens_per_s (last 20 steps), mfu,
+peak memory (rank 0's; the summary every rank's), step_s, device and dtype.
 """
 
 from __future__ import annotations
@@ -46,11 +51,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 import tensorpar
 from layers import GPT, GPTConfig, PipelinedGPT
+from layers.hf import export_gpt2
 from tensorpar import checkpoint
 from tensorpar.random import mix_seed
-from tensorpar.training import (ByteData, TokenData, TrainConfig, autocast_for, cosine_lr, open_log, open_logger,
-                                open_splits, plot, progress, validation_loss)
+from tensorpar.training import (DTYPES, ByteData, Throughput, TokenData, TrainConfig, autocast_for, compute_dtype,
+                                cosine_lr, device_name, hardware_summary, open_log, open_logger, open_splits,
+                                peak_memory_bytes, peak_memory_per_rank, plot, progress, reset_peak_memory,
+                                validation_loss, warn_if_gpus_unused)
 from tensorpar.training import parse_args as parse_training_args
+from tensorpar.training.hardware import model_flops_per_token, peak_tflops
 
 EPILOG = """examples:
   python examples/train_gpt.py                          # tp=2 on 2 local CPU processes, the built-in corpus
@@ -60,6 +69,7 @@ EPILOG = """examples:
   python examples/train_gpt.py --tp 2 --pp 2 --schedule 1f1b --microbatches 4   # 2 pipeline stages of tp=2
   python examples/train_gpt.py --data my.txt --steps 2000 --out run1 --stop-at 1000
   python examples/train_gpt.py --data my.txt --steps 2000 --out run1 --resume    # steps 1001-2000
+  python examples/train_gpt.py --tp 1 --export-hf run1/hf   # one GPU, bf16; then GPT2LMHeadModel.from_pretrained
   python examples/train_gpt.py --data data/shakespeare --vocab-size 50257 --eval-every 50 --logger tensorboard
   torchrun --nproc-per-node 8 examples/train_gpt.py --tp 4 --n-layer 12 --n-embd 768 --n-head 12
 """
@@ -114,9 +124,12 @@ def blocks(model: GPT | PipelinedGPT) -> list[nn.Module]:
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run on every rank of the current mesh; rank 0 returns the losses, validation losses and gradient
-    norms by step, the sample and the final full weights."""
+    norms by step, the sample, the final full weights and what the hardware did (``hardware``)."""
     mesh = tensorpar.current_mesh()
     lead = mesh.rank == 0
+    dtype_name = compute_dtype(cfg.dtype, mesh.device)
+    dtype = DTYPES[dtype_name]
+    reset_peak_memory(mesh.device)
     data, val = open_splits(cfg.data, seed=cfg.seed, val_fraction=cfg.val_fraction, vocab_size=cfg.vocab_size)
     model, optimizer = build(cfg, mesh)
     done = 0  # optimizer steps already taken
@@ -134,11 +147,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     log = open_log(out, done + 1) if lead and out else None
     logger = open_logger(cfg.logger, out, start=done + 1, config=dataclasses.asdict(cfg)) if lead and out else None
     layout = f"tp={mesh.tp} dp={mesh.dp}" + (f" pp={mesh.pp} {cfg.schedule}" if mesh.pp > 1 else "")
-    bar = progress(cfg.steps, done, f"train {layout}") if lead and cfg.progress else None
+    bar = progress(cfg.steps, done, f"train {layout} {mesh.device} {dtype_name}") if lead and cfg.progress else None
+    c, device = model.config, device_name(mesh.device)
+    flops = model_flops_per_token(c.parameter_count(), c.n_layer, c.n_head, c.n_embd // c.n_head, c.block_size)
+    tokens_per_step = cfg.batch_size * cfg.block_size
+    meter = Throughput(tokens_per_step=tokens_per_step, flops_per_token=flops, devices=mesh.world_size,
+                       peak_tflops=cfg.peak_tflops or peak_tflops(mesh.device, dtype))  # MFU: with a known peak
     losses: dict[int, float] = {}
     norms: dict[int, float] = {}
     vals: dict[int, float] = {}
-    tokens_per_step = cfg.batch_size * cfg.block_size
     last = cfg.stop_at or cfg.steps
     for step in range(done + 1, last + 1):
         began = time.perf_counter()
@@ -152,7 +169,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             x, y = data.batch(index, micro, batch_size=cfg.batch_size, block_size=cfg.block_size,
                               accum=cfg.grad_accum, dp=mesh.dp, dp_rank=mesh.dp_rank)
             if pipe is not None:  # forward and backward, micro-batch by micro-batch through the stages
-                with autocast_for(mesh.device):
+                with autocast_for(mesh.device, dtype):
                     loss_sum += pipe.step(x.to(mesh.device), y.to(mesh.device), loss_scale=1 / cfg.grad_accum)
                 continue
             reduce = micro == cfg.grad_accum - 1  # the gradients go over dp after the last micro-batch only
@@ -160,7 +177,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 model.set_requires_gradient_sync(reduce)
             sync = contextlib.nullcontext() if mesh.dp == 1 or cfg.fsdp or reduce else ddp.no_sync()
             with sync:  # no gradient all-reduce over dp until the last micro-batch
-                with autocast_for(mesh.device):
+                with autocast_for(mesh.device, dtype):
                     loss = ddp(x.to(mesh.device), y.to(mesh.device)) / cfg.grad_accum
                 loss.backward()
             loss_sum += loss.detach()
@@ -174,14 +191,17 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             dist.all_reduce(loss_sum, group=mesh.dp_group)
             loss_sum /= mesh.dp
         losses[step], norms[step] = loss_sum.item(), norm.item()
-        seconds = time.perf_counter() - began
-        row = {"step": step, "loss": losses[step], "lr": lr, "grad_norm": norms[step],
-               "tokens_per_s": tokens_per_step / seconds, "tp": mesh.tp, "dp": mesh.dp, "pp": mesh.pp}
+        seconds = time.perf_counter() - began  # the device's work included: .item() waited for it
+        speed = meter.step(seconds)
+        memory = peak_memory_bytes(mesh.device)  # rank 0's; every rank's at the end
+        row = {"step": step, "loss": losses[step], "lr": lr, "grad_norm": norms[step], **speed, "step_s": seconds,
+               "peak_memory_mib": memory / 2**20, "device": device, "dtype": dtype_name,
+               "tp": mesh.tp, "dp": mesh.dp, "pp": mesh.pp}
         if cfg.eval_every and step % cfg.eval_every == 0:
             row["val_loss"] = vals[step] = validation_loss(model, val, iters=cfg.eval_iters, mesh=mesh,
                                                            batch_size=cfg.batch_size // cfg.grad_accum,
                                                            block_size=cfg.block_size,
-                                                           loss_of=pipe.evaluate if pipe else None)
+                                                           loss_of=pipe.evaluate if pipe else None, dtype=dtype)
         if out and ((cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == last):
             checkpoint.save(out, model, optimizer, step=step, mesh=mesh,
                             extra={"data_position": {"step": step, "tokens": step * tokens_per_step},
@@ -193,11 +213,16 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             logger.log(row)
         if bar:
             shown = {"val": f"{vals[max(vals)]:.3f}"} if vals else {}
-            bar.set_postfix(loss=f"{losses[step]:.3f}", **shown, tok_s=f"{tokens_per_step / seconds:,.0f}")
+            shown |= {"mfu": f"{speed['mfu']:.1%}"} if "mfu" in speed else {}
+            bar.set_postfix(loss=f"{losses[step]:.3f}", **shown, tok_s=f"{speed['tokens_per_s']:,.0f}",
+                            mem=f"{memory / 2**30:.2f}GiB")
             bar.update()
     for opened in (bar, log, logger):
         if opened:
             opened.close()
+    hardware = meter.summary() | dict(device=device, dtype=dtype_name, peak_memory_bytes=peak_memory_per_rank(mesh))
+    if cfg.export_hf and isinstance(model, GPT):  # every rank: each tp group gathers, rank 0 writes
+        export_gpt2(model, cfg.export_hf)
     sample = None
     if cfg.sample_tokens and last == cfg.steps and isinstance(model, GPT):  # a pipeline holds part of the model
         sample = _sample(model, cfg, mesh, val)
@@ -208,7 +233,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         return {}
     if out and (losses or done):
         plot(out, unit="byte" if isinstance(val, ByteData) else "token")
-    return {"losses": losses, "val_losses": vals, "grad_norms": norms, "sample": sample, "state": full}
+    return {"losses": losses, "val_losses": vals, "grad_norms": norms, "sample": sample, "state": full,
+            "hardware": hardware}
 
 
 def _sample(model: GPT, cfg: TrainConfig, mesh: tensorpar.Mesh, val: TokenData) -> str:
@@ -235,6 +261,7 @@ def spawned(cfg: TrainConfig) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
+    warn_if_gpus_unused(tp=cfg.tp, dp=cfg.dp, pp=cfg.pp)
     began = time.perf_counter()
     if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         mesh = tensorpar.init(cfg.tp, cfg.dp, pp=cfg.pp)
@@ -251,9 +278,13 @@ def main(argv: list[str] | None = None) -> None:
               + (f", pp={cfg.pp} {cfg.schedule} x {cfg.microbatches} micro-batches)" if cfg.pp > 1 else ")"))
     if vals:
         print(f"validation loss {vals[max(vals)]:.3f} after step {max(vals)}")
+    if "tokens_per_s" in result["hardware"]:
+        print(hardware_summary(result["hardware"]))
     if cfg.out:
         print(f"metrics: {cfg.out}/metrics.jsonl, curve: {cfg.out}/loss.png, checkpoint: {cfg.out}/latest"
               + (f", {cfg.logger}: {cfg.out}" if cfg.logger != "none" else ""))
+    if cfg.export_hf:
+        print(f"Hugging Face GPT-2: {cfg.export_hf} (transformers.GPT2LMHeadModel.from_pretrained loads it)")
     if result.get("sample"):
         print("sample:\n" + result["sample"])
     elif cfg.pp > 1 and cfg.sample_tokens and cfg.out:

@@ -58,3 +58,14 @@ class GPTConfig:
     @property
     def mlp_hidden(self) -> int:
         return 4 * self.n_embd if self.mlp == "gelu" else 8 * self.n_embd // 3
+
+    def parameter_count(self, *, non_embedding: bool = True) -> int:
+        """The unsharded GPT's parameters, the tied LM head counted once; without the position table
+        when ``non_embedding`` (nanoGPT's ``get_num_params``: the count that does matmuls, for MFU)."""
+        c, hidden, kv_width = self.n_embd, self.mlp_hidden, self.kv_heads * (self.n_embd // self.n_head)
+        b = int(self.bias)
+        norm = c + b * c
+        attention = (c * c + b * c) + 2 * (c * kv_width + b * kv_width) + (c * c + b * c)  # Q, K and V, out
+        mlp = (2 if self.mlp == "swiglu" else 1) * (c * hidden + b * hidden) + (hidden * c + b * c)
+        positions = 0 if non_embedding else self.block_size * c
+        return self.vocab_size * c + positions + self.n_layer * (2 * norm + attention + mlp) + norm

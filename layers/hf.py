@@ -76,7 +76,9 @@ def gpt_state_dict(state: dict[str, torch.Tensor], n_embd: int) -> dict[str, tor
 # ---------------------------------------------------------------- export: our GPT -> GPT-2
 
 #: GPTConfig fields that change how the model is run, not what it computes
-_RUNTIME_ONLY = ("activation_checkpointing",)
+_RUNTIME_ONLY = ("activation_checkpointing", "sequence_parallel")
+#: GPT-2's parameters without a bias (the tables); every other weight has one
+_NO_BIAS = ("transformer.wte.weight", "transformer.wpe.weight")
 #: safetensors' names of the dtypes a GPT's weights may have
 _SAFETENSORS_DTYPES = MappingProxyType({torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
                                         torch.bfloat16: "BF16"})
@@ -85,12 +87,14 @@ _SAFETENSORS_DTYPES = MappingProxyType({torch.float64: "F64", torch.float32: "F3
 def check_exportable(config: Any) -> None:
     """Raise ``ValueError`` naming each ``GPTConfig`` field that GPT-2 cannot express.
 
-    GPT-2 has biases everywhere, a GELU (tanh) MLP of width ``4 * n_embd``, as many
-    key/value heads as query heads, learned positions and an LM head tied to the
-    token embedding. Fields this module does not know must keep their default.
+    GPT-2 has a GELU (tanh) MLP of width ``4 * n_embd``, as many key/value heads as
+    query heads, learned positions and an LM head tied to the token embedding. It has
+    biases everywhere; a GPT without them (``bias=False``, nanoGPT's and the training
+    script's default: no bias in the linears or LayerNorms) is GPT-2 with zero biases.
+    Fields this module does not know must keep their default.
     """
-    required = {"bias": (True,), "mlp": ("gelu",), "n_kv_head": (None, config.n_head)}
-    known = {"block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dropout", *required, *_RUNTIME_ONLY}
+    required = {"mlp": ("gelu",), "n_kv_head": (None, config.n_head)}
+    known = {"block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dropout", "bias", *required, *_RUNTIME_ONLY}
     wrong = [f"{name}={getattr(config, name)!r} (GPT-2 needs {' or '.join(map(repr, ok))})"
              for name, ok in required.items() if getattr(config, name) not in ok]
     wrong += [f"{f.name}={getattr(config, f.name)!r} (GPT-2 has no such setting; keep {f.default!r})"
@@ -116,7 +120,8 @@ def gpt2_config(config: Any, dtype: torch.dtype, *, eos_token_id: int | None = N
 
 def gpt2_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our full state dict in GPT-2's keys: Q, K, V fused into ``c_attn``, projections transposed
-    to ``Conv1D``'s ``(in, out)``; the tied ``lm_head.weight`` is left out, as GPT-2 saves it."""
+    to ``Conv1D``'s ``(in, out)``, zeros for the biases of a GPT without them; the tied
+    ``lm_head.weight`` is left out, as GPT-2 saves it."""
     out = {}
     for key, value in state.items():
         if key == "lm_head.weight" or ".attn.k_proj." in key or ".attn.v_proj." in key:
@@ -128,7 +133,19 @@ def gpt2_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
             out[f"{prefix}.attn.c_attn.{kind}"] = fused.t() if kind == "weight" else fused  # (C, 3C)
         else:
             out[key] = value.t() if key.endswith(_TRANSPOSED) else value
-    return {k: v.contiguous() for k, v in out.items()}
+    return {k: v.contiguous() for k, v in with_zero_biases(out).items()}
+
+
+def with_zero_biases(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A GPT-2 state dict with a zero bias after every weight that lacks one (LayerNorms: ``(C,)``;
+    ``Conv1D`` weights ``(in, out)``: ``(out,)``), which computes what the bias-free layers do."""
+    out = {}
+    for key, value in state.items():
+        out[key] = value
+        bias = key.removesuffix("weight") + "bias"
+        if key.endswith(".weight") and key not in _NO_BIAS and bias not in state:
+            out[bias] = value.new_zeros(value.shape[-1])
+    return out
 
 
 def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:

@@ -139,3 +139,45 @@ def test_hf_gpt2_samples_text_with_a_tokenizer(worlds, monkeypatch, tmp_path):
     assert prompt_ids == [TOKENS.index(c if c != " " else "Ġ") for c in "hello, world"]
     text = ast.literal_eval(line_starting(out, "text: ").removeprefix("text: "))
     assert text.startswith("hello, world") and len(text) > len("hello, world")
+
+
+# ---------------------------------------------------------------- training: what the hardware did, and the export
+
+def test_train_gpt_reports_the_hardware_and_exports_to_hugging_face(worlds, monkeypatch, tmp_path):
+    """tp=2 in bf16 autocast on the CPU with a given peak: every metrics line and the summary carry
+    tokens/s, MFU, peak memory, device and dtype; --export-hf writes a GPT-2 directory whose logits
+    are those of the final checkpoint's weights (the script's default: no biases)."""
+    transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
+    from reference_gpt import RefConfig, RefGPT
+
+    from layers import GPTConfig
+    from tensorpar import checkpoint
+    from tensorpar.training.hardware import model_flops_per_token
+
+    out, hf_dir = tmp_path / "run", tmp_path / "hf"
+    sizes = dict(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=16, bias=False)
+    stdout = run_example_on_pool(worlds, monkeypatch, "train_gpt.py", "--tp", 2, "--steps", 3, "--n-layer", 1,
+                                 "--n-head", 2, "--n-embd", 16, "--block-size", 16, "--batch-size", 4,
+                                 "--dtype", "bf16", "--peak-tflops", 1, "--sample-tokens", 0, "--no-progress",
+                                 "--out", out, "--export-hf", hf_dir)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    flops = model_flops_per_token(GPTConfig(**sizes).parameter_count(), 1, 2, 8, 16)  # 6N + 12LHQT
+    for r in rows:
+        assert (r["device"], r["dtype"]) == ("cpu", "bf16")
+        assert r["tokens_per_s"] > 0 and r["step_s"] > 0 and r["peak_memory_mib"] > 0
+        assert 0 < r["mfu"] < 1  # these few FLOPs are far below a TFLOP/s per rank
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * flops / (2 * 1e12), rel=1e-9)  # 2 ranks of 1 TFLOP/s
+    speed = line_starting(stdout, "cpu, bf16: ")
+    assert "tokens/s (last 3 steps), MFU " in speed and "of 2 x 1 TFLOP/s" in speed
+    memory = line_starting(stdout, "peak memory per rank (GiB, peak resident set): ").split(": ")[1].split(", ")
+    assert len(memory) == 2 and all(float(m) > 0 for m in memory)
+    assert line_starting(stdout, "Hugging Face GPT-2: ").startswith(f"Hugging Face GPT-2: {hf_dir} ")
+
+    hf = transformers.GPT2LMHeadModel.from_pretrained(hf_dir, local_files_only=True).eval()
+    plain = RefGPT(RefConfig(**sizes)).eval()
+    plain.load_state_dict(checkpoint.export_state_dict(out))  # the weights the run ended with
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, logits = plain(idx), hf(idx).logits
+    assert (logits - expected).norm() <= 1e-5 * expected.norm()

@@ -78,8 +78,16 @@ def test_training_on_cuda_in_bf16_with_a_checkpoint(tmp_path, capfd):
     tensorpar.spawn(run_script, 1, str(script), "--tp=1", "--steps=30", "--n-layer=2", "--n-embd=64",
                     "--block-size=32", f"--out={tmp_path}", "--ckpt-every=30", "--sample-tokens=16",
                     "--no-progress", backend="nccl")
-    losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows]
     assert len(losses) == 30 and losses[29] < losses[0] - 1.0
+    name = torch.cuda.get_device_name(0)
+    known = any(part in name for part in ("H100", "H200", "A100"))
+    total_mib = torch.cuda.get_device_properties(0).total_memory / 2**20
+    for r in rows:  # what the hardware did: the GPU by name, bf16, its memory, an MFU where its peak is known
+        assert (r["device"], r["dtype"]) == (f"cuda:0 ({name})", "bf16")
+        assert r["tokens_per_s"] > 0 and 0 < r["peak_memory_mib"] < total_mib
+        assert ("mfu" in r) == known and 0 < r.get("mfu", 0.5) < 1
     assert "sample:" in capfd.readouterr().out
     assert checkpoint.read_meta(tmp_path)["step"] == 30
     assert tensorpar.spawn(load_on_cpu, 1, str(tmp_path), backend="gloo") == [30]

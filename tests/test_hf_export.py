@@ -1,5 +1,6 @@
 """layers.hf.export_gpt2: a sharded GPT saved as a Hugging Face GPT-2 directory loads into
-``GPT2LMHeadModel.from_pretrained`` with our logits, and reads back through GPT.from_hf bitwise."""
+``GPT2LMHeadModel.from_pretrained`` with our logits, every key of GPT-2 present, and reads back
+through GPT.from_hf bitwise; a GPT without biases (nanoGPT's default) exports with zero biases."""
 
 import tempfile
 from dataclasses import replace
@@ -37,7 +38,9 @@ def load_hf(directory):
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    return GPT2LMHeadModel.from_pretrained(directory, local_files_only=True)
+    model, info = GPT2LMHeadModel.from_pretrained(directory, local_files_only=True, output_loading_info=True)
+    assert not any(info.values()), f"keys transformers did not load as saved: {info}"  # none initialised afresh
+    return model
 
 
 def check_export(cfg, dtype, seed, directory):
@@ -51,12 +54,15 @@ def check_export(cfg, dtype, seed, directory):
     idx = torch.randint(0, config.vocab_size, (2, config.block_size), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         ours, theirs = model(idx), hf(idx).logits  # (B, T, V) each
-    back = GPT.from_hf(hf)
+    back = GPT.from_hf(hf)  # GPT-2 has biases: bias=True, with zeros where ours had none
     round_trip = back.full_state_dict()
     errors = assert_all_close({"logits": (theirs, ours)})
     same = sorted(k for k in state if torch.equal(round_trip[k], state[k]) and round_trip[k].dtype == dtype)
-    return (errors["logits"], hf.dtype, same == sorted(state) and set(round_trip) == set(state),
-            replace(back.config, n_kv_head=back.config.kv_heads) == replace(config, n_kv_head=config.kv_heads),
+    added = {k: v for k, v in round_trip.items() if k not in state}
+    zero_biases = all(k.endswith(".bias") and not v.any() for k, v in added.items()) and bool(added) != config.bias
+    return (errors["logits"], hf.dtype, same == sorted(state) and zero_biases,
+            replace(back.config, n_kv_head=back.config.kv_heads) == replace(config, n_kv_head=config.kv_heads,
+                                                                            bias=True),
             hf.training)
 
 
@@ -66,7 +72,8 @@ def exportable_configs(draw, tp):
     n_head = draw(st.integers(tp, 5))
     return dict(n_layer=draw(st.integers(1, 2)), n_head=n_head, n_embd=n_head * draw(st.integers(2, 6)),
                 vocab_size=draw(st.integers(tp, 67)), block_size=draw(st.integers(max(tp, 2), 9)),
-                dropout=draw(st.sampled_from([0.0, 0.1])), n_kv_head=draw(st.sampled_from([None, n_head])))
+                dropout=draw(st.sampled_from([0.0, 0.1])), n_kv_head=draw(st.sampled_from([None, n_head])),
+                bias=draw(st.booleans()))
 
 
 @settings(max_examples=10)
@@ -81,6 +88,37 @@ def test_exported_gpt2_gives_our_logits_and_reads_back_bitwise(worlds, tp, data)
     for err, hf_dtype, bitwise, same_config, training in results:
         assert err <= TOLERANCES[dtype] and hf_dtype == dtype  # the config's dtype: loaded as saved
         assert bitwise and same_config and not training
+
+
+def check_trained_export(directory, seed):
+    """A bias-free GPT (the training script's default) after a few AdamW steps, exported: transformers'
+    logits against the live model's."""
+    tensorpar.manual_seed(seed)
+    config = GPTConfig(vocab_size=29, block_size=8, n_layer=2, n_head=4, n_embd=16, bias=False)
+    model = GPT(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(3):  # LayerNorm scales and every matrix move away from their initial values
+        idx, targets = torch.randint(0, 29, (2, 2, 8), generator=g)
+        model(idx, targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    hf = load_hf(export_gpt2(model, directory))
+    idx = torch.randint(0, 29, (3, 8), generator=g)
+    with torch.no_grad():
+        ours, theirs = model(idx), hf(idx).logits  # (B, T, V) each
+    biases = {k: v for k, v in hf.state_dict().items() if k.endswith(".bias") and ".attn.bias" not in k}
+    moved = not torch.equal(model.full_state_dict()["transformer.h.0.ln_1.weight"], torch.ones(16))
+    zeros = all(not v.any() for v in biases.values())
+    return assert_all_close({"logits": (theirs, ours)})["logits"], len(biases), zeros, moved
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_trained_gpt_without_biases_exports_with_its_logits(worlds, tmp_path, tp):
+    for err, biases, zeros, moved in worlds[tp].run(check_trained_export, str(tmp_path / "gpt2"), 4):
+        # per block ln_1, c_attn, attn.c_proj, ln_2, c_fc, mlp.c_proj; and ln_f
+        assert err <= TOLERANCES[torch.float32] and biases == 2 * 6 + 1 and zeros and moved
 
 
 def check_dp_export(directory):
@@ -107,8 +145,8 @@ def check_refusals(directory):
     """Each refusal on every rank alike, before any collective."""
     messages = []
     cases = [GPTConfig(vocab_size=11, block_size=4, n_layer=1, n_head=4, n_embd=8, **kw)
-             for kw in ({"bias": False}, {"mlp": "swiglu"}, {"n_kv_head": 2},
-                        {"bias": False, "mlp": "swiglu", "n_kv_head": 1})]
+             for kw in ({"mlp": "swiglu"}, {"n_kv_head": 2}, {"sequence_parallel": True, "mlp": "swiglu",
+                                                                        "n_kv_head": 1, "bias": False})]
     with tensorpar.count_collectives() as counter:
         for config in cases:
             model = GPT(config)
@@ -133,11 +171,11 @@ def test_export_refuses_what_gpt2_cannot_express(worlds, tmp_path):
     assert results[0] == results[1]
     messages, collectives, written = results[0]
     assert collectives == 0 and not written
-    no_bias, swiglu, gqa, all_three, eos_high, eos_low, not_gpt = messages
-    assert "bias=False (GPT-2 needs True)" in no_bias
+    swiglu, gqa, both, eos_high, eos_low, not_gpt = messages
     assert "mlp='swiglu' (GPT-2 needs 'gelu')" in swiglu
     assert "n_kv_head=2 (GPT-2 needs None or 4)" in gqa
-    assert all(name in all_three for name in ("bias=False", "mlp='swiglu'", "n_kv_head=1"))
+    assert "mlp='swiglu'" in both and "n_kv_head=1" in both  # bias=False and sequence parallelism export
+    assert "bias" not in both and "sequence_parallel" not in both
     assert "eos_token_id must be a token id in [0, 11), got 11" in eos_high and "got -1" in eos_low
     assert not_gpt == "export_gpt2 expects a layers.GPT, got Linear"
 

@@ -63,6 +63,9 @@ def test_help_explains_every_option_with_its_default(capsys, monkeypatch):
 def test_defaults_and_torchrun_world(monkeypatch):
     cfg = parse_args([])
     assert (cfg.tp, cfg.dp, cfg.vocab_size, cfg.resume, cfg.out, cfg.stop_at) == (2, 1, 256, "never", "out", None)
+    assert (cfg.dtype, cfg.peak_tflops, cfg.export_hf) == (None, None, None)  # bf16 on a GPU, fp32 on the CPU
+    assert (parse_args(["--dtype=bf16", "--peak-tflops=312"]).dtype, parse_args(["--peak-tflops=312"]).peak_tflops) \
+        == ("bf16", 312.0)
     monkeypatch.setenv("WORLD_SIZE", "6")
     assert parse_args(["--tp=3"]).dp == 2 and parse_args(["--tp=2", "--dp=3", "--batch-size=12"]).dp == 3
 
@@ -85,6 +88,14 @@ def test_bad_arguments_are_argument_errors(capsys, monkeypatch, tmp_path):
     assert refused(capsys, "--steps=0") == "--steps must be at least 1, got 0"
     assert refused(capsys, "--dropout=1") == "--dropout must be in [0, 1), got 1.0"
     assert refused(capsys, "--out=none", "--resume") == "--resume needs --out (the directory holding the checkpoint)"
+    assert refused(capsys, "--dtype=fp16") == (
+        "--dtype fp16 needs loss scaling, which this script does not do (a step skipped for an overflow must be "
+        "skipped by every tp, dp and pp rank alike): use --dtype bf16 (CPUs, A100, H100 and newer GPUs) or "
+        "--dtype fp32")
+    assert "--dtype: invalid choice: 'float16'" in refused(capsys, "--dtype=float16")
+    assert refused(capsys, "--peak-tflops=0") == "--peak-tflops must be above 0, got 0.0"
+    assert refused(capsys, "--export-hf=hf", "--pp=2", "--n-layer=2").startswith(
+        "--export-hf needs --pp 1 (each of the 2 pipeline ranks holds part of the model)")
     assert refused(capsys, f"--out={tmp_path}/empty", "--resume").startswith(
         f"--resume: nothing to resume from: no checkpoint at {tmp_path}/empty")
     assert parse_args([f"--out={tmp_path}/empty", "--resume=auto"]).resume == "auto"  # starts afresh

@@ -125,7 +125,7 @@ def test_tensorboard_logs_what_metrics_jsonl_holds(worlds, tmp_path):
     logged = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
     rows = metrics(tmp_path)
     for key, tag in (("loss", "train/loss"), ("grad_norm", "train/grad_norm"), ("lr", "train/lr"),
-                     ("val_loss", "val/loss")):
+                     ("val_loss", "val/loss"), ("peak_memory_mib", "train/peak_memory_mib")):
         want = [(r["step"], r[key]) for r in rows if key in r]
         assert [s for s, _ in logged[tag]] == [s for s, _ in want] and want, tag
         assert all(abs(v - w) <= 1e-6 * abs(w) for (_, v), (_, w) in zip(logged[tag], want)), tag  # stored as float32

@@ -212,6 +212,7 @@ def check_exported_checkpoint(out):
 def test_export_loads_into_the_plain_model(worlds, tmp_path):
     run_training(worlds, tmp_path, 2, steps=3, ckpt_every=3)
     assert max(worlds[2].run(check_exported_checkpoint, str(tmp_path))) <= 1e-5
+    assert {(r["dtype"], "mfu" in r, r["tokens_per_s"] > 0) for r in metrics(tmp_path)} == {("fp32", False, True)}
 
 
 def _workers(parent: int) -> list[int]:

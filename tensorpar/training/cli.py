@@ -15,6 +15,7 @@ from typing import Any
 from ..checkpoint import CheckpointError
 from ..checkpoint.checked import read_checked
 from .data import SCANNED_TOKENS, VOCAB_SIZE, open_splits
+from .device import DTYPES
 
 GROUPS = ("model", "parallelism", "optimisation", "data and validation", "checkpoints and output")
 RESUME = ("never", "auto", "must")
@@ -60,6 +61,9 @@ class TrainConfig:
     compile: bool = _opt(False, "parallelism", "torch.compile each block whole (fullgraph)")
     activation_checkpointing: bool = _opt(False, "parallelism", "recompute each block in backward: less memory, "
                                           "one more forward")
+    dtype: str | None = _opt(None, "parallelism", "the dtype of the computation: bf16 through autocast (on a GPU "
+                             "or the CPU; the weights and optimizer stay float32), or fp32 (fp16 is refused: it "
+                             "needs loss scaling)", shown="bf16 on a GPU, fp32 on the CPU", choices=tuple(DTYPES))
     steps: int = _opt(500, "optimisation", "optimizer steps in the whole run (a resumed run continues to it)")
     batch_size: int = _opt(16, "optimisation", "sequences per optimizer step, over all dp ranks and micro-batches "
                            "(a multiple of dp x --grad-accum)")
@@ -92,6 +96,12 @@ class TrainConfig:
                                "(--resume continues it to --steps)", shown="--steps", metavar="N")
     sample_tokens: int = _opt(200, "checkpoints and output", "tokens to sample at the end; 0: none")
     progress: bool = _opt(True, "checkpoints and output", "progress bar (needs tqdm)")
+    peak_tflops: float | None = _opt(None, "checkpoints and output", "one device's dense peak TFLOP/s in --dtype, "
+                                     "for the MFU shown and logged", shown="known for H100, H200 and A100; "
+                                     "otherwise no MFU", metavar="TFLOPS")
+    export_hf: str | None = _opt(None, "checkpoints and output", "at the end, save the model as a Hugging Face "
+                                 "GPT-2 directory (GPT2LMHeadModel.from_pretrained loads it; needs --pp 1)",
+                                 shown="none", metavar="DIR")
     logger: str = _opt("none", "checkpoints and output", "also log to TensorBoard (OUT/tensorboard) or Weights & "
                        "Biases (offline unless WANDB_MODE says otherwise)", choices=LOGGERS)
 
@@ -127,6 +137,16 @@ class TrainConfig:
         if self.schedule == "1f1b" and self.microbatches < self.pp:
             raise ValueError(f"--schedule 1f1b needs at least --pp ({self.pp}) micro-batches, got --microbatches "
                              f"{self.microbatches}")
+        if self.dtype == "fp16":
+            raise ValueError("--dtype fp16 needs loss scaling, which this script does not do (a step skipped for an "
+                             "overflow must be skipped by every tp, dp and pp rank alike): use --dtype bf16 (CPUs, "
+                             "A100, H100 and newer GPUs) or --dtype fp32")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ValueError(f"--peak-tflops must be above 0, got {self.peak_tflops}")
+        if self.export_hf is not None and self.pp > 1:
+            raise ValueError(f"--export-hf needs --pp 1 (each of the {self.pp} pipeline ranks holds part of the "
+                             "model): train at --pp 1, or load the checkpoint into a GPT at --pp 1 and call "
+                             "export_gpt2")
         if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
             raise ValueError(f"--stop-at {self.stop_at} is not a step of the run (1 to --steps {self.steps})")
 

@@ -12,7 +12,7 @@ from typing import Any
 
 #: the metrics a logger sends, and their names there (the log's other fields describe the run)
 SCALARS = (("loss", "train/loss"), ("val_loss", "val/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"),
-           ("tokens_per_s", "train/tokens_per_s"))
+           ("tokens_per_s", "train/tokens_per_s"), ("mfu", "train/mfu"), ("peak_memory_mib", "train/peak_memory_mib"))
 
 
 def open_log(out: Path, start: int) -> Any:
