@@ -28,7 +28,8 @@ from typing import Any, BinaryIO
 import torch
 
 from .manifest import CheckpointError
-from .tensors import BY_NAME, memory
+from .staging import fill
+from .tensors import BY_NAME
 
 MAX_HEADER = 100 << 20  # bytes: a larger header is no file this library wrote (safetensors' own limit too)
 
@@ -129,7 +130,7 @@ class Reader:
             return
         try:
             self._file.seek(offset + first * row)
-            got = self._file.readinto(memory(out))
+            got = fill(self._file, out)
         except OSError as e:
             raise self._fail(f"{key} cannot be read ({e})") from None
         if got != count * row:
