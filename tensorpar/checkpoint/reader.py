@@ -3,9 +3,10 @@ read needs, read from the file into memory that is ours (no numpy, no pickle, no
 
 A read of a box of a stored tensor reads the contiguous run of its rows in dim 0
 that the box spans; when the box also spans every other dim whole and the target
-is contiguous, the bytes go straight into the target. So reading a rank's part
-of a checkpoint costs its buffers plus, at most, one stored chunk's rows, and no
-file stays mapped into the process. Every failure is a :class:`CheckpointError`
+is contiguous, the bytes go straight into the target (through one bounded
+buffer of Python's own, :mod:`.staging`). So reading a rank's part of a
+checkpoint costs its buffers plus, at most, one stored chunk's rows, and no file
+stays mapped into the process. Every failure is a :class:`CheckpointError`
 naming the file and the tensor.
 
 Example::
