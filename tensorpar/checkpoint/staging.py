@@ -23,7 +23,7 @@ from typing import BinaryIO
 
 import torch
 
-BLOCK = 16 << 20  #: bytes staged at a time
+BLOCK = 4 << 20  #: bytes staged at a time
 
 
 def runs(t: torch.Tensor, limit: int) -> Iterator[torch.Tensor]:
