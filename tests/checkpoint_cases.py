@@ -67,10 +67,15 @@ def picture(model, optimizer, root):
             "tp rng": tensorpar.current_mesh().rng.state_dict(), "disk": disk(root)}
 
 
+def raw_bytes(t):
+    """The row-major bytes of ``t`` (any strides and device) as a uint8 tensor on its device."""
+    return t.detach().clone(memory_format=torch.contiguous_format).view(-1).view(torch.uint8)
+
+
 def bitwise_equal(a, b):
     if isinstance(a, torch.Tensor):
         return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+                and torch.equal(raw_bytes(a), raw_bytes(b)))
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(bitwise_equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):

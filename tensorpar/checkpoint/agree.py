@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..mesh import Mesh, exchange_ints
 from .manifest import CheckpointError
-from .tensors import memory
+from .staging import blocks
 
 _MESSAGE = 4000  # characters of an error message shared with the other ranks
 # torch >= 2.12 renamed the tensor-in/tensor-out all-gather.
@@ -37,7 +37,7 @@ def _padded(payload: Mapping[str, Any], mesh: Mesh) -> tuple[torch.Tensor, list[
 
 def _decode(rows: torch.Tensor, lengths: Sequence[int]) -> list[dict[str, Any]]:
     rows = rows.cpu()
-    return [json.loads(bytes(memory(rows[r, :n].contiguous())).decode()) for r, n in enumerate(lengths)]
+    return [json.loads(b"".join(blocks(rows[r, :n])).decode()) for r, n in enumerate(lengths)]
 
 
 def share(payload: Mapping[str, Any], mesh: Mesh) -> list[dict[str, Any]]:

@@ -3,9 +3,10 @@ read needs, read from the file into memory that is ours (no numpy, no pickle, no
 
 A read of a box of a stored tensor reads the contiguous run of its rows in dim 0
 that the box spans; when the box also spans every other dim whole and the target
-is contiguous, the bytes go straight into the target. So reading a rank's part
-of a checkpoint costs its buffers plus, at most, one stored chunk's rows, and no
-file stays mapped into the process. Every failure is a :class:`CheckpointError`
+is contiguous, the bytes go straight into the target (through one bounded
+buffer of Python's own, :mod:`.staging`). So reading a rank's part of a
+checkpoint costs its buffers plus, at most, one stored chunk's rows, and no file
+stays mapped into the process. Every failure is a :class:`CheckpointError`
 naming the file and the tensor.
 
 Example::
@@ -28,7 +29,8 @@ from typing import Any, BinaryIO
 import torch
 
 from .manifest import CheckpointError
-from .tensors import BY_NAME, memory
+from .staging import fill
+from .tensors import BY_NAME
 
 MAX_HEADER = 100 << 20  # bytes: a larger header is no file this library wrote (safetensors' own limit too)
 
@@ -129,7 +131,7 @@ class Reader:
             return
         try:
             self._file.seek(offset + first * row)
-            got = self._file.readinto(memory(out))
+            got = fill(self._file, out)
         except OSError as e:
             raise self._fail(f"{key} cannot be read ({e})") from None
         if got != count * row:

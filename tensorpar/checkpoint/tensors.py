@@ -4,13 +4,13 @@ A safetensors file is an 8-byte little-endian header length, a JSON header
 (``{key: {"dtype", "shape", "data_offsets"}}``, padded with spaces to 8 bytes)
 and then the raw little-endian bytes of each tensor. :class:`FileWriter` writes
 that layout from a list of planned ``(key, shape, dtype)`` entries, so a file
-is streamed tensor by tensor: the writer never holds more than the tensor it is
-writing. :mod:`.reader` reads such files.
+is streamed tensor by tensor, each through a bounded buffer of its own bytes
+(:mod:`.staging`): the writer never holds more than one block of the tensor it
+is writing. :mod:`.reader` reads such files.
 """
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import os
@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .manifest import CheckpointError
+from .staging import blocks
 
 #: the dtypes a checkpoint may hold, with their safetensors names
 DTYPES: tuple[tuple[torch.dtype, str], ...] = (
@@ -58,12 +59,6 @@ def header(entries: Sequence[tuple[str, Sequence[int], torch.dtype]]) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
-def memory(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy (valid while ``t`` lives)."""
-    size = t.numel() * t.element_size()
-    return memoryview((ctypes.c_char * size).from_address(t.data_ptr())).cast("B") if size else memoryview(b"")
-
-
 class FileWriter:
     """Streams one safetensors file: the header of every planned tensor first, then each tensor's bytes
     in the planned order, hashing as it goes: :attr:`digests` holds each tensor's SHA-256, and
@@ -93,9 +88,11 @@ class FileWriter:
         got = (key, tuple(tensor.shape), tensor.dtype)
         if planned != got:
             raise CheckpointError(f"{self.path}: wrote {got} where the plan has {planned}")
-        data = memory(tensor.detach().to("cpu").contiguous())
-        self._put(data)
-        self.digests[key] = hashlib.sha256(data).hexdigest()
+        digest = hashlib.sha256()
+        for block in blocks(tensor):  # any strides and device: bytes staged in memory of our own
+            self._put(block)
+            digest.update(block)
+        self.digests[key] = digest.hexdigest()
         self._next += 1
 
     def __enter__(self) -> FileWriter:
