@@ -100,15 +100,20 @@ def _split_view(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
 #: 256 KiB, and slower from about 1 MiB.
 EXCHANGE_BYTES = 256 * 1024
 
-_REDUCE: Mapping[Any, Callable[[torch.Tensor], torch.Tensor]] = MappingProxyType(
-    {dist.ReduceOp.SUM: lambda t: t.sum(0), dist.ReduceOp.MAX: lambda t: t.amax(0)})
+#: The reductions an all-reduce does, named as functional collectives name them. Callers pass the
+#: name: a traced region compares strings on every torch release, a ``ReduceOp`` only on some.
+REDUCE_OPS: Mapping[str, dist.ReduceOp.RedOpType] = MappingProxyType(
+    {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX})
+
+_REDUCE: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] = MappingProxyType(
+    {"sum": lambda t: t.sum(0), "max": lambda t: t.amax(0)})
 
 
 class PendingAllReduce:
     """An all-reduce in flight; ``wait()`` returns the reduced tensor (written into the input buffer)."""
 
     def __init__(self, tensor: torch.Tensor, group: ProcessGroup, work: Any = None,
-                 exchange: tuple[Any, list[torch.Tensor], list[Any]] | None = None) -> None:
+                 exchange: tuple[str, list[torch.Tensor], list[Any]] | None = None) -> None:
         self._tensor, self._group, self._work, self._exchange = tensor, group, work, exchange
 
     def wait(self) -> torch.Tensor:
@@ -124,7 +129,7 @@ class PendingAllReduce:
         return self._tensor
 
 
-def _exchange(x: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp.RedOpType) -> PendingAllReduce:
+def _exchange(x: torch.Tensor, group: ProcessGroup, op: str) -> PendingAllReduce:
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     pieces = [x if r == rank else torch.empty_like(x) for r in range(n)]  # x is sent before it is overwritten
     requests = []
@@ -137,30 +142,33 @@ def _exchange(x: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp.RedOpType)
 
 def start_all_reduce_(x: torch.Tensor, group: ProcessGroup,
                       counters: tuple[CollectiveCounter, ...] | None = None, *,
-                      op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
-                      counted: bool = True) -> PendingAllReduce | traced.PendingTraced:
-    """Start reducing ``x`` over the group (a sum unless ``op`` says otherwise) and return at once;
+                      op: str = "sum", counted: bool = True) -> PendingAllReduce | traced.PendingTraced:
+    """Start reducing ``x`` over the group (``op``: ``"sum"`` or ``"max"``) and return at once;
     ``wait()`` returns the result. Eagerly it is written into ``x``, so ``x`` must be a buffer the
     caller owns (never an autograd input); in a traced graph it is a new tensor. Use the result of
     ``wait()``, never ``x``. ``counted=False``: the caller records the call (one of several chunks)."""
+    if op not in ("sum", "max"):  # a tuple of str: Dynamo traces this test on every torch release
+        raise ValueError(f"all-reduce: op {op!r} is neither 'sum' nor 'max'")
     n = dist.get_world_size(group)
     if n == 1:
         return PendingAllReduce(x, group)
     if traced.tracing():  # a new tensor, in the graph; x is left alone
-        return traced.start_all_reduce(x, group, "max" if op == dist.ReduceOp.MAX else "sum")
+        return traced.start_all_reduce(x, group, op)
+    reduce_op = REDUCE_OPS[op]
     if enabled():
-        agree("all-reduce", group, {"numel": x.numel(), "dtype": dtype_code(x.dtype), "op": int(op)}, device=x.device)
+        agree("all-reduce", group, {"numel": x.numel(), "dtype": dtype_code(x.dtype), "op": int(reduce_op)},
+              device=x.device)
     if counted:
         record("all_reduce", x.dtype, x.numel(), n, counters)
     with _tagged("all_reduce", x, group):
-        if not x.is_cuda and op in _REDUCE and dist.get_backend(group) == "gloo" and not traced.observed():
+        if not x.is_cuda and dist.get_backend(group) == "gloo" and not traced.observed():
             mesh = current_mesh_or_none()  # its channels: ranks on one host reduce through shared memory
-            started = shm_routes.start_all_reduce(mesh.channels, group, x, op) if mesh is not None else None
+            started = shm_routes.start_all_reduce(mesh.channels, group, x, reduce_op) if mesh is not None else None
             if started is not None:
                 return PendingAllReduce(x, group, work=started)  # finished by wait()
             if x.numel() * x.element_size() * (n - 1) <= EXCHANGE_BYTES:  # by size alone: the same route everywhere
                 return _exchange(x, group, op)
-        return PendingAllReduce(x, group, work=dist.all_reduce(x, op=op, group=group, async_op=True))
+        return PendingAllReduce(x, group, work=dist.all_reduce(x, op=reduce_op, group=group, async_op=True))
 
 
 def all_reduce_sum(x: torch.Tensor, group: ProcessGroup,
