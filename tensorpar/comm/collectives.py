@@ -1,22 +1,19 @@
 """Out-of-place collectives along any dim, with uneven shard sizes.
 
-These are the plain (non-autograd) building blocks of :mod:`tensorpar.comm`. They never
-write into their input, record themselves with the active collective counters,
-and turn a backend failure (a peer died, a timeout) into an error that names
-this rank. A CPU all-reduce among gloo ranks on one host goes through shared
-memory (:mod:`tensorpar.comm.shm`, through the channels the current mesh owns);
-elsewhere small ones are a point-to-point
-exchange and large ones gloo's ring. Inside a ``torch.compile`` graph every
-collective is a functional collective, and under ``CommDebugMode`` or the
-profiler an all-reduce takes the plain ``c10d`` route (:mod:`tensorpar.comm.traced`). gloo cannot all-gather tensors of unequal sizes, so uneven shards
-are padded to the largest and trimmed afterwards; counts exclude the padding.
+These are the plain (non-autograd) building blocks of :mod:`tensorpar.comm`. They never write into their input,
+record themselves with the active collective counters, and turn a backend failure (a peer died, a timeout) into an
+error that names this rank. A CPU all-reduce among gloo ranks on one host goes through shared memory
+(:mod:`tensorpar.comm.shm`, through the channels the current mesh owns); elsewhere small ones are a point-to-point
+exchange and large ones gloo's ring. Inside a ``torch.compile`` graph every collective is a functional collective,
+and under ``CommDebugMode`` or the profiler an all-reduce takes the plain ``c10d`` route
+(:mod:`tensorpar.comm.traced`). gloo cannot all-gather tensors of unequal sizes, so uneven shards are padded to
+the largest and trimmed afterwards; counts exclude the padding.
 
-``counters``, when given, marks the call as backward work for the collective
-counters captured by the matching forward (see :mod:`tensorpar.comm.counter`).
+``counters``, when given, marks the call as backward work for the collective counters captured by the matching
+forward (see :mod:`tensorpar.comm.counter`).
 
-A tensor is viewed as ``(pre, n, post)`` around the split dim, so that shard
-``r`` of every rank is one contiguous block of a ``(world, pre, n_max, post)``
-buffer, which is the layout ``all_gather`` / ``reduce_scatter`` work on.
+A tensor is viewed as ``(pre, n, post)`` around the split dim, so that shard ``r`` of every rank is one contiguous
+block of a ``(world, pre, n_max, post)`` buffer, which is the layout ``all_gather`` / ``reduce_scatter`` work on.
 """
 
 from __future__ import annotations
@@ -93,20 +90,15 @@ def _split_view(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
     return x.reshape(pre, x.shape[dim], post), dim
 
 
-#: Below this many bytes sent per rank, a CPU all-reduce on gloo is one exchange of point-to-point
-#: messages: every rank sends its tensor to every other and reduces the pieces in rank order (the
-#: same order, so the same bits, on every rank). That is one message latency instead of the ring's
-#: 2 (n - 1), for (n - 1) times the bytes: on loopback gloo with 2 ranks it is 2-4x faster up to
-#: 256 KiB, and slower from about 1 MiB.
+#: Below this many bytes sent per rank, a CPU all-reduce on gloo is one exchange of point-to-point messages: every
+#: rank sends its tensor to every other and reduces the pieces in rank order (the same order, so the same bits, on
+#: every rank). That is one message latency instead of the ring's 2 (n - 1), for (n - 1) times the bytes: on
+#: loopback gloo with 2 ranks it is 2-4x faster up to 256 KiB, and slower from about 1 MiB.
 EXCHANGE_BYTES = 256 * 1024
 
-#: The reductions an all-reduce does, named as functional collectives name them. Callers pass the
-#: name: a traced region compares strings on every torch release, a ``ReduceOp`` only on some.
-REDUCE_OPS: Mapping[str, dist.ReduceOp.RedOpType] = MappingProxyType(
-    {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX})
-
-_REDUCE: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] = MappingProxyType(
-    {"sum": lambda t: t.sum(0), "max": lambda t: t.amax(0)})
+#: c10d's op and the reduction of stacked pieces, by the name functional collectives give the op
+_REDUCE: Mapping[str, tuple[dist.ReduceOp.RedOpType, Callable[[torch.Tensor], torch.Tensor]]] = MappingProxyType(
+    {"sum": (dist.ReduceOp.SUM, lambda t: t.sum(0)), "max": (dist.ReduceOp.MAX, lambda t: t.amax(0))})
 
 
 class PendingAllReduce:
@@ -124,7 +116,7 @@ class PendingAllReduce:
                 op, pieces, requests = self._exchange
                 for request in requests:
                     request.wait()
-                self._tensor.copy_(_REDUCE[op](torch.stack(pieces)))
+                self._tensor.copy_(_REDUCE[op][1](torch.stack(pieces)))
                 self._exchange = None
         return self._tensor
 
@@ -147,14 +139,14 @@ def start_all_reduce_(x: torch.Tensor, group: ProcessGroup,
     ``wait()`` returns the result. Eagerly it is written into ``x``, so ``x`` must be a buffer the
     caller owns (never an autograd input); in a traced graph it is a new tensor. Use the result of
     ``wait()``, never ``x``. ``counted=False``: the caller records the call (one of several chunks)."""
-    if op not in ("sum", "max"):  # a tuple of str: Dynamo traces this test on every torch release
+    if op not in _REDUCE:  # by name: torch 2.11's Dynamo cannot compare a ReduceOp in a traced region
         raise ValueError(f"all-reduce: op {op!r} is neither 'sum' nor 'max'")
     n = dist.get_world_size(group)
     if n == 1:
         return PendingAllReduce(x, group)
     if traced.tracing():  # a new tensor, in the graph; x is left alone
         return traced.start_all_reduce(x, group, op)
-    reduce_op = REDUCE_OPS[op]
+    reduce_op = _REDUCE[op][0]
     if enabled():
         agree("all-reduce", group, {"numel": x.numel(), "dtype": dtype_code(x.dtype), "op": int(reduce_op)},
               device=x.device)
