@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils import skip_init
 
 import tensorpar
@@ -143,7 +144,8 @@ class ParallelSelfAttention(nn.Module):
             with self.rng.fork(x.device):  # heads differ per rank: so do their masks
                 y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, h, T, d)
+            with _compiled_sdpa_kernel(q):
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, h, T, d)
         y = self.c_proj(rearrange(y, "b h t d -> b t (h d)"))  # (B, T, C) summed over ranks, or (B, T_r, C)
         return self.resid_dropout(y, seq_len) if self.sequence_parallel else self.resid_dropout(y)
 
@@ -152,6 +154,20 @@ class ParallelSelfAttention(nn.Module):
                 f"local heads={self.local_heads}, local kv heads={self.local_kv_heads}"
                 + (" (replicated)" if self.kv_replicated else "") + f", dropout={self.dropout}"
                 + (", sequence_parallel=True" if self.sequence_parallel else ""))
+
+
+#: torch 2.11 compiles the backward of the CPU flash-attention kernel wrongly in float64 (it raises
+#: "expected scalar type Double but found Float"); 2.13 and 2.14 compile it.
+_FLOAT64_FLASH_COMPILES = torch.__version__ >= "2.13"
+
+
+def _compiled_sdpa_kernel(q: torch.Tensor) -> contextlib.AbstractContextManager[None]:
+    """The SDPA kernels to allow for ``q``: all of them, except in a graph compiled by a torch that
+    cannot compile the float64 CPU flash kernel, where the math kernel runs."""
+    if _FLOAT64_FLASH_COMPILES or q.dtype != torch.float64 or q.device.type != "cpu" \
+            or not torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return sdpa_kernel(SDPBackend.MATH)
 
 
 def _attention_dropping_heads_of_one_draw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float,

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
-from torch.distributed import ProcessGroup, ReduceOp
+from torch.distributed import ProcessGroup
 
 from .comm.collectives import start_all_reduce_
 from .mesh import group_rank_size, tp_group
@@ -39,7 +39,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                 reduction: str, group: ProcessGroup) -> torch.Tensor:
         # low-precision logits are reduced in float32, as F.cross_entropy accumulates
         z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits.clone()  # (*, V / tp)
-        m = start_all_reduce_(z.amax(-1), group, op=ReduceOp.MAX).wait()  # (*) global max
+        m = start_all_reduce_(z.amax(-1), group, op="max").wait()  # (*) global max
         z.sub_(m.unsqueeze(-1))
         local_t = targets - lo
         owned = (local_t >= 0) & (local_t < z.shape[-1])  # (*) this rank holds the target's row

@@ -124,14 +124,13 @@ def check_all_reduce_paths(numel, op_name, path, seed):
     mesh = tensorpar.current_mesh()
     g = torch.Generator().manual_seed(seed)
     parts = [torch.randn(numel, generator=g, dtype=torch.float64) for _ in range(mesh.tp)]
-    op = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX}[op_name]
     exchange = collectives.EXCHANGE_BYTES
     try:
         if path == "ring":
             collectives.EXCHANGE_BYTES = 0
         # the channels belong to the current mesh: without one, gloo's routes are taken
         with tensorpar.use_mesh(mesh if path == "shared memory" else None):
-            got = collectives.start_all_reduce_(parts[mesh.tp_rank].clone(), mesh.tp_group, op=op).wait()
+            got = collectives.start_all_reduce_(parts[mesh.tp_rank].clone(), mesh.tp_group, op=op_name).wait()
     finally:
         collectives.EXCHANGE_BYTES = exchange
     if path == "shared memory" and mesh.channels.get(mesh.tp_group) is None:
@@ -149,6 +148,13 @@ def test_every_all_reduce_route_agrees(worlds, tp, data):
     results = worlds[tp].run(check_all_reduce_paths, numel, data.draw(st.sampled_from(["sum", "max"])), path,
                              data.draw(st.integers(0, 2**31)))
     assert all(err <= 1e-12 for err, _ in results) and len({digest for _, digest in results}) == 1
+
+
+def test_an_all_reduce_refuses_an_op_it_does_not_do():
+    from tensorpar.comm.collectives import start_all_reduce_
+
+    with pytest.raises(ValueError, match="all-reduce: op 'min' is neither 'sum' nor 'max'"):
+        start_all_reduce_(torch.ones(2), None, op="min")  # refused before the group is looked at
 
 
 def die_inside_shared_memory_all_reduce():

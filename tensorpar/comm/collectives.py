@@ -1,22 +1,19 @@
 """Out-of-place collectives along any dim, with uneven shard sizes.
 
-These are the plain (non-autograd) building blocks of :mod:`tensorpar.comm`. They never
-write into their input, record themselves with the active collective counters,
-and turn a backend failure (a peer died, a timeout) into an error that names
-this rank. A CPU all-reduce among gloo ranks on one host goes through shared
-memory (:mod:`tensorpar.comm.shm`, through the channels the current mesh owns);
-elsewhere small ones are a point-to-point
-exchange and large ones gloo's ring. Inside a ``torch.compile`` graph every
-collective is a functional collective, and under ``CommDebugMode`` or the
-profiler an all-reduce takes the plain ``c10d`` route (:mod:`tensorpar.comm.traced`). gloo cannot all-gather tensors of unequal sizes, so uneven shards
-are padded to the largest and trimmed afterwards; counts exclude the padding.
+These are the plain (non-autograd) building blocks of :mod:`tensorpar.comm`. They never write into their input,
+record themselves with the active collective counters, and turn a backend failure (a peer died, a timeout) into an
+error that names this rank. A CPU all-reduce among gloo ranks on one host goes through shared memory
+(:mod:`tensorpar.comm.shm`, through the channels the current mesh owns); elsewhere small ones are a point-to-point
+exchange and large ones gloo's ring. Inside a ``torch.compile`` graph every collective is a functional collective,
+and under ``CommDebugMode`` or the profiler an all-reduce takes the plain ``c10d`` route
+(:mod:`tensorpar.comm.traced`). gloo cannot all-gather tensors of unequal sizes, so uneven shards are padded to
+the largest and trimmed afterwards; counts exclude the padding.
 
-``counters``, when given, marks the call as backward work for the collective
-counters captured by the matching forward (see :mod:`tensorpar.comm.counter`).
+``counters``, when given, marks the call as backward work for the collective counters captured by the matching
+forward (see :mod:`tensorpar.comm.counter`).
 
-A tensor is viewed as ``(pre, n, post)`` around the split dim, so that shard
-``r`` of every rank is one contiguous block of a ``(world, pre, n_max, post)``
-buffer, which is the layout ``all_gather`` / ``reduce_scatter`` work on.
+A tensor is viewed as ``(pre, n, post)`` around the split dim, so that shard ``r`` of every rank is one contiguous
+block of a ``(world, pre, n_max, post)`` buffer, which is the layout ``all_gather`` / ``reduce_scatter`` work on.
 """
 
 from __future__ import annotations
@@ -93,22 +90,22 @@ def _split_view(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
     return x.reshape(pre, x.shape[dim], post), dim
 
 
-#: Below this many bytes sent per rank, a CPU all-reduce on gloo is one exchange of point-to-point
-#: messages: every rank sends its tensor to every other and reduces the pieces in rank order (the
-#: same order, so the same bits, on every rank). That is one message latency instead of the ring's
-#: 2 (n - 1), for (n - 1) times the bytes: on loopback gloo with 2 ranks it is 2-4x faster up to
-#: 256 KiB, and slower from about 1 MiB.
+#: Below this many bytes sent per rank, a CPU all-reduce on gloo is one exchange of point-to-point messages: every
+#: rank sends its tensor to every other and reduces the pieces in rank order (the same order, so the same bits, on
+#: every rank). That is one message latency instead of the ring's 2 (n - 1), for (n - 1) times the bytes: on
+#: loopback gloo with 2 ranks it is 2-4x faster up to 256 KiB, and slower from about 1 MiB.
 EXCHANGE_BYTES = 256 * 1024
 
-_REDUCE: Mapping[Any, Callable[[torch.Tensor], torch.Tensor]] = MappingProxyType(
-    {dist.ReduceOp.SUM: lambda t: t.sum(0), dist.ReduceOp.MAX: lambda t: t.amax(0)})
+#: c10d's op and the reduction of stacked pieces, by the name functional collectives give the op
+_REDUCE: Mapping[str, tuple[dist.ReduceOp.RedOpType, Callable[[torch.Tensor], torch.Tensor]]] = MappingProxyType(
+    {"sum": (dist.ReduceOp.SUM, lambda t: t.sum(0)), "max": (dist.ReduceOp.MAX, lambda t: t.amax(0))})
 
 
 class PendingAllReduce:
     """An all-reduce in flight; ``wait()`` returns the reduced tensor (written into the input buffer)."""
 
     def __init__(self, tensor: torch.Tensor, group: ProcessGroup, work: Any = None,
-                 exchange: tuple[Any, list[torch.Tensor], list[Any]] | None = None) -> None:
+                 exchange: tuple[str, list[torch.Tensor], list[Any]] | None = None) -> None:
         self._tensor, self._group, self._work, self._exchange = tensor, group, work, exchange
 
     def wait(self) -> torch.Tensor:
@@ -119,12 +116,12 @@ class PendingAllReduce:
                 op, pieces, requests = self._exchange
                 for request in requests:
                     request.wait()
-                self._tensor.copy_(_REDUCE[op](torch.stack(pieces)))
+                self._tensor.copy_(_REDUCE[op][1](torch.stack(pieces)))
                 self._exchange = None
         return self._tensor
 
 
-def _exchange(x: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp.RedOpType) -> PendingAllReduce:
+def _exchange(x: torch.Tensor, group: ProcessGroup, op: str) -> PendingAllReduce:
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     pieces = [x if r == rank else torch.empty_like(x) for r in range(n)]  # x is sent before it is overwritten
     requests = []
@@ -137,30 +134,33 @@ def _exchange(x: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp.RedOpType)
 
 def start_all_reduce_(x: torch.Tensor, group: ProcessGroup,
                       counters: tuple[CollectiveCounter, ...] | None = None, *,
-                      op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
-                      counted: bool = True) -> PendingAllReduce | traced.PendingTraced:
-    """Start reducing ``x`` over the group (a sum unless ``op`` says otherwise) and return at once;
+                      op: str = "sum", counted: bool = True) -> PendingAllReduce | traced.PendingTraced:
+    """Start reducing ``x`` over the group (``op``: ``"sum"`` or ``"max"``) and return at once;
     ``wait()`` returns the result. Eagerly it is written into ``x``, so ``x`` must be a buffer the
     caller owns (never an autograd input); in a traced graph it is a new tensor. Use the result of
     ``wait()``, never ``x``. ``counted=False``: the caller records the call (one of several chunks)."""
+    if op not in _REDUCE:  # by name: torch 2.11's Dynamo cannot compare a ReduceOp in a traced region
+        raise ValueError(f"all-reduce: op {op!r} is neither 'sum' nor 'max'")
     n = dist.get_world_size(group)
     if n == 1:
         return PendingAllReduce(x, group)
     if traced.tracing():  # a new tensor, in the graph; x is left alone
-        return traced.start_all_reduce(x, group, "max" if op == dist.ReduceOp.MAX else "sum")
+        return traced.start_all_reduce(x, group, op)
+    reduce_op = _REDUCE[op][0]
     if enabled():
-        agree("all-reduce", group, {"numel": x.numel(), "dtype": dtype_code(x.dtype), "op": int(op)}, device=x.device)
+        agree("all-reduce", group, {"numel": x.numel(), "dtype": dtype_code(x.dtype), "op": int(reduce_op)},
+              device=x.device)
     if counted:
         record("all_reduce", x.dtype, x.numel(), n, counters)
     with _tagged("all_reduce", x, group):
-        if not x.is_cuda and op in _REDUCE and dist.get_backend(group) == "gloo" and not traced.observed():
+        if not x.is_cuda and dist.get_backend(group) == "gloo" and not traced.observed():
             mesh = current_mesh_or_none()  # its channels: ranks on one host reduce through shared memory
-            started = shm_routes.start_all_reduce(mesh.channels, group, x, op) if mesh is not None else None
+            started = shm_routes.start_all_reduce(mesh.channels, group, x, reduce_op) if mesh is not None else None
             if started is not None:
                 return PendingAllReduce(x, group, work=started)  # finished by wait()
             if x.numel() * x.element_size() * (n - 1) <= EXCHANGE_BYTES:  # by size alone: the same route everywhere
                 return _exchange(x, group, op)
-        return PendingAllReduce(x, group, work=dist.all_reduce(x, op=op, group=group, async_op=True))
+        return PendingAllReduce(x, group, work=dist.all_reduce(x, op=reduce_op, group=group, async_op=True))
 
 
 def all_reduce_sum(x: torch.Tensor, group: ProcessGroup,

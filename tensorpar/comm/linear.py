@@ -66,6 +66,15 @@ def _weight_grads(grad: torch.Tensor, x2: torch.Tensor, needs_weight: bool,
     return grad_w, grad_b
 
 
+def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``y + bias``, into ``y`` (a buffer the caller owns) eagerly. In a traced graph a new tensor:
+    compiled by torch 2.11, a Function whose forward returns a tensor it wrote in place gets zero
+    gradients."""
+    if bias is None:
+        return y
+    return y + bias if traced.tracing() else y.add_(bias)
+
+
 class _ColumnParallelLinear(torch.autograd.Function):
     """``f`` + linear: identity-input forward; backward, the all-reduce of the input gradient,
     overlapped with the weight gradient."""
@@ -103,7 +112,7 @@ class _RowParallelLinear(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):  # each chunk summed while the next is computed
             y = torch.cat([p.wait() for p in [start_all_reduce_(F.linear(x, w), group, counted=False)
                                               for w in row_chunks(x, weight)]], -1)  # (*, out)
-        return y if bias is None else y.add_(bias)
+        return _add_bias(y, bias)
 
     @staticmethod
     @once_differentiable

@@ -45,7 +45,7 @@ from ..mesh import exchange_ints, group_rank_size, tp_group
 from ..sharding import check_int
 from .collectives import start_all_gather_along, start_reduce_scatter_along
 from .counter import active_counters, record
-from .linear import _autocast, _check, _weight_grads, row_chunks
+from .linear import _add_bias, _autocast, _check, _weight_grads, row_chunks
 from .regions import _AllGather, _ReduceScatter, _ScatterToTP
 
 SEQ_DIM = -2  # tokens: (..., T, C)
@@ -166,7 +166,7 @@ class _SequenceParallelRowLinear(torch.autograd.Function):
             pending = [start_reduce_scatter_along(F.linear(x, w), SEQ_DIM, sizes, group, counted=False)
                        for w in row_chunks(x, weight)]  # (..., T, out / chunks) each, this rank's partial sums
             y = torch.cat([p.wait() for p in pending], -1)  # (..., T_r, out), summed over ranks
-        return y if bias is None else y.add_(bias)
+        return _add_bias(y, bias)
 
     @staticmethod
     @once_differentiable
