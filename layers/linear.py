@@ -188,9 +188,9 @@ class ColumnParallelLinear(_ParallelLinear):
         self._check_input(x, self.in_features, "an input")
         if self.sequence_parallel:  # (..., T_r, in) -> (..., T, out / tp)
             y = tensorpar.sequence_parallel_column_linear(x, self.weight, self.bias, seq_len, self.tp_group)
-        elif self.copy_input:
+        elif self.copy_input and self.tp > 1:
             y = tensorpar.column_parallel_linear(x, self.weight, self.bias, self.tp_group)  # (*, out / tp)
-        else:  # f was applied by the caller
+        else:  # f was applied by the caller, or there is no other rank
             y = F.linear(x, self.weight, self.bias)
         if self.gather_output:
             y = tensorpar.gather_from_tp(y, -1, self.out_features, self.tp_group)  # (*, out)
@@ -236,6 +236,8 @@ class RowParallelLinear(_ParallelLinear):
             x = tensorpar.scatter_to_tp(x, -1, self.tp_group, unit=self.unit)  # (*, in / tp)
         if self.sequence_parallel:  # (..., T_r, out): this rank's tokens of the sum
             return tensorpar.sequence_parallel_row_linear(x, self.weight, self.bias, self.tp_group)
+        if self.tp == 1:  # nothing to sum
+            return F.linear(x, self.weight, self.bias)
         return tensorpar.row_parallel_linear(x, self.weight, self.bias, self.tp_group)  # (*, out), summed over ranks
 
     def extra_repr(self) -> str:

@@ -32,9 +32,10 @@ class CopyToTP(nn.Module):
     def __init__(self, *, group: ProcessGroup | None = None) -> None:
         super().__init__()
         self.tp_group = tensorpar.tp_group(group)
+        self.tp = tensorpar.group_rank_size(self.tp_group)[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return tensorpar.copy_to_tp(x, self.tp_group)
+        return x if self.tp == 1 else tensorpar.copy_to_tp(x, self.tp_group)  # the identity on a group of one
 
 
 class ReduceFromTP(nn.Module):
@@ -43,9 +44,10 @@ class ReduceFromTP(nn.Module):
     def __init__(self, *, group: ProcessGroup | None = None) -> None:
         super().__init__()
         self.tp_group = tensorpar.tp_group(group)
+        self.tp = tensorpar.group_rank_size(self.tp_group)[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return tensorpar.reduce_from_tp(x, self.tp_group)
+        return x if self.tp == 1 else tensorpar.reduce_from_tp(x, self.tp_group)  # the identity on a group of one
 
 
 class GatherSequence(nn.Module):

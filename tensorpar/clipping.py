@@ -53,36 +53,58 @@ def grad_norm(model: nn.Module, group: ProcessGroup | None = None, *, pp_group: 
     ``model`` may be one pipeline stage (or a rank's stages) of a larger model: then its squares are
     summed over ``pp_group`` too, leaving out the parameters named in ``exclude`` (copies of a
     parameter that another stage counts, such as a tied head).
+
+    The norms are taken by torch's foreach kernels (accumulated in float32), one launch per bucket of
+    gradients that share a mesh, a replica count, a device and a dtype.
     """
     split = placements(model)
     group = next(iter(split.values()))[1] if group is None and split else tp_group(group)
     _, n = group_rank_size(group)
-    grads = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None and name not in exclude]
-    device = local_part(grads[0][1]).device if grads else local_part(next(model.parameters())).device
-    zero = torch.zeros((), dtype=torch.float32, device=device)
-    sums: dict[DeviceMesh | None, torch.Tensor] = {None: zero}  # by the mesh the gradients are sharded over
-    for name, grad in grads:
+    buckets: dict[tuple[DeviceMesh | None, int, torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for name, p in model.named_parameters():
+        if p.grad is None or name in exclude:
+            continue
         copies = n if name not in split else 1  # a replica counts 1/n on each of the n tp ranks
         mesh = None
-        if isinstance(grad, DTensor):
-            mesh, copies = grad.device_mesh, copies * _replicas(grad, name)
-        sq = local_part(grad).detach().float().pow(2).sum()
+        if isinstance(p.grad, DTensor):
+            mesh, copies = p.grad.device_mesh, copies * _replicas(p.grad, name)
+        grad = local_part(p.grad)
+        buckets.setdefault((mesh, copies, grad.device, grad.dtype), []).append(grad)
+    device = next(iter(buckets))[2] if buckets else local_part(next(model.parameters())).device
+    with torch.no_grad():  # 16-bit gradients' norms in float32; float64's in float64, then float32
+        norms = {key: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=_norm_dtype(key[3]))))
+                 .to(device, torch.float32) for key, grads in buckets.items()}  # () each
+    if n == 1 and _size(pp_group) == 1 and len(norms) == 1 and next(iter(norms))[0] is None:
+        return next(iter(norms.values()))  # one bucket of whole, unreplicated gradients: nothing to sum
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    sums: dict[DeviceMesh | None, torch.Tensor] = {None: zero}  # squares, by the mesh the gradients are sharded over
+    for (mesh, copies, _, _), norm in norms.items():
+        sq = norm.square()
         sums[mesh] = sums.get(mesh, zero) + (sq if copies == 1 else sq / copies)
-    if len(sums) == 1:  # no DTensor: one scalar over tp, as it always was
-        return _over_stages(all_reduce_sum(sums[None], group), pp_group).sqrt()
+    if len(sums) == 1:  # no DTensor: one scalar over tp
+        return _summed(_summed(sums[None], group), pp_group).sqrt()
     meshes = [mesh for mesh in sums if mesh is not None]
-    totals = all_reduce_sum(torch.stack([sums[None], *(sums[m] for m in meshes)]), group)  # one over tp
+    totals = _summed(torch.stack([sums[None], *(sums[m] for m in meshes)]), group)  # one over tp
     total = totals[0]
     for mesh, part in zip(meshes, totals[1:]):
         for dim in range(mesh.ndim):  # sharded pieces (and 1/size of each replica) summed over the mesh
-            part = all_reduce_sum(part, mesh.get_group(dim))
+            part = _summed(part, mesh.get_group(dim))
         total = total + part
-    return _over_stages(total, pp_group).sqrt()
+    return _summed(total, pp_group).sqrt()  # and over the pipeline stages
 
 
-def _over_stages(squares: torch.Tensor, pp_group: ProcessGroup | None) -> torch.Tensor:
-    """The sum of every pipeline stage's squares (``squares`` itself without pipelining)."""
-    return squares if pp_group is None or group_rank_size(pp_group)[1] == 1 else all_reduce_sum(squares, pp_group)
+def _norm_dtype(dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype ``torch._foreach_norm`` returns for gradients of ``dtype``: at least float32."""
+    return torch.float32 if dtype.itemsize < 4 else None
+
+
+def _size(group: ProcessGroup | None) -> int:
+    return 1 if group is None else group_rank_size(group)[1]
+
+
+def _summed(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """``x`` summed over ``group`` (``x`` itself on a group of one, or with no group)."""
+    return x if _size(group) == 1 else all_reduce_sum(x, group)
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, group: ProcessGroup | None = None, *,
