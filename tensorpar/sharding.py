@@ -159,8 +159,8 @@ class Shard:
 
         Example::
 
-            >>> Shard(0, 24, unit=(4, 2, 2)).pieces(2, 1)  # 2 query groups of [Q | K | V], rank 1's
-            [(8, 8), (20, 2), (22, 2)]
+            >>> Shard(0, 16, unit=(4, 2, 2)).pieces(2, 1)  # [Q | K | V] of 2 query groups: rank 1's
+            [(4, 4), (10, 2), (14, 2)]
         """
         n = self.count()
         lo, length = partition_bounds(n, parts, index, name=name)

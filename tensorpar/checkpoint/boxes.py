@@ -111,8 +111,9 @@ def written(box: Box, name: str, *, tp_split: bool, dp_split: bool, mesh: Mesh) 
         return None
     if not box.pieces:
         return box if writes(name, tp_split=tp_split, dp_split=dp_split, mesh=mesh) else None
-    kept = tuple(p for p in box.pieces if writes(f"{name}@{p[1]}" if p[3] else name, tp_split=tp_split and not p[3],
-                                                 dp_split=dp_split, mesh=mesh))
+    # the replicated tail (whatever dp chunks it falls in) is written by one tp rank, chosen by its own name
+    kept = tuple(p for p in box.pieces if writes(f"{name}@replicated" if p[3] else name,
+                                                 tp_split=tp_split and not p[3], dp_split=dp_split, mesh=mesh))
     return Box(box.offsets, box.sizes, box.size, box.dim, kept) if kept else None
 
 
