@@ -63,7 +63,7 @@ def key_bias_drift(full, ref_state, cfg):
     gradient is identically zero and holds round-off only, which AdamW turns into steps of up to lr."""
     c, kv = cfg["n_embd"], (cfg.get("n_kv_head") or cfg["n_head"]) * (cfg["n_embd"] // cfg["n_head"])
     drift = {}
-    for k in [k for k in ref_state if k.endswith("attn.c_attn.bias")]:
+    for k in [k for k in ref_state if k.endswith("attn.c_attn.bias") and k in full]:  # a pipeline stage: its own
         (q, key, v), (ref_q, ref_key, ref_v) = (s[k].split([c, kv, kv]) for s in (full, ref_state))
         drift[k] = (key - ref_key).abs().max().item()
         full[k], ref_state[k] = torch.cat([q, v]), torch.cat([ref_q, ref_v])
