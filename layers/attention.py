@@ -148,7 +148,7 @@ class ParallelSelfAttention(nn.Module):
         q, k, v = (rearrange(t, "b t (h d) -> b h t d", d=d) for t in qkv.split([h * d, hk * d, hk * d], -1))  # views
         if self._kv_index is not None:  # each local query head's KV head, gathered (uneven readers only)
             k, v = k[:, self._kv_index], v[:, self._kv_index]  # (B, h, T, d)
-        else:  # the KV heads this rank's query heads read, per_kv query heads each (a view)
+        elif self.kv_replicated:  # the KV heads this rank's query heads read, per_kv query heads each (a view)
             k, v = (t.narrow(1, self.kv_lo, self.local_kv_heads) for t in (k, v))  # (B, h_kv, T, d)
         grouped = k.shape[1] != h
         p = self.dropout if self.training else 0.0
