@@ -58,7 +58,8 @@ class _ParallelLinear(nn.Module):
                  group: ProcessGroup | None, device: torch.device | str | None, dtype: torch.dtype | None,
                  replicated: int = 0) -> None:
         super().__init__()
-        for name, value in (("in_features", in_features), ("out_features", out_features)):
+        for name, value in (("in_features", in_features), ("out_features", out_features),
+                            *(("unit", u) for u in (unit if isinstance(unit, tuple) else (unit,)))):
             check_int(value, f"{type(self).__name__}: {name}")
         self.in_features, self.out_features, self.unit = in_features, out_features, unit
         self.tp_group = tensorpar.tp_group(group)
