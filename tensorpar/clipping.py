@@ -7,6 +7,9 @@ once, however many ranks hold a copy::
 
     ‖g‖² = Σ_r Σ_{p split} ‖g_p,r‖²  +  Σ_{p replicated} ‖g_p‖²
 
+(a split parameter's replicated tail, such as the K and V rows of a ``c_attn``
+held whole by every rank, counts once too).
+
 Without FSDP that is one all-reduce of a scalar over the tp group: data-parallel
 replicas hold the same (averaged) gradients and need nothing more.
 
@@ -31,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from .comm.collectives import all_reduce_sum
 from .full import local_part, placements
 from .mesh import group_rank_size, tp_group
+from .sharding import Shard
 
 
 def _replicas(x: DTensor, name: str) -> int:
@@ -66,7 +70,7 @@ def grad_norm(model: nn.Module, group: ProcessGroup | None = None, *, pp_group: 
         mesh = None
         if isinstance(grad, DTensor):
             mesh, copies = grad.device_mesh, copies * _replicas(grad, name)
-        sq = local_part(grad).detach().float().pow(2).sum()
+        sq = _squares(grad, split[name][0] if name in split else None, n)
         sums[mesh] = sums.get(mesh, zero) + (sq if copies == 1 else sq / copies)
     if len(sums) == 1:  # no DTensor: one scalar over tp, as it always was
         return _over_stages(all_reduce_sum(sums[None], group), pp_group).sqrt()
@@ -78,6 +82,20 @@ def grad_norm(model: nn.Module, group: ProcessGroup | None = None, *, pp_group: 
             part = all_reduce_sum(part, mesh.get_group(dim))
         total = total + part
     return _over_stages(total, pp_group).sqrt()
+
+
+def _squares(grad: torch.Tensor, placement: Shard | None, n: int) -> torch.Tensor:
+    """The sum of squares of this rank's part of ``grad``, its share of a replicated tail (held by all ``n``
+    tp ranks, see :class:`~tensorpar.sharding.Shard`) counted ``1 / n``."""
+    local = local_part(grad).detach().float()
+    sq = local.pow(2).sum()
+    if placement is None or not placement.replicated or n == 1:
+        return sq
+    dim = placement.dim % local.dim()
+    start = grad.__create_chunk_list__()[0].offsets[dim] if isinstance(grad, DTensor) else 0  # FSDP2's dp chunk
+    lo = min(max(grad.shape[dim] - placement.replicated - start, 0), local.shape[dim])  # the tail's first local row
+    tail = local.narrow(dim, lo, local.shape[dim] - lo).pow(2).sum()
+    return sq - tail + tail / n
 
 
 def _over_stages(squares: torch.Tensor, pp_group: ProcessGroup | None) -> torch.Tensor:
