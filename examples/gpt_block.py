@@ -4,7 +4,7 @@
     python examples/gpt_block.py --tp 3 --n-head 5        # heads need not divide by tp
 
 ``layers.Block`` is a pre-LayerNorm transformer block whose attention is split
-by head (``q_proj``, ``k_proj``, ``v_proj`` column-parallel, ``c_proj``
+by head (one ``c_attn`` for Q, K and V, column-parallel, ``c_proj``
 row-parallel) and whose MLP is split by hidden feature (``c_fc`` column,
 ``c_proj`` row). ``DenseBlock`` below is the unsharded block with the same
 parameter names, so its ``state_dict()`` loads straight into the sharded one
@@ -36,15 +36,13 @@ class DenseSelfAttention(nn.Module):
     def __init__(self, n_embd: int, n_head: int) -> None:
         super().__init__()
         self.n_head, self.head_dim = n_head, n_embd // n_head
-        self.q_proj = nn.Linear(n_embd, n_embd)
-        self.k_proj = nn.Linear(n_embd, n_embd)
-        self.v_proj = nn.Linear(n_embd, n_embd)
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)  # rows [Q | K | V]
         self.c_proj = nn.Linear(n_embd, n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = (proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (z.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+                   for z in self.c_attn(x).split(C, dim=-1))
         att = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, nh, T, T)
         causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
         att = att.masked_fill(~causal, float("-inf")).softmax(dim=-1)
@@ -105,7 +103,7 @@ def run(n_embd: int, n_head: int, batch: int, seq: int, dtype_name: str) -> dict
         "rank": mesh.rank,
         "errors": errors,
         "heads": block.attn.local_heads,
-        "q_proj": tuple(block.attn.q_proj.weight.shape),
+        "c_attn": tuple(block.attn.c_attn.weight.shape),
         "c_fc": tuple(block.mlp.c_fc.weight.shape),
         "params": sum(p.numel() for p in block.parameters()),
         "dense_params": sum(p.numel() for p in dense.parameters()),
@@ -133,7 +131,7 @@ def main() -> None:
     print(f"GPT-2 block, n_embd={args.n_embd}, n_head={args.n_head}, {args.dtype}, input "
           f"({args.batch}, {args.seq}, {args.n_embd}), sharded at tp={args.tp}\n")
     for r in results:
-        print(f"rank {r['rank']}: {r['heads']} heads, q_proj {r['q_proj']}, c_fc {r['c_fc']}, "
+        print(f"rank {r['rank']}: {r['heads']} heads, c_attn {r['c_attn']}, c_fc {r['c_fc']}, "
               f"{r['params']:,} of {r['dense_params']:,} parameters")
 
     tolerance = TOLERANCES[DTYPES[args.dtype]]

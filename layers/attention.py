@@ -1,22 +1,34 @@
 """Causal self-attention with its heads split across the tp group.
 
-Attention is independent per head, so each rank owns whole heads: the Q, K and
-V projections are column-parallel in units of a head (``head_dim`` rows of the
-weight), attention runs locally on this rank's heads, and the output
-projection is row-parallel over the same heads, summed by ``g``. One ``f``
-(``copy_in``) enters the region and the three projections are called on its
-output, so one all-reduce of their summed input gradient serves all three; one
-``g`` leaves it: one all-reduce of ``(B, T, C)`` forward, one backward.
+Attention is independent per head, so each rank owns whole heads. Q, K and V
+come from ONE column-parallel projection, ``c_attn``, whose full weight is
+nanoGPT's: ``(n_head * d + 2 * n_kv_head * d, C)`` rows ``[Q | K | V]``
+(``d = head_dim``; ``3C`` rows without grouped-query attention). Each rank holds
+and computes, in one GEMM, its heads' Q rows, then their K rows, then their V
+rows; attention runs locally on those heads, and the output projection
+``c_proj`` is row-parallel over the same heads, summed by ``g``. One ``f``
+(``copy_in``) enters the region and one ``g`` leaves it: one all-reduce of
+``(B, T, C)`` forward, one backward.
 
-Grouped-query attention (``n_kv_head < n_head``, ``g = n_head / n_kv_head``
-query heads per KV head) shards by query *group* when there are at least
-``tp`` KV heads: a rank owns whole KV heads and their ``g`` query heads each,
-so nothing changes in the communication. With fewer KV heads than ranks
-(multi-query attention at tp > 1, say), query heads are split alone and every
-rank holds all KV heads, using those its query heads read; the KV projections
-are then :class:`~layers.linear.ReplicatedLinear`, whose gradients (each rank's
-share of them) are summed by an ``f`` on the weights: one extra all-reduce of
-the weight and bias of K, and one of V, backward.
+The partition, with ``g = n_head / n_kv_head`` query heads per KV head:
+
+* ``n_kv_head >= tp``: the unit is a query *group*, ``g`` query heads and the KV
+  head they read, so ``c_attn`` is three blocks with ``n_kv_head`` units each,
+  of ``g * d``, ``d`` and ``d`` rows (``Shard(unit=(g*d, d, d))``), split
+  balanced: a rank with groups ``[lo, hi)`` holds Q rows ``[lo*g*d, hi*g*d)``,
+  K rows ``C + [lo*d, hi*d)`` and V rows ``C + n_kv_head*d + [lo*d, hi*d)``. Its
+  query head ``i`` reads its KV head ``i // g`` (SDPA's ``enable_gqa``: no copy).
+* ``n_kv_head < tp`` (multi-query attention at tp > 1, say): the query heads are
+  split alone (``d`` rows each) and every rank holds all of K and V after them
+  (``Shard(unit=d, replicated=2*n_kv_head*d)``). A rank's query heads
+  ``[lo, hi)`` read KV heads ``lo // g`` to ``(hi - 1) // g``; their weight
+  gradients cover its own reads, so ``c_attn`` sums the K/V rows' gradients over
+  the group backward (``f`` on those rows, one all-reduce). Where the local query
+  heads read their KV heads unevenly (query heads 1-3 of groups of 2 read KV
+  heads 0, 1, 1), each query head's KV head is gathered by index.
+
+Either way the full state dict has the same keys and shapes at every tp
+(``attn.c_attn.weight``, GPT-2's fused projection transposed).
 
 With ``sequence_parallel=True`` the input and output are this rank's tokens,
 ``(B, T_r, C)``: ``copy_in`` all-gathers them (``f̄``, keeping only this
@@ -40,7 +52,7 @@ from torch.nn.utils import skip_init
 import tensorpar
 from tensorpar.sharding import check_int, partition_bounds
 
-from .linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, check_activation
+from .linear import ColumnParallelLinear, RowParallelLinear, check_activation
 from .regions import CopyToTP, GatherSequence
 from .sequence import ShardedDropout, tp_stream
 
@@ -48,8 +60,8 @@ from .sequence import ShardedDropout, tp_stream
 class ParallelSelfAttention(nn.Module):
     """Multi-head causal self-attention, sharded by head. ``(B, T, C) -> (B, T, C)``, replicated.
 
-    Parameters (full shapes, as the unsharded twin's ``nn.Linear``\\ s): ``q_proj``
-    ``(C, C)``, ``k_proj`` and ``v_proj`` ``(n_kv_head * head_dim, C)``, ``c_proj``
+    Parameters (full shapes, as nanoGPT's ``nn.Linear``\\ s): ``c_attn``
+    ``(C + 2 * n_kv_head * head_dim, C)`` (rows ``[Q | K | V]``), ``c_proj``
     ``(C, C)``. ``dropout`` applies to the attention probabilities (a different
     mask on each rank: the heads differ, drawn from the mesh's tp stream; in a
     ``torch.compile`` graph, this rank's heads of one draw for all heads) and to
@@ -84,27 +96,28 @@ class ParallelSelfAttention(nn.Module):
         g = n_head // n_kv_head
         device = torch.get_default_device() if device is None else torch.device(device)  # skip_init needs one
         factory = dict(group=group, device=device, dtype=dtype)
-        column = dict(factory, copy_input=False)  # behind copy_in's f
 
         self.sequence_parallel = sequence_parallel
         self.copy_in = GatherSequence(group=group) if sequence_parallel else CopyToTP(group=group)
         self.kv_replicated = n_kv_head < tp
         if self.kv_replicated:  # query heads split alone; every rank holds all KV heads
-            q_unit, (q_lo, self.local_heads) = d, partition_bounds(n_head, tp, rank, name="n_head")
-            self.kv_lo, kv_hi = q_lo // g, (q_lo + self.local_heads - 1) // g + 1
-            self.k_proj = skip_init(ReplicatedLinear, n_embd, n_kv_head * d, bias, **factory)
-            self.v_proj = skip_init(ReplicatedLinear, n_embd, n_kv_head * d, bias, **factory)
+            q_unit, (self.q_lo, self.local_heads) = d, partition_bounds(n_head, tp, rank, name="n_head")
+            self.kv_lo, kv_hi = self.q_lo // g, (self.q_lo + self.local_heads - 1) // g + 1
+            self.local_kv_heads = kv_hi - self.kv_lo
+            self.held_kv_heads = n_kv_head
+            layout = dict(unit=d, replicated=2 * n_kv_head * d)
         else:  # whole query groups per rank: a KV head and its g query heads stay together
-            kv_lo, kv_heads = partition_bounds(n_kv_head, tp, rank, name="n_kv_head")
-            q_unit, q_lo, self.local_heads = g * d, g * kv_lo, g * kv_heads
-            self.kv_lo, kv_hi = 0, kv_heads  # local indices: this rank's KV weights are its own heads only
-            self.k_proj = skip_init(ColumnParallelLinear, n_embd, n_kv_head * d, bias, unit=d, **column)
-            self.v_proj = skip_init(ColumnParallelLinear, n_embd, n_kv_head * d, bias, unit=d, **column)
-        self.local_kv_heads, self.q_lo = kv_hi - self.kv_lo, q_lo
-        # local KV head read by each local query head (None: the trivial 1:1 map)
-        kv_of_q = [(q_lo + i) // g - (q_lo // g) for i in range(self.local_heads)]
-        self._kv_index = None if kv_of_q == list(range(self.local_kv_heads)) else kv_of_q
-        self.q_proj = skip_init(ColumnParallelLinear, n_embd, n_embd, bias, unit=q_unit, **column)
+            kv_lo, self.local_kv_heads = partition_bounds(n_kv_head, tp, rank, name="n_kv_head")
+            q_unit, self.q_lo, self.local_heads = g * d, g * kv_lo, g * self.local_kv_heads
+            self.kv_lo, self.held_kv_heads = 0, self.local_kv_heads  # local indices: its own KV heads only
+            layout = dict(unit=(g * d, d, d))
+        # the held KV head each local query head reads, from kv_lo; None where SDPA's grouping does it
+        reads = [(self.q_lo + i) // g - self.q_lo // g for i in range(self.local_heads)]
+        per_kv = self.local_heads // self.local_kv_heads
+        self._kv_index = None if reads == [i // per_kv for i in range(self.local_heads)] else \
+            [self.kv_lo + r for r in reads]
+        self.c_attn = skip_init(ColumnParallelLinear, n_embd, n_embd + 2 * n_kv_head * d, bias, copy_input=False,
+                                **layout, **factory)  # behind copy_in's f
         self.c_proj = skip_init(RowParallelLinear, n_embd, n_embd, bias, unit=q_unit,
                                 sequence_parallel=sequence_parallel, **factory)
         self.resid_dropout = ShardedDropout(dropout, group=group) if sequence_parallel else nn.Dropout(dropout)
@@ -126,26 +139,30 @@ class ParallelSelfAttention(nn.Module):
         saving: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         if self.sequence_parallel:
             seq_len = tensorpar.sequence_length(x, seq_len, self.tp_group)
-            shard, x = x, self.copy_in(x, seq_len)  # f̄: (B, T, C), shared by the three projections
-            saving = tensorpar.save_sequence_shard(x, shard, self.tp_group)  # they keep (B, T_r, C)
+            shard, x = x, self.copy_in(x, seq_len)  # f̄: (B, T, C)
+            saving = tensorpar.save_sequence_shard(x, shard, self.tp_group)  # c_attn keeps (B, T_r, C)
         else:
-            x = self.copy_in(x)  # f, shared by the three projections
-        kv_used = slice(self.kv_lo * self.head_dim, (self.kv_lo + self.local_kv_heads) * self.head_dim)
+            x = self.copy_in(x)  # f
         with saving:
-            projected = (self.q_proj(x), self.k_proj(x)[..., kv_used], self.v_proj(x)[..., kv_used])
-        q, k, v = (rearrange(t, "b t (h d) -> b h t d", d=self.head_dim)  # h: this rank's (query or KV) heads
-                   for t in projected)
-        if self._kv_index is not None:  # grouped-query: each query head reads its group's KV head
+            qkv = self.c_attn(x)  # (B, T, (h + 2 * hk) * d): this rank's Q heads, then its K, then its V heads
+        d, h, hk = self.head_dim, self.local_heads, self.held_kv_heads
+        q, k, v = (rearrange(t, "b t (h d) -> b h t d", d=d) for t in qkv.split([h * d, hk * d, hk * d], -1))  # views
+        if self._kv_index is not None:  # each local query head's KV head, gathered (uneven readers only)
             k, v = k[:, self._kv_index], v[:, self._kv_index]  # (B, h, T, d)
+        elif self.kv_replicated:  # the KV heads this rank's query heads read, per_kv query heads each (a view)
+            k, v = (t.narrow(1, self.kv_lo, self.local_kv_heads) for t in (k, v))  # (B, h_kv, T, d)
+        grouped = k.shape[1] != h
         p = self.dropout if self.training else 0.0
         if p and torch.compiler.is_compiling():  # no stream can be swapped in a graph: see below
+            if grouped:
+                k, v = (t.repeat_interleave(h // t.shape[1], 1) for t in (k, v))  # (B, h, T, d)
             y = _attention_dropping_heads_of_one_draw(q, k, v, p, self.n_head, self.q_lo)
         elif p:
             with self.rng.fork(x.device):  # heads differ per rank: so do their masks
-                y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=grouped)
         else:
             with _compiled_sdpa_kernel(q):
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, h, T, d)
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)  # (B, h, T, d)
         y = self.c_proj(rearrange(y, "b h t d -> b t (h d)"))  # (B, T, C) summed over ranks, or (B, T_r, C)
         return self.resid_dropout(y, seq_len) if self.sequence_parallel else self.resid_dropout(y)
 

@@ -222,5 +222,5 @@ class GPT(nn.Module):
         weight = model.get_input_embeddings().weight
         gpt = cls(config, device="meta", dtype=weight.dtype, group=group)
         gpt.to_empty(device=weight.device)
-        gpt.load_full_state_dict(hf.gpt_state_dict(model.state_dict(), config.n_embd))
+        gpt.load_full_state_dict(hf.gpt_state_dict(model.state_dict()))
         return gpt.train(model.training)

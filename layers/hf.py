@@ -5,9 +5,9 @@ the model from them. Writing: :func:`export_gpt2` saves a GPT as a GPT-2 directo
 (``config.json`` and ``model.safetensors``) that ``GPT2LMHeadModel.from_pretrained``
 loads. ``transformers`` is never imported here: a model is read through its config
 and state dict, and written as plain files. GPT-2 stores its projections as
-``Conv1D`` with weights of shape ``(in, out)`` (transposed against ``nn.Linear``),
-and Q, K and V fused in one ``c_attn`` (columns ``[Q | K | V]``); both are undone on
-the way in and redone on the way out.
+``Conv1D`` with weights of shape ``(in, out)`` (transposed against ``nn.Linear``):
+the weights are transposed on the way in and out, and nothing else changes (Q, K and
+V are one ``c_attn`` in both, columns ``[Q | K | V]`` there, rows here).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-_TRANSPOSED = ("attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
 def _check_supported(hf: Any) -> None:
@@ -56,19 +56,13 @@ def gpt_config(hf: Any) -> dict[str, Any]:
                 n_embd=hf.n_embd, dropout=hf.resid_pdrop, bias=True)
 
 
-def gpt_state_dict(state: dict[str, torch.Tensor], n_embd: int) -> dict[str, torch.Tensor]:
-    """A GPT-2 state dict in our key layout: Q/K/V split, Conv1D weights transposed."""
+def gpt_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A GPT-2 state dict in our key layout: Conv1D weights transposed."""
     out = {}
     for key, value in state.items():
         if not key.startswith(("transformer.", "lm_head.")) or key.endswith((".attn.bias", ".attn.masked_bias")):
             continue  # causal-mask buffers of older transformers versions
-        if ".attn.c_attn." in key:
-            prefix, kind = key.split(".attn.c_attn.")
-            parts = value.split(n_embd, dim=-1)  # (C, 3C) or (3C,): Q, K, V
-            for name, part in zip(("q_proj", "k_proj", "v_proj"), parts):
-                out[f"{prefix}.attn.{name}.{kind}"] = part.t() if kind == "weight" else part
-        else:
-            out[key] = value.t() if key.endswith(_TRANSPOSED) else value
+        out[key] = value.t() if key.endswith(_TRANSPOSED) else value
     out.setdefault("lm_head.weight", out["transformer.wte.weight"])
     return out
 
@@ -119,20 +113,10 @@ def gpt2_config(config: Any, dtype: torch.dtype, *, eos_token_id: int | None = N
 
 
 def gpt2_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our full state dict in GPT-2's keys: Q, K, V fused into ``c_attn``, projections transposed
-    to ``Conv1D``'s ``(in, out)``, zeros for the biases of a GPT without them; the tied
-    ``lm_head.weight`` is left out, as GPT-2 saves it."""
-    out = {}
-    for key, value in state.items():
-        if key == "lm_head.weight" or ".attn.k_proj." in key or ".attn.v_proj." in key:
-            continue
-        if ".attn.q_proj." in key:
-            prefix, kind = key.split(".attn.q_proj.")
-            parts = [state[f"{prefix}.attn.{name}.{kind}"] for name in ("q_proj", "k_proj", "v_proj")]
-            fused = torch.cat(parts, dim=0)  # (3C, C) or (3C,)
-            out[f"{prefix}.attn.c_attn.{kind}"] = fused.t() if kind == "weight" else fused  # (C, 3C)
-        else:
-            out[key] = value.t() if key.endswith(_TRANSPOSED) else value
+    """Our full state dict in GPT-2's keys: projections transposed to ``Conv1D``'s ``(in, out)``, zeros for
+    the biases of a GPT without them; the tied ``lm_head.weight`` is left out, as GPT-2 saves it."""
+    out = {key: value.t() if key.endswith(_TRANSPOSED) else value
+           for key, value in state.items() if key != "lm_head.weight"}
     return {k: v.contiguous() for k, v in with_zero_biases(out).items()}
 
 

@@ -8,8 +8,9 @@
   :class:`~layers.linear.RowParallelLinear`, on ``Wᵀ``, with the weights kept in
   GPT-2's layout so that the full state dict has GPT-2's own keys and shapes.
   GPT-2 fuses Q, K and V into one ``c_attn`` whose output is ``[Q | K | V]``: a
-  rank's heads are a piece of each of the three blocks (``blocks=3``, see
-  :class:`~tensorpar.sharding.Shard`), so its local output is ``[Q_r | K_r | V_r]``.
+  rank's heads are a piece of each of the three blocks (``blocks=3``: a
+  :class:`~tensorpar.sharding.Shard` of ``unit=(d, d, d)``), so its local output is
+  ``[Q_r | K_r | V_r]``, as our own attention's ``c_attn``.
 * :class:`ReplicatedHeadsLinear` is a K or V projection held whole on every
   rank (fewer KV heads than ranks) that outputs only the KV heads this rank's
   query heads read, selected or repeated.
@@ -48,7 +49,7 @@ class _ParallelConv1D(nn.Module):
         self.tp_group = tensorpar.tp_group(group)
         self.tp_rank, self.tp = tensorpar.group_rank_size(self.tp_group)
         full = (nx, nf)
-        self.placement = Shard(self.split_dim, full[self.split_dim], unit, blocks)
+        self.placement = Shard(self.split_dim, full[self.split_dim], (unit,) * blocks if blocks > 1 else unit)
         local = list(full)
         local[self.split_dim] = self.placement.sizes(self.tp)[self.tp_rank]
         self.weight = nn.Parameter(torch.empty(local, device=device, dtype=dtype))  # (nx, nf), split
@@ -59,14 +60,12 @@ class _ParallelConv1D(nn.Module):
         """Placements of the split parameters (see :mod:`tensorpar.full`)."""
         split = {"weight": self.placement}
         if self.split_dim == 1:
-            split["bias"] = Shard(0, self.nf, self.unit, self.blocks)
+            split["bias"] = Shard(0, self.nf, self.placement.unit)
         return split
 
     def reset_parameters(self) -> None:
         """GPT-2's ``Conv1D`` initialisation, weight ``N(0, 0.02²)`` and bias zero, drawn tp-invariantly."""
-        geometry = tensorpar.shard_geometry(self)["weight"]
-        weight = self.weight if self.blocks == 1 else self.weight.unflatten(1, (self.blocks, -1))  # blocked view
-        tensorpar.tiled_init.normal_(weight, 0.0, 0.02, **geometry)
+        tensorpar.tiled_init.normal_(self.weight, 0.0, 0.02, **tensorpar.shard_geometry(self)["weight"])
         nn.init.zeros_(self.bias)
 
     @classmethod

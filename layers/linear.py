@@ -17,12 +17,11 @@ A linear layer ``Y = X Wᵀ + b`` with ``W`` of shape ``(out, in)`` splits two w
 
 Column then row (an MLP) needs no communication in between: the column layer's
 sharded output is exactly the row layer's sharded input. Several column layers
-reading one input (Q, K and V) share one ``f`` instead of applying their own:
-the module owning them calls a :class:`~layers.regions.CopyToTP` once and
-builds them with ``copy_input=False``. ``unit=k`` keeps
-whole groups of ``k`` features together (``unit=head_dim``: whole attention
-heads per rank); a column layer's ``blocks=3`` splits a fused ``[Q | K | V]``
-projection block by block (:class:`~tensorpar.sharding.Shard`). Shards are balanced
+reading one input share one ``f`` instead of applying their own: the module
+owning them calls a :class:`~layers.regions.CopyToTP` once and builds them with
+``copy_input=False``. ``unit=k`` keeps whole groups of ``k`` features together
+(``unit=head_dim``: whole attention heads per rank); a tuple ``unit=(d, d, d)``
+splits a fused ``[Q | K | V]`` projection block by block. Shards are balanced
 and need not divide evenly; weights are initialised identically at every tp.
 """
 
@@ -37,7 +36,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 import tensorpar
-from tensorpar.sharding import Shard, check_int, partition_bounds
+from tensorpar.sharding import Shard, check_int
 
 from .regions import summed_gradients
 
@@ -55,26 +54,22 @@ class _ParallelLinear(nn.Module):
 
     split_dim: ClassVar[int]  # 0: output features are split; 1: input features are split
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, unit: int, group: ProcessGroup | None,
-                 device: torch.device | str | None, dtype: torch.dtype | None, blocks: int = 1) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, unit: int | tuple[int, ...],
+                 group: ProcessGroup | None, device: torch.device | str | None, dtype: torch.dtype | None,
+                 replicated: int = 0) -> None:
         super().__init__()
-        for name, value in (("in_features", in_features), ("out_features", out_features), ("unit", unit),
-                            ("blocks", blocks)):
+        for name, value in (("in_features", in_features), ("out_features", out_features),
+                            *(("unit", u) for u in (unit if isinstance(unit, tuple) else (unit,)))):
             check_int(value, f"{type(self).__name__}: {name}")
-        self.in_features, self.out_features, self.unit, self.blocks = in_features, out_features, unit, blocks
+        self.in_features, self.out_features, self.unit = in_features, out_features, unit
         self.tp_group = tensorpar.tp_group(group)
         self.tp_rank, self.tp = tensorpar.group_rank_size(self.tp_group)
         full = (out_features, in_features)
+        self.placement = Shard(self.split_dim, full[self.split_dim], unit, replicated)
         name = ("out_features", "in_features")[self.split_dim]
-        if full[self.split_dim] % blocks:
-            raise ValueError(f"{type(self).__name__}: {name} ({full[self.split_dim]}) is not a whole number of "
-                             f"{blocks} blocks")
-        name = name if blocks == 1 else f"{name} per block ({blocks} blocks)"
-        name = name if unit == 1 else f"{name} in units of {unit}"
-        # with blocks > 1: this rank's offset in each block, and its features in all of them
-        self.local_offset, per_block = partition_bounds(full[self.split_dim] // blocks, self.tp, self.tp_rank,
-                                                        unit=unit, name=name)
-        self.local_features = blocks * per_block
+        name = name if unit == 1 and not replicated else f"{name} in units of {unit}"
+        self.pieces = self.placement.pieces(self.tp, self.tp_rank, name=name)  # (offset, length) in the full dim
+        self.local_offset, self.local_features = self.pieces[0][0], sum(n for _, n in self.pieces)
         local = list(full)
         local[self.split_dim] = self.local_features
         self.weight = nn.Parameter(torch.empty(local, device=device, dtype=dtype))
@@ -84,20 +79,16 @@ class _ParallelLinear(nn.Module):
 
     def sharding(self) -> dict[str, Shard]:
         """Placements of the split parameters (see :mod:`tensorpar.full`)."""
-        size = (self.out_features, self.in_features)[self.split_dim]
-        split = {"weight": Shard(self.split_dim, size, self.unit, self.blocks)}
+        split = {"weight": self.placement}
         if self.bias is not None and self.split_dim == 0:
-            split["bias"] = Shard(0, self.out_features, self.unit, self.blocks)
+            split["bias"] = self.placement
         return split
 
     def reset_parameters(self) -> None:
         """``nn.Linear``'s default: weight and bias ``U(-1/√in, 1/√in)``, drawn tp-invariantly."""
         bound = 1 / math.sqrt(self.in_features)
         for name, geometry in tensorpar.shard_geometry(self).items():
-            p = getattr(self, name)
-            if self.blocks > 1 and p.dim() < len(geometry["full_shape"]):  # split by blocks: fill the blocked view
-                p = p.unflatten(self.split_dim, (self.blocks, -1))
-            tensorpar.tiled_init.uniform_(p, -bound, bound, **geometry)
+            tensorpar.tiled_init.uniform_(getattr(self, name), -bound, bound, **geometry)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **options: Any) -> _ParallelLinear:
@@ -137,11 +128,11 @@ class _ParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         split = ("out_features", "in_features")[self.split_dim]
-        lo, hi = self.local_offset, self.local_offset + self.local_features // self.blocks
+        where = " + ".join(f"[{lo}:{lo + n}]" for lo, n in self.pieces)
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, local {split}={self.local_features} [{lo}:{hi}]"
-                + (f" of each of {self.blocks} blocks" if self.blocks > 1 else "")
-                + f" on tp rank {self.tp_rank} of {self.tp}" + (f", unit={self.unit}" if self.unit > 1 else ""))
+                f"bias={self.bias is not None}, local {split}={self.local_features} {where} "
+                f"on tp rank {self.tp_rank} of {self.tp}" + (f", unit={self.unit}" if self.unit != 1 else "")
+                + (f", replicated={self.placement.replicated}" if self.placement.replicated else ""))
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -156,42 +147,54 @@ class ColumnParallelLinear(_ParallelLinear):
     ``sequence_parallel=True`` takes this rank's tokens ``(..., T_r, in_features)``
     instead and all-gathers them (``f̄``, :mod:`tensorpar.comm.sequence`);
     ``forward(x, seq_len=T)`` names the full length (else one small collective finds it).
-    ``blocks=3`` splits a fused ``[Q | K | V]`` projection block by block: each rank
-    holds its features (its heads, with ``unit=head_dim``) of Q, of K and of V, and
-    outputs ``[Q_r | K_r | V_r]``.
+
+    ``unit`` may be a tuple: the outputs are then consecutive blocks split alike, such
+    as a fused ``[Q | K | V]`` projection (see :class:`~tensorpar.sharding.Shard`);
+    the local output is this rank's piece of each block, end to end. The last
+    ``replicated`` output features are held whole by every rank, after its shard
+    of the others; each rank's weight gradient covers its own use of them, so
+    backward sums their rows of the weight and bias gradients over the group
+    (``f`` on those rows).
 
     Example::
 
         tensorpar.init(tp=2)
         fc = ColumnParallelLinear(768, 3072)   # weight (1536, 768) on each rank
         y = fc(x)                              # (B, T, 1536)
-        qkv = ColumnParallelLinear(768, 3 * 768, unit=64, blocks=3)   # 6 of the 12 heads of each of Q, K, V
     """
 
     split_dim = 0
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, gather_output: bool = False,
-                 copy_input: bool = True, sequence_parallel: bool = False, unit: int = 1, blocks: int = 1,
-                 group: ProcessGroup | None = None, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 copy_input: bool = True, sequence_parallel: bool = False, unit: int | tuple[int, ...] = 1,
+                 replicated: int = 0, group: ProcessGroup | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         if sequence_parallel and not copy_input:
             raise ValueError("ColumnParallelLinear: sequence_parallel=True gathers the tokens itself; with "
                              "copy_input=False the input is already gathered (a GatherSequence shared by several "
                              "layers): leave sequence_parallel off there")
-        if gather_output and blocks > 1:
-            raise ValueError(f"ColumnParallelLinear: gather_output=True would interleave the {blocks} blocks' "
-                             "shards; split the local output into its blocks instead (blocks > 1)")
-        super().__init__(in_features, out_features, bias, unit, group, device, dtype, blocks)
+        if gather_output and (isinstance(unit, tuple) or replicated):
+            raise ValueError("ColumnParallelLinear: gather_output=True needs a plain split (an int unit, nothing "
+                             "replicated)")
+        super().__init__(in_features, out_features, bias, unit, group, device, dtype, replicated)
         self.gather_output, self.copy_input, self.sequence_parallel = gather_output, copy_input, sequence_parallel
 
     def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         self._check_input(x, self.in_features, "an input")
+        weight, bias = self.weight, self.bias
+        tail = self.placement.replicated
+        if tail and self.tp > 1:  # f on the replicated rows: their gradients summed over the group
+            head = self.local_features - tail
+            (w, w_tail), (b, b_tail) = weight.split([head, tail]), (None, None) if bias is None else bias.split([head, tail])
+            w_tail, b_tail = summed_gradients([w_tail, b_tail], self.tp_group)
+            weight = torch.cat([w, w_tail])  # (local out, in)
+            bias = None if bias is None else torch.cat([b, b_tail])
         if self.sequence_parallel:  # (..., T_r, in) -> (..., T, out / tp)
-            y = tensorpar.sequence_parallel_column_linear(x, self.weight, self.bias, seq_len, self.tp_group)
+            y = tensorpar.sequence_parallel_column_linear(x, weight, bias, seq_len, self.tp_group)
         elif self.copy_input and self.tp > 1:
-            y = tensorpar.column_parallel_linear(x, self.weight, self.bias, self.tp_group)  # (*, out / tp)
+            y = tensorpar.column_parallel_linear(x, weight, bias, self.tp_group)  # (*, out / tp)
         else:  # f was applied by the caller, or there is no other rank
-            y = F.linear(x, self.weight, self.bias)
+            y = F.linear(x, weight, bias)
         if self.gather_output:
             y = tensorpar.gather_from_tp(y, -1, self.out_features, self.tp_group)  # (*, out)
         return y

@@ -69,12 +69,12 @@ class QKVColumn:
 
     def __call__(self, linear: nn.Module, *, group: ProcessGroup | None = None) -> ColumnParallelLinear:
         d = _head_dim(linear, self.n_head, "QKVColumn", blocks=3)
-        return ColumnParallelLinear.from_linear(linear, unit=d, blocks=3, group=group)
+        return ColumnParallelLinear.from_linear(linear, unit=(d, d, d), group=group)  # [Q | K | V], split alike
 
     def update_owner(self, owner: nn.Module, sharded: ColumnParallelLinear) -> None:
         """Give ``owner`` (the module holding the projection) this rank's head count and width."""
         heads = partition_bounds(self.n_head, sharded.tp, sharded.tp_rank, name="n_head")[1]
-        local = {attr: value for attr, value in ((self.heads_attr, heads), (self.width_attr, heads * sharded.unit))
+        local = {attr: value for attr, value in ((self.heads_attr, heads), (self.width_attr, heads * sharded.unit[0]))
                  if attr is not None}
         for attr, value in local.items():
             if not hasattr(owner, attr):

@@ -15,7 +15,7 @@ initialised alike, whose gradients are summed over the two stages after every
 step (Megatron's embedding group), so the copies stay equal.
 
 :class:`PipelinedGPT` holds this rank's stages under the GPT's own parameter
-names (``transformer.h.3.attn.c_q.weight``...), so checkpoints move between any
+names (``transformer.h.3.attn.c_attn.weight``...), so checkpoints move between any
 (pp, dp, tp) and a GPT built from the same seed has the same weights.
 """
 

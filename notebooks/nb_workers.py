@@ -119,9 +119,8 @@ def attention_heads(n_embd: int, n_head: int, n_kv_head: int) -> dict:
         "n_embd": n_embd, "n_head": n_head, "n_kv_head": n_kv_head, "head_dim": attn.head_dim,
         "query heads": (attn.q_lo, attn.local_heads),        # (first global query head, count)
         "kv replicated": attn.kv_replicated,
-        # KV heads this rank reads, as global indices (held locally from kv_lo when replicated)
-        "kv heads read": (attn.kv_lo if attn.kv_replicated else attn.k_proj.local_offset // attn.head_dim,
-                          attn.local_kv_heads),
+        # KV heads this rank reads (first global KV head, count): those of its query groups
+        "kv heads read": (attn.q_lo // (attn.n_head // attn.n_kv_head), attn.local_kv_heads),
         "held": held_indices(attn),
     }
 

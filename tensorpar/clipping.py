@@ -7,6 +7,9 @@ once, however many ranks hold a copy::
 
     ‖g‖² = Σ_r Σ_{p split} ‖g_p,r‖²  +  Σ_{p replicated} ‖g_p‖²
 
+(a split parameter's replicated tail, such as the K and V rows of a ``c_attn``
+held whole by every rank, counts once too).
+
 Without FSDP that is one all-reduce of a scalar over the tp group: data-parallel
 replicas hold the same (averaged) gradients and need nothing more.
 
@@ -31,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from .comm.collectives import all_reduce_sum
 from .full import local_part, placements
 from .mesh import group_rank_size, tp_group
-
+from .sharding import Shard
 
 def _replicas(x: DTensor, name: str) -> int:
     """How many ranks of ``x``'s mesh hold each element of it (1 when every dim is sharded)."""
@@ -43,7 +46,6 @@ def _replicas(x: DTensor, name: str) -> int:
         if placement.is_replicate():
             copies *= size
     return copies
-
 
 def grad_norm(model: nn.Module, group: ProcessGroup | None = None, *, pp_group: ProcessGroup | None = None,
               exclude: Collection[str] = ()) -> torch.Tensor:
@@ -68,8 +70,8 @@ def grad_norm(model: nn.Module, group: ProcessGroup | None = None, *, pp_group: 
         mesh = None
         if isinstance(p.grad, DTensor):
             mesh, copies = p.grad.device_mesh, copies * _replicas(p.grad, name)
-        grad = local_part(p.grad)
-        buckets.setdefault((mesh, copies, grad.device, grad.dtype), []).append(grad)
+        for grad, held in _parts(p.grad, split[name][0] if name in split else None, n):
+            buckets.setdefault((mesh, copies * held, grad.device, grad.dtype), []).append(grad)
     device = next(iter(buckets))[2] if buckets else local_part(next(model.parameters())).device
     with torch.no_grad():  # 16-bit gradients' norms in float32; float64's in float64, then float32
         norms = {key: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=_norm_dtype(key[3]))))
@@ -92,20 +94,27 @@ def grad_norm(model: nn.Module, group: ProcessGroup | None = None, *, pp_group: 
         total = total + part
     return _summed(total, pp_group).sqrt()  # and over the pipeline stages
 
+def _parts(grad: torch.Tensor, placement: Shard | None, n: int) -> list[tuple[torch.Tensor, int]]:
+    """This rank's part of ``grad`` with the number of tp ranks holding each piece: a replicated tail
+    (see :class:`~tensorpar.sharding.Shard`) is held by all ``n``, the rest by this rank alone."""
+    local = local_part(grad)
+    if placement is None or not placement.replicated or n == 1:
+        return [(local, 1)]
+    dim = placement.dim % local.dim()
+    start = grad.__create_chunk_list__()[0].offsets[dim] if isinstance(grad, DTensor) else 0  # FSDP2's dp chunk
+    lo = min(max(grad.shape[dim] - placement.replicated - start, 0), local.shape[dim])  # the tail's first local row
+    return [(local.narrow(dim, 0, lo), 1), (local.narrow(dim, lo, local.shape[dim] - lo), n)]
 
 def _norm_dtype(dtype: torch.dtype) -> torch.dtype | None:
     """The dtype ``torch._foreach_norm`` returns for gradients of ``dtype``: at least float32."""
     return torch.float32 if dtype.itemsize < 4 else None
 
-
 def _size(group: ProcessGroup | None) -> int:
     return 1 if group is None else group_rank_size(group)[1]
-
 
 def _summed(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """``x`` summed over ``group`` (``x`` itself on a group of one, or with no group)."""
     return x if _size(group) == 1 else all_reduce_sum(x, group)
-
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, group: ProcessGroup | None = None, *,
                     pp_group: ProcessGroup | None = None, exclude: Collection[str] = ()) -> torch.Tensor:

@@ -17,6 +17,7 @@ loading cuts a full tensor to the tp shard, then to this rank's dp chunk of it.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -59,7 +60,9 @@ def unshard(x: torch.Tensor, placement: Shard, group: ProcessGroup) -> torch.Ten
     sizes = placement.sizes(group_rank_size(group)[1])
     with torch.no_grad():
         gathered = all_gather_along(x.detach(), placement.dim, sizes, group)  # the shards, in rank order
-        return gathered if placement.blocks == 1 else join_shards(gathered.split(sizes, placement.dim), placement)
+        if len(placement.pieces(len(sizes), 0)) == 1:  # one slice each: the shards in rank order are the tensor
+            return gathered
+        return join_shards(gathered.split(sizes, placement.dim), placement)
 
 
 def shard_of(x: torch.Tensor, placement: Shard, group: ProcessGroup) -> torch.Tensor:
@@ -94,7 +97,7 @@ def full_shape(shape: torch.Size | tuple[int, ...], placement: Shard | None) -> 
     return tuple(full)
 
 
-def shard_geometry(model: nn.Module) -> dict[str, dict[str, tuple[int, ...]]]:
+def shard_geometry(model: nn.Module) -> dict[str, dict[str, Any]]:
     """``{name: {"full_shape": ..., "offset": ...}}`` for every parameter of ``model``:
     where this rank's block sits in the full tensor (replicated: the whole of it).
 
@@ -105,25 +108,24 @@ def shard_geometry(model: nn.Module) -> dict[str, dict[str, tuple[int, ...]]]:
         for name, p in model.named_parameters():
             tensorpar.tiled_init.normal_(p, 0.0, 0.02, **geometry[name])
 
-    A parameter split in ``blocks > 1`` blocks (see :class:`~tensorpar.sharding.Shard`) is
-    no box of the full tensor, but its blocked view is: the geometry given is that of
-    ``p.unflatten(dim, (blocks, -1))`` in the full tensor viewed alike (one more dim), so
-    ``tiled_init.normal_(p.unflatten(dim, (blocks, -1)), **geometry[name])`` fills it.
+    A parameter whose shard is several pieces of the full tensor (a fused projection, see
+    :class:`~tensorpar.sharding.Shard`) also gets ``dim`` and ``pieces``, which those fills take
+    as well.
     """
     where = placements(model)
-    geometry = {}
+    geometry: dict[str, dict[str, Any]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         offset = [0] * p.dim()
         placement, group = where.get(name, (None, None))
-        shape = full_shape(p.shape, placement)
+        geometry[name] = {"full_shape": full_shape(p.shape, placement)}
         if placement is not None:
             rank, n = group_rank_size(group)
             dim = placement.dim % p.dim()
-            offset[dim] = placement.bounds(n, rank)[0]
-            if placement.blocks > 1:  # the blocked view: dim -> (blocks, block size)
-                offset.insert(dim, 0)
-                shape = (*shape[:dim], placement.blocks, placement.block_size(), *shape[dim + 1:])
-        geometry[name] = {"full_shape": shape, "offset": tuple(offset)}
+            pieces = placement.pieces(n, rank)
+            offset[dim] = pieces[0][0]
+            if len(pieces) > 1:
+                geometry[name] |= {"dim": dim, "pieces": tuple(pieces)}
+        geometry[name]["offset"] = tuple(offset)
     return geometry
 
 

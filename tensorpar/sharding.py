@@ -112,50 +112,94 @@ class Shard:
     Sharded modules describe their parameters with a ``sharding()`` method
     returning ``{param_name: Shard(...)}``; parameters it omits are replicated.
 
-    ``blocks > 1`` describes a dim made of ``blocks`` equal blocks split alike
-    (Megatron's partition stride), such as a fused ``[Q | K | V]`` projection:
-    each block is split as a dim of ``size // blocks`` would be, and a rank's
-    shard is its piece of every block, in block order. With 2 ranks, ``[Q | K | V]``
-    gives rank 0 ``[Q_0 | K_0 | V_0]``. Such a shard is no single slice of the full tensor.
+    A tuple ``unit=(u_0, u_1, ...)`` describes a dim made of consecutive *blocks*
+    holding the same number ``n`` of units each, block ``b``'s units ``u_b``
+    elements long (``size - replicated == n * sum(unit)``). The ``n`` units are
+    split as usual and a rank's shard is its units of every block, laid end to
+    end in block order (Megatron's partition stride). GPT-2's fused
+    ``[Q | K | V]`` of ``n_head`` heads is ``unit=(d, d, d)``: with 2 ranks rank 0
+    holds ``[Q_0 | K_0 | V_0]``. Grouped-query ``[Q | K | V]`` split by whole query
+    groups (``g`` query heads and one KV head each) is ``unit=(g * d, d, d)``.
+    The last ``replicated`` elements of the dim are held whole by every rank,
+    after its shard of the rest. A shard is then several *pieces* of the full
+    tensor (:meth:`pieces`), no single slice of it.
     """
 
     dim: int
     size: int
-    unit: int = 1
-    blocks: int = 1
+    unit: int | tuple[int, ...] = 1
+    replicated: int = 0
 
-    def block_size(self) -> int:
-        """Elements of one block along ``dim`` (``size`` when ``blocks == 1``)."""
-        check_int(self.blocks, "blocks")
-        if self.size % self.blocks:
-            raise ValueError(f"size ({self.size}) is not a whole number of {self.blocks} blocks")
-        return self.size // self.blocks
+    @property
+    def units(self) -> tuple[int, ...]:
+        """The unit of each block (one block when ``unit`` is an int)."""
+        return self.unit if isinstance(self.unit, tuple) else (self.unit,)
 
-    def sizes(self, parts: int) -> list[int]:
-        """Every rank's shard size along ``dim`` (its pieces of all blocks together)."""
-        return [self.blocks * s for s in partition_sizes(self.block_size(), parts, unit=self.unit)]
+    @property
+    def blocks(self) -> int:
+        """How many blocks the split part of the dim is made of."""
+        return len(self.units)
+
+    def count(self) -> int:
+        """Units in each block: the number that is split over the ranks."""
+        if not self.units:
+            raise ValueError("unit must name at least one block")
+        for u in self.units:
+            check_int(u, "unit")
+        check_int(self.replicated, "replicated", minimum=0)
+        split, stride = self.size - self.replicated, sum(self.units)
+        if split <= 0 or split % stride:
+            what = f"size ({self.size})" + (f" less replicated ({self.replicated})" if self.replicated else "")
+            raise ValueError(f"{what} is not a whole number of units of {stride}"
+                             + (f" (blocks of units {self.units})" if self.blocks > 1 else ""))
+        return split // stride
+
+    def sizes(self, parts: int, *, name: str = "units") -> list[int]:
+        """Every rank's shard size along ``dim`` (its pieces together); ``name`` names the units in errors."""
+        stride = sum(self.units)
+        return [n * stride + self.replicated for n in partition_sizes(self.count(), parts, name=name)]
+
+    def pieces(self, parts: int, index: int, *, name: str = "units") -> list[tuple[int, int]]:
+        """``(offset, length)`` in the full dim of each piece of shard ``index`` of ``parts``, in the
+        order the shard holds them: one per block, then the replicated tail (if any).
+
+        Example::
+
+            >>> Shard(0, 16, unit=(4, 2, 2)).pieces(2, 1)  # [Q | K | V] of 2 query groups: rank 1's
+            [(4, 4), (10, 2), (14, 2)]
+        """
+        n = self.count()
+        lo, length = partition_bounds(n, parts, index, name=name)
+        found, start = [], 0
+        for u in self.units:
+            found.append((start + lo * u, length * u))
+            start += n * u
+        return found + ([(start, self.replicated)] if self.replicated else [])
 
     def bounds(self, parts: int, index: int) -> tuple[int, int]:
-        """``(offset, length)`` of shard ``index`` of ``parts`` (with ``blocks > 1``: of its piece
-        of each block, in that block's coordinates)."""
-        return partition_bounds(self.block_size(), parts, index, unit=self.unit)
+        """``(offset, length)`` of shard ``index`` of ``parts``, a single slice of the full dim
+        (see :meth:`pieces` for shards of several pieces)."""
+        pieces = self.pieces(parts, index)
+        if len(pieces) > 1:
+            raise ValueError(f"a shard of {len(pieces)} pieces along dim {self.dim} is no single slice")
+        return pieces[0]
 
     def index(self, ndim: int, parts: int, index: int) -> tuple[slice | list[int], ...]:
         """The subscript that takes shard ``index`` out of a full ``ndim``-dimensional tensor
         (or out of anything indexed like one, such as a lazily read checkpoint tensor): a slice,
-        or with ``blocks > 1`` the list of the shard's positions along ``dim``."""
-        offset, length = self.bounds(parts, index)
+        or for a shard of several pieces the list of its positions along ``dim``."""
+        pieces = self.pieces(parts, index)
         subscript: list[slice | list[int]] = [slice(None)] * ndim
-        if self.blocks == 1:
+        if len(pieces) == 1:
+            (offset, length), = pieces
             subscript[self.dim] = slice(offset, offset + length)
         else:
-            block = self.block_size()
-            subscript[self.dim] = [b * block + i for b in range(self.blocks) for i in range(offset, offset + length)]
+            subscript[self.dim] = [i for offset, length in pieces for i in range(offset, offset + length)]
         return tuple(subscript)
 
 
 def shard(tensor: torch.Tensor, placement: Shard, parts: int, index: int) -> torch.Tensor:
-    """Shard ``index`` of ``parts`` of a full tensor (a view, a copy when ``placement.blocks > 1``;
+    """Shard ``index`` of ``parts`` of a full tensor (a view, a copy for a shard of several pieces;
     clone before writing in place)."""
     shape = tuple(tensor.shape)
     if not -len(shape) <= placement.dim < len(shape) or shape[placement.dim] != placement.size:
@@ -164,16 +208,19 @@ def shard(tensor: torch.Tensor, placement: Shard, parts: int, index: int) -> tor
 
 
 def join_shards(shards: Sequence[torch.Tensor], placement: Shard) -> torch.Tensor:
-    """The full tensor from every rank's shard, in rank order (the inverse of :func:`shard`).
+    """The full tensor from every rank's shard, in rank order (the inverse of :func:`shard`; a
+    replicated tail is taken from the first rank).
 
     Example::
 
         >>> full = torch.arange(6)  # [Q | K | V], 2 elements each, over 2 ranks
-        >>> pieces = [shard(full, Shard(0, 6, blocks=3), 2, r) for r in range(2)]  # [0, 2, 4], [1, 3, 5]
-        >>> join_shards(pieces, Shard(0, 6, blocks=3))
+        >>> pieces = [shard(full, Shard(0, 6, unit=(1, 1, 1)), 2, r) for r in range(2)]  # [0, 2, 4], [1, 3, 5]
+        >>> join_shards(pieces, Shard(0, 6, unit=(1, 1, 1)))
         tensor([0, 1, 2, 3, 4, 5])
     """
-    if placement.blocks == 1:
-        return torch.cat(list(shards), placement.dim)
-    per_rank = [s.chunk(placement.blocks, placement.dim) for s in shards]  # each rank's piece of each block
-    return torch.cat([pieces[b] for b in range(placement.blocks) for pieces in per_rank], placement.dim)
+    placed: dict[int, torch.Tensor] = {}  # full offset -> piece
+    for r, local in enumerate(shards):
+        pieces = placement.pieces(len(shards), r)
+        for (offset, _), piece in zip(pieces, local.split([n for _, n in pieces], placement.dim)):
+            placed.setdefault(offset, piece)
+    return torch.cat([placed[offset] for offset in sorted(placed)], placement.dim)

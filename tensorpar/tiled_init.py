@@ -25,41 +25,65 @@ TILE = 256
 
 @torch.no_grad()
 def fill_tiled_(tensor: torch.Tensor, sample: Callable[[torch.Tensor, torch.Generator], None], *,
-                full_shape: Sequence[int] | None = None, offset: Sequence[int] | None = None) -> torch.Tensor:
+                full_shape: Sequence[int] | None = None, offset: Sequence[int] | None = None,
+                dim: int = 0, pieces: Sequence[tuple[int, int]] | None = None) -> torch.Tensor:
     """Fill ``tensor``, the block at ``offset`` of a ``full_shape`` tensor, tile by tile.
 
     ``sample(tile, generator)`` fills one tile in place (e.g. ``tile.uniform_(a, b, generator=g)``).
+    With ``pieces``, ``tensor`` is instead several blocks of the full tensor laid end to end
+    along ``dim`` (a fused projection's shard, :meth:`tensorpar.Shard.pieces`): ``(offset, length)``
+    of each in the full ``dim``, ``offset[dim]`` being unused.
     """
     full_shape = tuple(tensor.shape) if full_shape is None else tuple(full_shape)
     offset = (0,) * tensor.dim() if offset is None else tuple(offset)
-    if len(full_shape) != tensor.dim() or len(offset) != tensor.dim() or any(
-        o < 0 or o + s > f for o, s, f in zip(offset, tensor.shape, full_shape)
-    ):
-        raise ValueError(f"a {tuple(tensor.shape)} block at offset {offset} does not fit in {full_shape}")
+    boxes = [(tensor, offset)]  # (part of tensor, its offset in the full tensor)
+    if pieces is not None:
+        if sum(n for _, n in pieces) != tensor.shape[dim]:
+            raise ValueError(f"pieces {list(pieces)} do not make up the {tensor.shape[dim]} elements of dim {dim} "
+                             f"of a {tuple(tensor.shape)} block")
+        dim %= tensor.dim()
+        boxes = [(part, (*offset[:dim], start, *offset[dim + 1:]))
+                 for part, (start, _) in zip(tensor.split([n for _, n in pieces], dim), pieces)]
+    for part, at in boxes:
+        if len(full_shape) != part.dim() or len(at) != part.dim() or any(
+            o < 0 or o + s > f for o, s, f in zip(at, part.shape, full_shape)
+        ):
+            raise ValueError(f"a {tuple(part.shape)} block at offset {at} does not fit in {full_shape}")
     if tensor.is_meta:  # nothing to fill, and no draw: from_linear builds on meta first
         return tensor
     base = int(torch.randint(0, 2**62, ()).item())  # the one draw from the global RNG
+    for part, at in boxes:
+        _fill_box_(part, sample, base, full_shape, at)
+    return tensor
+
+
+def _fill_box_(tensor: torch.Tensor, sample: Callable[[torch.Tensor, torch.Generator], None], base: int,
+               full_shape: tuple[int, ...], offset: tuple[int, ...]) -> None:
+    """Fill ``tensor``, the box at ``offset`` of the full tensor, from the tiles of seed ``base``."""
     ranges = [range(o // TILE, (o + s - 1) // TILE + 1) for o, s in zip(offset, tensor.shape)]
     for index in itertools.product(*ranges):
         lo = [i * TILE for i in index]
         hi = [min(f, l + TILE) for f, l in zip(full_shape, lo)]
         tile = torch.empty([h - l for h, l in zip(hi, lo)], dtype=tensor.dtype)
         sample(tile, torch.Generator().manual_seed(mix_seed(base, *index)))
-        # overlap of this tile with the shard, in full coordinates
+        # overlap of this tile with the box, in full coordinates
         start = [max(l, o) for l, o in zip(lo, offset)]
         stop = [min(h, o + s) for h, o, s in zip(hi, offset, tensor.shape)]
         src = tile[tuple(slice(a - l, b - l) for a, b, l in zip(start, stop, lo))]
         tensor[tuple(slice(a - o, b - o) for a, b, o in zip(start, stop, offset))] = src
-    return tensor
 
 
 def uniform_(tensor: torch.Tensor, a: float, b: float, *, full_shape: Sequence[int] | None = None,
-             offset: Sequence[int] | None = None) -> torch.Tensor:
+             offset: Sequence[int] | None = None, dim: int = 0,
+             pieces: Sequence[tuple[int, int]] | None = None) -> torch.Tensor:
     """Tp-invariant ``U(a, b)`` fill of a shard (see :func:`fill_tiled_`)."""
-    return fill_tiled_(tensor, lambda t, g: t.uniform_(a, b, generator=g), full_shape=full_shape, offset=offset)
+    return fill_tiled_(tensor, lambda t, g: t.uniform_(a, b, generator=g), full_shape=full_shape, offset=offset,
+                       dim=dim, pieces=pieces)
 
 
-def normal_(tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0, *,
-            full_shape: Sequence[int] | None = None, offset: Sequence[int] | None = None) -> torch.Tensor:
+def normal_(tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0, *, full_shape: Sequence[int] | None = None,
+            offset: Sequence[int] | None = None, dim: int = 0,
+            pieces: Sequence[tuple[int, int]] | None = None) -> torch.Tensor:
     """Tp-invariant ``N(mean, std²)`` fill of a shard (see :func:`fill_tiled_`)."""
-    return fill_tiled_(tensor, lambda t, g: t.normal_(mean, std, generator=g), full_shape=full_shape, offset=offset)
+    return fill_tiled_(tensor, lambda t, g: t.normal_(mean, std, generator=g), full_shape=full_shape, offset=offset,
+                       dim=dim, pieces=pieces)

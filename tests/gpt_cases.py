@@ -55,3 +55,16 @@ def batch(cfg, b, t, seed, ignore=True):
         ignored[0, 0] = False  # at least one counted target, or the mean loss is 0/0
         targets[ignored] = -1
     return idx[:, :-1], targets
+
+
+def key_bias_drift(full, ref_state, cfg):
+    """Take the key rows out of every ``attn.c_attn.bias`` of both state dicts (in place) and return how far
+    they moved apart, by key. A key bias adds the same amount to every score of a softmax row, so its
+    gradient is identically zero and holds round-off only, which AdamW turns into steps of up to lr."""
+    c, kv = cfg["n_embd"], (cfg.get("n_kv_head") or cfg["n_head"]) * (cfg["n_embd"] // cfg["n_head"])
+    drift = {}
+    for k in [k for k in ref_state if k.endswith("attn.c_attn.bias") and k in full]:  # a pipeline stage: its own
+        (q, key, v), (ref_q, ref_key, ref_v) = (s[k].split([c, kv, kv]) for s in (full, ref_state))
+        drift[k] = (key - ref_key).abs().max().item()
+        full[k], ref_state[k] = torch.cat([q, v]), torch.cat([ref_q, ref_v])
+    return drift

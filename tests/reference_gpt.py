@@ -1,7 +1,8 @@
 """A plain, unsharded GPT written with torch.nn only (nanoGPT-shaped): the twin the
 sharded layers are checked against. It imports nothing from tensorpar or layers.
 
-Split Q/K/V projections (grouped-query attention when n_kv_head < n_head), attention
+nanoGPT's fused Q/K/V projection c_attn, rows [Q | K | V] (grouped-query attention when
+n_kv_head < n_head: fewer K and V rows), attention
 written out by hand (scores, causal mask, softmax, dropout, weighted sum), GELU-tanh
 or SwiGLU MLP, learned positions, LM head tied to the token embedding.
 """
@@ -32,18 +33,18 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head, self.n_kv_head = c.n_head, c.n_kv_head or c.n_head
         self.head_dim = c.n_embd // c.n_head
-        self.q_proj = nn.Linear(c.n_embd, c.n_embd, bias=c.bias)
-        self.k_proj = nn.Linear(c.n_embd, self.n_kv_head * self.head_dim, bias=c.bias)
-        self.v_proj = nn.Linear(c.n_embd, self.n_kv_head * self.head_dim, bias=c.bias)
+        self.c_attn = nn.Linear(c.n_embd, c.n_embd + 2 * self.n_kv_head * self.head_dim, bias=c.bias)
         self.c_proj = nn.Linear(c.n_embd, c.n_embd, bias=c.bias)
         self.attn_dropout = nn.Dropout(c.dropout)
         self.resid_dropout = nn.Dropout(c.dropout)
 
     def forward(self, x):
         B, T, C = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)      # (B, nh, T, hd)
-        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)   # (B, nkv, T, hd)
-        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        kv = self.n_kv_head * self.head_dim
+        q, k, v = self.c_attn(x).split([C, kv, kv], dim=2)
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)      # (B, nh, T, hd)
+        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)   # (B, nkv, T, hd)
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         group = self.n_head // self.n_kv_head
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, nh, T, hd)
         att = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)                     # (B, nh, T, T)

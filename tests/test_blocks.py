@@ -55,19 +55,19 @@ def test_modules_match_their_plain_twins(worlds, tp, kind, dtype, data):
 
 def check_attention_layout(n_embd, n_head, n_kv_head):
     attn = ParallelSelfAttention(n_embd, n_head, n_kv_head=n_kv_head)
-    return attn.local_heads, attn.local_kv_heads, attn.kv_replicated, tuple(attn.q_proj.weight.shape)
+    return attn.local_heads, attn.local_kv_heads, attn.kv_replicated, tuple(attn.c_attn.weight.shape)
 
 
 def test_heads_are_split_whole_and_balanced(worlds):
     """12 heads of 8 over tp=4 (3 each); 6 heads over tp=4 (2, 2, 1, 1); 1 KV head at tp 4: replicated."""
     assert [r[0] for r in worlds[4].run(check_attention_layout, 96, 12, 12)] == [3, 3, 3, 3]
     assert worlds[4].run(check_attention_layout, 48, 6, 6) == [
-        (2, 2, False, (16, 48)), (2, 2, False, (16, 48)), (1, 1, False, (8, 48)), (1, 1, False, (8, 48))]
+        (2, 2, False, (48, 48)), (2, 2, False, (48, 48)), (1, 1, False, (24, 48)), (1, 1, False, (24, 48))]
     # grouped-query, 8 heads in 4 groups of 2 over 3 ranks: whole groups, 2 + 1 + 1
     assert [r[:3] for r in worlds[3].run(check_attention_layout, 32, 8, 4)] == [(4, 2, False), (2, 1, False),
                                                                                   (2, 1, False)]
-    # multi-query over 4 ranks: query heads split alone, the single KV head held by all
-    assert [r[:3] for r in worlds[4].run(check_attention_layout, 32, 8, 1)] == [(2, 1, True)] * 4
+    # multi-query over 4 ranks: query heads split alone, the single KV head held by all (c_attn: [Q_r | K | V])
+    assert worlds[4].run(check_attention_layout, 32, 8, 1) == [(2, 1, True, (16, 32))] * 4
 
 
 def check_linears(n_in, outs, used, seed):

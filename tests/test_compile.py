@@ -235,7 +235,8 @@ def attention_by_hand(dense, x, keep, p):
     """The plain twin's attention written out, its probabilities dropped by the mask ``keep``."""
     b, t, _ = x.shape
     h, d = dense.n_head, dense.head_dim
-    q, k, v = (proj(x).view(b, t, -1, d).transpose(1, 2) for proj in (dense.q_proj, dense.k_proj, dense.v_proj))
+    kv = dense.n_kv_head * d
+    q, k, v = (z.view(b, t, -1, d).transpose(1, 2) for z in dense.c_attn(x).split([h * d, kv, kv], dim=-1))
     k, v = (z.repeat_interleave(h // z.shape[1], dim=1) for z in (k, v))  # grouped-query: a KV head per group
     scores = (q @ k.transpose(-2, -1)) / d ** 0.5
     probs = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf")).softmax(-1)

@@ -113,15 +113,14 @@ def plant(fault, seed):
 
 
 def check_gpt_wrong_heads(seed):
-    """A tiny GPT whose block 0 holds the next rank's query heads (weights and bias)."""
+    """A tiny GPT whose block 0 holds the next rank's heads of Q, K and V (weights and bias)."""
     cfg = dict(n_layer=2, n_head=4, n_embd=8, vocab_size=13, block_size=6, bias=True, mlp="gelu")
     dense, sharded = twins(cfg, torch.float64, seed)
-    mesh, q = tensorpar.current_mesh(), sharded.transformer.h[0].attn.q_proj
-    take = tensorpar.partition_bounds(cfg["n_embd"], mesh.tp, (mesh.tp_rank + 1) % mesh.tp, unit=q.unit)[0]
+    mesh, qkv = tensorpar.current_mesh(), sharded.transformer.h[0].attn.c_attn
     with torch.no_grad():
         for name in ("weight", "bias"):
-            full = getattr(dense.transformer.h[0].attn.q_proj, name)
-            getattr(q, name).copy_(full[take:take + q.local_features])
+            full = getattr(dense.transformer.h[0].attn.c_attn, name)
+            getattr(qkv, name).copy_(tensorpar.shard(full, qkv.placement, mesh.tp, (mesh.tp_rank + 1) % mesh.tp))
     idx, _ = batch(cfg, 2, cfg["block_size"], seed)
     return find_divergence(sharded, dense, idx)
 
@@ -229,11 +228,12 @@ def test_a_replicated_parameter_that_differs_on_rank_1(worlds, tp):
 def test_gpt_query_heads_at_the_wrong_offset(worlds):
     report = reports(worlds, 2, check_gpt_wrong_heads, 6)
     first = report.first_forward
-    assert (first.module, first.what) == ("transformer.h.0.attn.q_proj", "output")
-    expected = "rank 0 holds the shard for offset 4:8 but sits at 0:4; rank 1 holds the shard for offset 0:4 but sits at 4:8"
+    assert (first.module, first.what) == ("transformer.h.0.attn.c_attn", "output")
+    expected = ("rank 0 holds the shard for offset 4:8 but sits at 0:4; rank 1 holds the shard for offset 0:4 but sits "
+                "at 4:8 (of each of 3 blocks)")
     assert first.diagnosis == expected
     params = {f.what: f.diagnosis for f in report.findings
-              if f.phase == "parameter" and f.module == "transformer.h.0.attn.q_proj"}
+              if f.phase == "parameter" and f.module == "transformer.h.0.attn.c_attn"}
     assert params == {"weight": expected, "bias": expected}
 
 

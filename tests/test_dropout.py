@@ -53,7 +53,9 @@ def recording(masks):
         return _keep(x, p, masks, "replicated") if training and p > 0 else x
 
     def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        assert is_causal and attn_mask is None and scale is None and not enable_gqa
+        assert is_causal and attn_mask is None and scale is None
+        if enable_gqa:  # SDPA's grouping: query head i reads KV head i // (h / h_kv)
+            k, v = (z.repeat_interleave(q.shape[1] // z.shape[1], dim=1) for z in (k, v))
         t = q.shape[-2]
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, h, T, T)
         scores = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))

@@ -89,7 +89,7 @@ def test_gpt_block_matches_the_dense_block():
     assert line_starting(out, "OK").startswith("OK: the sharded block matches the dense one at tp=2")
     assert line_starting(out, "rank 0:").startswith("rank 0: 2 heads")  # 3 heads: 2 + 1
     assert line_starting(out, "rank 1:").startswith("rank 1: 1 heads")
-    for name in ("output", "input grad", "grad attn.q_proj.weight", "grad mlp.c_proj.weight", "grad ln_1.weight"):
+    for name in ("output", "input grad", "grad attn.c_attn.weight", "grad mlp.c_proj.weight", "grad ln_1.weight"):
         assert f"    {name} " in out, out
 
 

@@ -9,7 +9,7 @@ every parameter gradient (gathered) and the parameters after 3 AdamW steps.
 import hashlib
 
 import torch
-from gpt_cases import batch, gpt_configs, note_errors, twins
+from gpt_cases import batch, gpt_configs, key_bias_drift, note_errors, twins
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -57,7 +57,7 @@ def train_twins(cfg, b, t, dtype, seed, steps=3, sequence_parallel=False):
     # up to lr in either direction: the key biases are compared to within that after the steps.
     # It also magnifies the round-off of tiny gradients (float32 configs with a few features have
     # them), so parameters are measured against the whole model's parameter norm when larger.
-    drift = {k: (full.pop(k) - ref_state.pop(k)).abs().max().item() for k in list(ref_state) if "k_proj.bias" in k}
+    drift = key_bias_drift(full, ref_state, cfg)
     norm = torch.cat([v.flatten() for v in ref_state.values()]).norm().item()
     pairs |= {f"after {steps} steps {k}": (full[k], ref_state[k], norm) for k in ref_state}
     errors = assert_all_close(pairs, what=f"GPT differs from its reference at tp={tensorpar.current_mesh().tp}")

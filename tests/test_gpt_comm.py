@@ -51,9 +51,9 @@ def expected_counts(cfg, b, t, tp, sequence_parallel=False):
                          norm: 2})
     else:
         block = Counter({("forward", "all_reduce", f32, act): 2, ("backward", "all_reduce", f32, act): 2})
-    if cfg["n_kv_head"] < tp:  # replicated K/V: one all-reduce each sums its weight and bias gradients
-        kv = cfg["n_kv_head"] * (cfg["n_embd"] // cfg["n_head"])  # rows of K (and of V)
-        block[("backward", "all_reduce", f32, kv * (cfg["n_embd"] + cfg["bias"]))] += 2
+    if cfg["n_kv_head"] < tp:  # replicated K/V: one all-reduce sums their rows of c_attn's weight and bias gradients
+        kv = 2 * cfg["n_kv_head"] * (cfg["n_embd"] // cfg["n_head"])  # rows of K and of V
+        block[("backward", "all_reduce", f32, kv * (cfg["n_embd"] + cfg["bias"]))] += 1
     whole = Counter({k: v * cfg["n_layer"] for k, v in block.items()})
     if sequence_parallel:
         whole[("forward", "reduce_scatter", f32, act)] += 1  # token + position embedding

@@ -14,7 +14,7 @@ from layers import ColumnParallelLinear, RowParallelLinear
 def build_full_layer(kind, in_f, out_f, bias, seed):
     torch.manual_seed(seed)
     if kind == "qkv":  # a fused [Q | K | V] split block by block
-        layer = ColumnParallelLinear(in_f, 3 * out_f, bias=bias, blocks=3)
+        layer = ColumnParallelLinear(in_f, 3 * out_f, bias=bias, unit=(1, 1, 1))
     else:
         layer = (ColumnParallelLinear if kind == "column" else RowParallelLinear)(in_f, out_f, bias=bias)
     next_draw = torch.randint(0, 2**62, ()).item()  # the global RNG must be in the same place at every tp

@@ -2,8 +2,9 @@
 fire), so wrapping one changes the model as it would change the dense twin.
 
 The adapter below is a LoRA-style low-rank term around a projection. On the dense twin it is three
-``nn.Linear``\\ s; on the sharded model the base is the sharded ``q_proj``, the up-projection is
-split like it, and the down-projection is replicated (its gradient, partial on each rank, is summed
+``nn.Linear``\\ s; on the sharded model the base is the sharded ``c_attn`` (Q, K and V in one), the
+up-projection is split like it (its ``[Q | K | V]`` blocks, and with fewer KV heads than ranks its
+K and V rows held whole), and the down-projection is replicated (its gradient, partial on each rank, is summed
 like any replicated weight inside the tensor-parallel region).
 """
 
@@ -44,7 +45,7 @@ def count_hook_calls(cfg, seed):
 def test_every_submodule_of_the_gpt_runs_once_per_forward(worlds, tp, data):
     cfg = data.draw(gpt_configs(tp, max_layer=2))
     for names, with_loss, without in worlds[tp].run(count_hook_calls, cfg, data.draw(st.integers(0, 2**31))):
-        assert "transformer.h.0.attn.q_proj" in names and "transformer.h.0.attn.copy_in" in names
+        assert "transformer.h.0.attn.c_attn" in names and "transformer.h.0.attn.copy_in" in names
         for calls in (with_loss, without):
             assert calls == {name: 1 for name in names}, {n: calls.get(n, 0) for n in names if calls.get(n) != 1}
 
@@ -61,19 +62,21 @@ class LowRank(nn.Module):
 
 
 def check_adapter(cfg, rank, seed):
-    """The same adapter around block 0's q_proj of the dense twin and of the sharded GPT."""
+    """The same adapter around block 0's c_attn of the dense twin and of the sharded GPT."""
     ref, model = twins(cfg, torch.float64, seed)
     idx, targets = batch(cfg, 2, cfg["block_size"], seed)
     unadapted = model(idx).detach()
     c = cfg["n_embd"]
     torch.manual_seed(seed + 1)
-    down, up = nn.Linear(c, rank, bias=False, dtype=torch.float64), nn.Linear(rank, c, dtype=torch.float64)
     dense_attn, attn = ref.transformer.h[0].attn, model.transformer.h[0].attn
-    dense_attn.q_proj = LowRank(dense_attn.q_proj, down, up)
+    out = dense_attn.c_attn.out_features  # [Q | K | V]
+    down, up = nn.Linear(c, rank, bias=False, dtype=torch.float64), nn.Linear(rank, out, dtype=torch.float64)
+    dense_attn.c_attn = LowRank(dense_attn.c_attn, down, up)
     sharded_down = ReplicatedLinear(c, rank, bias=False, dtype=torch.float64)
     sharded_down.load_state_dict(down.state_dict())
-    sharded_up = ColumnParallelLinear.from_linear(up, copy_input=False, unit=attn.q_proj.unit)  # split like q_proj
-    attn.q_proj = LowRank(attn.q_proj, sharded_down, sharded_up)
+    sharded_up = ColumnParallelLinear.from_linear(up, copy_input=False, unit=attn.c_attn.unit,  # split like c_attn
+                                                  replicated=attn.c_attn.placement.replicated)
+    attn.c_attn = LowRank(attn.c_attn, sharded_down, sharded_up)
 
     loss, ref_loss = model(idx, targets), ref(idx, targets)
     loss.backward()
@@ -92,7 +95,7 @@ def check_adapter(cfg, rank, seed):
 
 @settings(max_examples=8)
 @given(tp=tp_sizes(), data=st.data())
-def test_an_adapter_around_q_proj_matches_the_same_adapter_on_the_dense_twin(worlds, tp, data):
+def test_an_adapter_around_c_attn_matches_the_same_adapter_on_the_dense_twin(worlds, tp, data):
     cfg = data.draw(gpt_configs(tp, max_layer=2))
     for err, change in worlds[tp].run(check_adapter, cfg, data.draw(st.integers(1, 4)),
                                       data.draw(st.integers(0, 2**31))):

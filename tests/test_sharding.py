@@ -85,7 +85,7 @@ def test_shards_of_blocks_are_each_blocks_piece_and_join_back(blocks, units, uni
     size = blocks * units * unit
     full = torch.arange(size * cols).reshape(size, cols)
     full = full if dim == 0 else full.t()
-    placement = Shard(dim, size, unit, blocks=blocks)
+    placement = Shard(dim, size, (unit,) * blocks)
     pieces = [shard(full, placement, parts, r) for r in range(parts)]
     block = size // blocks
     for r, piece in enumerate(pieces):
@@ -97,5 +97,26 @@ def test_shards_of_blocks_are_each_blocks_piece_and_join_back(blocks, units, uni
 
 
 def test_blocks_must_divide_the_size():
-    with pytest.raises(ValueError, match=r"size \(10\) is not a whole number of 3 blocks"):
-        Shard(0, 10, blocks=3).sizes(2)
+    with pytest.raises(ValueError, match=r"size \(10\) is not a whole number of units of 3 \(blocks of units \(1, 1, 1\)\)"):
+        Shard(0, 10, (1, 1, 1)).sizes(2)
+
+
+@given(groups=st.integers(1, 6), g=st.integers(1, 3), d=st.integers(1, 3), kv_replicated=st.booleans(), data=st.data())
+def test_unequal_blocks_and_a_replicated_tail_join_back(groups, g, d, kv_replicated, data):
+    """Grouped-query ``[Q | K | V]``: split by query group (units of g*d, d and d rows), or by query head with
+    K and V held whole after them; each rank's shard is its rows of each block in order."""
+    q, kv = groups * g * d, groups * d
+    full = torch.arange(q + 2 * kv)
+    if kv_replicated:
+        placement, units, width = Shard(0, q + 2 * kv, d, replicated=2 * kv), groups * g, (d,)
+    else:
+        placement, units, width = Shard(0, q + 2 * kv, (g * d, d, d)), groups, (g * d, d, d)
+    parts = data.draw(st.integers(1, units))
+    shards = [shard(full, placement, parts, r) for r in range(parts)]
+    for r, got in enumerate(shards):
+        lo, n = partition_bounds(units, parts, r)
+        starts = [0, q, q + kv][:len(width)]
+        expected = [full[s + lo * w:s + (lo + n) * w] for s, w in zip(starts, width)]
+        expected += [full[q:]] if kv_replicated else []
+        assert torch.equal(got, torch.cat(expected)) and got.shape[0] == placement.sizes(parts)[r]
+    assert torch.equal(join_shards(shards, placement), full)

@@ -16,8 +16,12 @@ dim give a box of the full tensor, for example::
 
     full (10, 4) --tp=4--> rows [6, 8) --FSDP2, dp=2--> rows [6, 7) and [7, 8)
 
+A fused projection's tp shard is several pieces of the full tensor laid end to
+end (see :meth:`tensorpar.Shard.pieces`): its :class:`Box` lists them, each a
+box of its own, and the dp chunk of such a shard keeps its overlap with each.
+
 A box held by several ranks (a replicated tensor; a tp shard on every dp
-replica) is written by exactly one of them, chosen from a hash of its name so
+replica; a fused projection's replicated tail) is written by exactly one of them, chosen from a hash of its name so
 that the writing is spread over the ranks (:func:`writes`). DCP would dedup
 such boxes itself, but in the coordinator's global plan, which travels between
 ranks as pickled objects (and needs numpy); every rank can tell on its own
@@ -39,16 +43,32 @@ from ..sharding import Shard
 
 @dataclass(frozen=True)
 class Box:
-    """A box of a full tensor of size ``size``: ``sizes`` elements from ``offsets`` in each dim."""
+    """A box of a full tensor of size ``size``: ``sizes`` elements from ``offsets`` in each dim.
+
+    A local tensor made of several boxes of the full tensor laid end to end along ``dim`` has
+    ``pieces``: ``(start in the local tensor, start in the full tensor, length, held by every tp
+    rank)`` of each along ``dim`` (``offsets[dim]`` is then the first one's).
+    """
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     size: tuple[int, ...]
+    dim: int = 0
+    pieces: tuple[tuple[int, int, int, bool], ...] = ()
 
     @property
     def empty(self) -> bool:
         """Whether the box holds nothing of a tensor that has elements (an empty FSDP2 chunk)."""
         return 0 in self.sizes and 0 not in self.size
+
+    def parts(self) -> list[tuple[int, Box, bool]]:
+        """``(start along dim in the local tensor, the single box, whether every tp rank holds it)`` of
+        each part of the local tensor: the box itself, or one per piece."""
+        if not self.pieces:
+            return [(0, self, False)]
+        d = self.dim
+        return [(local, Box((*self.offsets[:d], full, *self.offsets[d + 1:]), (*self.sizes[:d], n, *self.sizes[d + 1:]),
+                            self.size), shared) for local, full, n, shared in self.pieces]
 
 
 def locate(value: torch.Tensor, placement: Shard | None, group: ProcessGroup | None) -> tuple[torch.Tensor, Box, bool]:
@@ -62,17 +82,39 @@ def locate(value: torch.Tensor, placement: Shard | None, group: ProcessGroup | N
     else:
         local, offsets, split = value, [0] * value.dim(), False
     full = list(value.shape)  # the tp shard's shape (a DTensor's global shape)
-    if placement is not None and group is not None:
-        if placement.blocks > 1:  # a piece of each block: several boxes, which one Box cannot describe
-            raise ValueError(f"a tensor split in {placement.blocks} blocks along dim {placement.dim} (a fused "
-                             "projection) is no single box of the full tensor: distributed checkpoints cannot "
-                             "store it; save tensorpar.full_state_dict(model) instead")
-        rank, n = group_rank_size(group)
-        start, length = placement.bounds(n, rank)
-        assert full[placement.dim] == length, (full, placement, n, rank)
-        offsets[placement.dim] += start
-        full[placement.dim] = placement.size
-    return local, Box(tuple(offsets), tuple(local.shape), tuple(full)), split
+    if placement is None or group is None:
+        return local, Box(tuple(offsets), tuple(local.shape), tuple(full)), split
+    rank, n = group_rank_size(group)
+    dim = placement.dim % value.dim()
+    pieces, lo, hi = [], offsets[dim], offsets[dim] + local.shape[dim]  # the chunk's rows of the tp shard
+    at = 0  # where each piece starts in the tp shard
+    everyone = {p for p in placement.pieces(n, 0)}.intersection(*(placement.pieces(n, r) for r in range(1, n)))
+    for start, length in placement.pieces(n, rank):
+        a, b = max(lo, at), min(hi, at + length)  # the piece's overlap with this rank's chunk
+        shared = (start, length) in everyone and n > 1
+        if pieces and a < b and pieces[-1][1] + pieces[-1][2] == start + a - at and pieces[-1][3] == shared:
+            pieces[-1] = (*pieces[-1][:2], pieces[-1][2] + b - a, shared)  # runs on from the last one: one box
+        elif a < b or not pieces and a == b == lo:
+            pieces.append((a - lo, start + a - at, b - a, shared))
+        at += length
+    assert at == full[dim], (full, placement, n, rank)
+    full[dim] = placement.size
+    offsets[dim] = pieces[0][1]
+    box = Box(tuple(offsets), tuple(local.shape), tuple(full), dim, tuple(pieces) if len(pieces) > 1 or pieces[0][3] else ())
+    return local, box, split
+
+
+def written(box: Box, name: str, *, tp_split: bool, dp_split: bool, mesh: Mesh) -> Box | None:
+    """The part of ``box`` that this rank writes for tensor ``name`` (see :func:`writes`), or None: a piece
+    held by every tp rank (a fused projection's replicated tail) is written by one of them."""
+    if box.empty:
+        return None
+    if not box.pieces:
+        return box if writes(name, tp_split=tp_split, dp_split=dp_split, mesh=mesh) else None
+    # the replicated tail (whatever dp chunks it falls in) is written by one tp rank, chosen by its own name
+    kept = tuple(p for p in box.pieces if writes(f"{name}@replicated" if p[3] else name,
+                                                 tp_split=tp_split and not p[3], dp_split=dp_split, mesh=mesh))
+    return Box(box.offsets, box.sizes, box.size, box.dim, kept) if kept else None
 
 
 def writes(name: str, *, tp_split: bool, dp_split: bool, mesh: Mesh) -> bool:

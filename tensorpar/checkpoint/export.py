@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .checked import read_checked
-from .index import Entry
+from .index import Entry, chunk_key
 from .manifest import CheckpointError, check_file
 from .meta import MODEL
 from .publish import remove, scratch
@@ -37,11 +37,11 @@ def _tensors(path: str | Path) -> Iterator[tuple[str, Entry, torch.Tensor]]:
             for chunk in entry.chunks:
                 if chunk.rank not in opened:
                     opened[chunk.rank] = stack.enter_context(Reader(directory / files[chunk.rank]))
-                f = opened[chunk.rank]
-                if f.info(name) != (chunk.sizes, entry.dtype):
-                    raise CheckpointError(f"{f.path}: {name} is not the chunk meta.json describes")
+                f, key = opened[chunk.rank], chunk_key(name, entry, chunk)
+                if f.info(key) != (chunk.sizes, entry.dtype):
+                    raise CheckpointError(f"{f.path}: {key} is not the chunk meta.json describes")
                 box = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
-                f.read(name, out=full[box])
+                f.read(key, out=full[box])
             yield name.removeprefix(MODEL), entry, full
 
 

@@ -5,9 +5,10 @@ and as the ``Metadata`` that ``torch.distributed.checkpoint`` plans reads from.
 
     {"dtype": "F32", "size": [full shape], "chunks": [[rank, [offsets], [sizes], sha256], ...]}
 
-Each chunk is a box of the full tensor, stored under the tensor's name in the
-file of the rank that wrote it (one chunk per tensor per file), with the SHA-256
-of its bytes: a load checks just the chunks it reads. The chunks of a
+Each chunk is a box of the full tensor, stored in the file of the rank that wrote
+it under the tensor's name (or, where that file holds several chunks of the
+tensor, the pieces of a fused projection's shard, under ``name@offsets``: see
+:func:`file_key`), with the SHA-256 of its bytes: a load checks just the chunks it reads. The chunks of a
 tensor lie inside it, do not overlap, and cover it exactly (their volumes add up
 to the tensor's): this is checked when the index is assembled at save and again
 on load, so a missing, duplicated or moved chunk is an error naming the tensor,
@@ -49,6 +50,17 @@ class Entry:
     chunks: list[Chunk] = field(default_factory=list)
 
 
+def file_key(name: str, offsets: Sequence[int], several: bool) -> str:
+    """The key a chunk of tensor ``name`` at ``offsets`` has in its file: the name itself, or where the file
+    holds ``several`` chunks of the tensor, ``name@o0,o1,...``."""
+    return f"{name}@{','.join(map(str, offsets))}" if several else name
+
+
+def chunk_key(name: str, entry: Entry, chunk: Chunk) -> str:
+    """:func:`file_key` of ``chunk`` of the tensor ``name`` (``entry``), from the index."""
+    return file_key(name, chunk.offsets, sum(c.rank == chunk.rank for c in entry.chunks) > 1)
+
+
 def to_json(entries: Mapping[str, Entry]) -> dict[str, Any]:
     """The index as ``meta.json`` stores it (sorted by name, chunks by rank)."""
     return {name: {"dtype": NAMES[e.dtype], "size": list(e.size),
@@ -79,9 +91,9 @@ def check_cover(name: str, entry: Entry, where: Path | str) -> None:
     volume = sum(math.prod(c.sizes) for c in entry.chunks)
     if volume != math.prod(size) or (not entry.chunks and dims == 0):
         raise CheckpointError(f"{where}: {name}: the chunks hold {volume} of its {math.prod(size)} elements")
-    ranks = [c.rank for c in entry.chunks]
-    if len(set(ranks)) != len(ranks):
-        raise CheckpointError(f"{where}: {name}: a rank's file holds more than one chunk of it")
+    places = [(c.rank, c.offsets) for c in entry.chunks]
+    if len(set(places)) != len(places):
+        raise CheckpointError(f"{where}: {name}: a rank's file holds two chunks of it at the same offsets")
 
 
 def parse(tensors: Any, where: Path, world: int) -> dict[str, Entry]:
@@ -106,12 +118,12 @@ def parse(tensors: Any, where: Path, world: int) -> dict[str, Entry]:
     return entries
 
 
-def merge(reports: Sequence[Mapping[str, Sequence[Any]]]) -> dict[str, Entry]:
-    """The index from every rank's report ``{name: [dtype name, size, offsets, sizes, sha256]}`` of the
+def merge(reports: Sequence[Mapping[str, Sequence[Sequence[Any]]]]) -> dict[str, Entry]:
+    """The index from every rank's report ``{name: [[dtype name, size, offsets, sizes, sha256], ...]}`` of the
     chunks it wrote (rank order); the same dtype and size for a tensor on every rank, its chunks covering it."""
     entries: dict[str, Entry] = {}
     for rank, report in enumerate(reports):
-        for name, (dtype, size, offsets, sizes, sha256) in report.items():
+        for name, (dtype, size, offsets, sizes, sha256) in ((n, row) for n, rows in report.items() for row in rows):
             entry = entries.setdefault(name, Entry(BY_NAME[dtype], tuple(size)))
             if (entry.dtype, entry.size) != (BY_NAME[dtype], tuple(size)):
                 raise CheckpointError(f"{name}: rank {rank} holds it as {dtype} of size {list(size)}, an earlier "

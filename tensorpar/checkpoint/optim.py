@@ -22,7 +22,7 @@ from torch import nn
 
 from ..full import placements
 from ..mesh import Mesh
-from .boxes import Box, locate, writes
+from .boxes import Box, locate, written
 from .groups import check_groups, positions
 from .index import Entry
 from .manifest import CheckpointError
@@ -62,8 +62,9 @@ def pieces(model: nn.Module, optimizer: torch.optim.Optimizer,
                                       "only states shaped like their parameter, and scalars, are checkpointed")
             placement, group = where.get(name, (None, None)) if value.dim() else (None, None)
             local, box, dp_split = locate(value, placement, group)
-            if not box.empty and writes(key, tp_split=placement is not None, dp_split=dp_split or spread, mesh=mesh):
-                tensors[key], boxes[key] = local.detach(), box
+            mine = written(box, key, tp_split=placement is not None, dp_split=dp_split or spread, mesh=mesh)
+            if mine is not None:
+                tensors[key], boxes[key] = local.detach(), mine
     return tensors, boxes
 
 

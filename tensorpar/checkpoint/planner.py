@@ -36,26 +36,34 @@ def _chunk(box: Box) -> ChunkStorageMetadata:
     return ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes))
 
 
+def _parts(name: str, tensor: torch.Tensor, box: Box) -> list[tuple[tuple[str, tuple[int, ...]], torch.Tensor, Box]]:
+    """``((name, offsets), view of tensor, single box)`` of each part of ``tensor`` (see :meth:`Box.parts`)."""
+    return [((name, part.offsets), tensor.narrow(box.dim, local, part.sizes[box.dim]) if box.pieces else tensor, part)
+            for local, part, _ in box.parts()]
+
+
 class BoxSavePlanner(DefaultSavePlanner):
     """Writes each tensor of the (flat) state dict as the box ``boxes[name]`` of its full tensor."""
 
     def __init__(self, boxes: Mapping[str, Box]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.boxes = dict(boxes)
+        self.views: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}  # each part of each tensor
 
     def create_local_plan(self) -> SavePlan:
-        items = []
+        items, self.views = [], {}
         for name, tensor in self.state_dict.items():
-            box = self.boxes[name]
-            assert tuple(tensor.shape) == box.sizes, (name, tensor.shape, box)
-            items.append(WriteItem(index=MetadataIndex(name, box.offsets), type=WriteItemType.SHARD,
-                                   tensor_data=TensorWriteData(chunk=_chunk(box), size=torch.Size(box.size),
-                                                               properties=TensorProperties.create_from_tensor(tensor))))
+            assert tuple(tensor.shape) == self.boxes[name].sizes, (name, tensor.shape, self.boxes[name])
+            for key, view, box in _parts(name, tensor, self.boxes[name]):
+                self.views[key] = view
+                items.append(WriteItem(index=MetadataIndex(name, box.offsets), type=WriteItemType.SHARD,
+                                       tensor_data=TensorWriteData(chunk=_chunk(box), size=torch.Size(box.size),
+                                                                   properties=TensorProperties.create_from_tensor(view))))
         self.plan = SavePlan(items)
         return self.plan
 
     def lookup_object(self, index: MetadataIndex) -> torch.Tensor:
-        return self.state_dict[index.fqn]
+        return self.views[index.fqn, tuple(index.offset)]
 
 
 class BoxLoadPlanner(DefaultLoadPlanner):
@@ -65,10 +73,12 @@ class BoxLoadPlanner(DefaultLoadPlanner):
     def __init__(self, boxes: Mapping[str, Box]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.boxes = dict(boxes)
+        self.views: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}  # each part of each tensor
 
     def create_local_plan(self) -> LoadPlan:
         assert self.metadata is not None
         items: list[ReadItem] = []
+        self.views = {}
         for name in self.state_dict:
             stored = self.metadata.state_dict_metadata.get(name)
             box = self.boxes[name]
@@ -76,8 +86,10 @@ class BoxLoadPlanner(DefaultLoadPlanner):
                 raise CheckpointError(f"{name}: the checkpoint holds no tensor of size {list(box.size)}")
             if 0 in box.sizes:
                 continue  # nothing to read
-            items += create_read_items_for_chunk_list(name, stored, [_chunk(box)])
+            parts = _parts(name, self.state_dict[name], box)
+            self.views |= {key: view for key, view, _ in parts}
+            items += create_read_items_for_chunk_list(name, stored, [_chunk(part) for _, _, part in parts])
         return LoadPlan(items)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        return self.state_dict[index.fqn]
+        return self.views[index.fqn, tuple(index.offset)]

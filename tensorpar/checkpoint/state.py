@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from ..full import placements
 from ..mesh import Mesh
-from .boxes import Box, locate, writes
+from .boxes import Box, locate, written
 from .index import Entry
 from .manifest import CheckpointError
 from .meta import MODEL
@@ -31,8 +31,9 @@ def pieces(model: nn.Module, mesh: Mesh) -> tuple[dict[str, torch.Tensor], dict[
         placement, group = where.get(key, (None, None))
         local, box, dp_split = locate(value, placement, group)
         name = MODEL + key
-        if not box.empty and writes(name, tp_split=placement is not None, dp_split=dp_split, mesh=mesh):
-            tensors[name], boxes[name] = local.detach(), box
+        mine = written(box, name, tp_split=placement is not None, dp_split=dp_split, mesh=mesh)
+        if mine is not None:
+            tensors[name], boxes[name] = local.detach(), mine
     return tensors, boxes
 
 

@@ -34,6 +34,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -59,13 +60,13 @@ def _done(value: Any) -> Future:
 
 class ShardWriter(StorageWriter):
     """Writes a rank's save plan to the safetensors file ``path``; :attr:`entry` then holds its size and
-    SHA-256 and :attr:`report` its chunks (``{name: [dtype, full size, offsets, sizes, SHA-256]}``)."""
+    SHA-256 and :attr:`report` its chunks (``{name: [[dtype, full size, offsets, sizes, SHA-256], ...]}``)."""
 
     def __init__(self, path: Path) -> None:
         super().__init__()
         self.path = path
         self.entry: dict[str, Any] = {}
-        self.report: dict[str, list[Any]] = {}
+        self.report: dict[str, list[list[Any]]] = {}
 
     def reset(self, checkpoint_id: Any = None) -> None:
         pass
@@ -81,17 +82,21 @@ class ShardWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         planned, results = [], []
+        count = collections.Counter(item.index.fqn for item in plan.items)
         for item in plan.items:
             data = item.tensor_data
             if data is None:
                 raise CheckpointError(f"{item.index.fqn} is not a tensor: checkpoints hold tensors only")
-            planned.append((item.index.fqn, data.chunk.sizes, data.properties.dtype))
+            key = index.file_key(item.index.fqn, data.chunk.offsets, count[item.index.fqn] > 1)
+            planned.append((key, data.chunk.sizes, data.properties.dtype))
         with FileWriter(self.path, planned) as f:
-            for item, (name, sizes, dtype) in zip(plan.items, planned):
-                f.write(name, planner.resolve_data(item))  # type: ignore[arg-type]
+            for item, (key, sizes, dtype) in zip(plan.items, planned):
+                f.write(key, planner.resolve_data(item))  # type: ignore[arg-type]
                 assert item.tensor_data is not None
-                self.report[name] = [dtype_name(dtype, name), list(item.tensor_data.size),
-                                     list(item.tensor_data.chunk.offsets), list(sizes), f.digests[name]]
+                name = item.index.fqn
+                self.report.setdefault(name, []).append([dtype_name(dtype, name), list(item.tensor_data.size),
+                                                         list(item.tensor_data.chunk.offsets), list(sizes),
+                                                         f.digests[key]])
                 results.append(WriteResult(index=item.index, size_in_bytes=torch.Size(sizes).numel(),
                                            storage_data=self.path.name))
         self.entry = f.entry
@@ -118,7 +123,7 @@ class ShardReader(StorageReader):
         super().__init__()
         self.directory, self.files, self.entries = directory, list(files), dict(entries)
         self.listed: Mapping[str, Any] = meta["files"]
-        self.verified: set[tuple[str, str]] = set()
+        self.verified: set[tuple[str, str, tuple[int, ...]]] = set()
         self.chunks = {(name, c.offsets): (files[c.rank], c) for name, e in entries.items() for c in e.chunks}
 
     @classmethod
@@ -143,28 +148,34 @@ class ShardReader(StorageReader):
             raise CheckpointError(f"{self.directory}: no chunk of {at.fqn} at {list(key[1])}")
         return self.chunks[key]
 
-    def verify(self, wanted: Sequence[tuple[str, str]]) -> None:
-        """Check each ``(file, tensor)`` chunk of ``wanted`` before it is read: the file's size, the chunk's
-        shape and dtype against the index, and the SHA-256 of its bytes (each once per reader)."""
-        by_file: dict[str, set[str]] = {}
-        for file, name in wanted:
-            if (file, name) not in self.verified:
-                by_file.setdefault(file, set()).add(name)
-        for file, names in sorted(by_file.items()):
+    def _place(self, at: MetadataIndex) -> tuple[str, str, tuple[int, ...]]:
+        """``(file, tensor name, offsets)`` of the chunk ``at``."""
+        file, chunk = self._where(at)
+        return file, at.fqn, chunk.offsets
+
+    def verify(self, wanted: Sequence[tuple[str, str, tuple[int, ...]]]) -> None:
+        """Check each ``(file, tensor, offsets)`` chunk of ``wanted`` before it is read: the file's size, the
+        chunk's shape and dtype against the index, and the SHA-256 of its bytes (each once per reader)."""
+        by_file: dict[str, set[tuple[str, tuple[int, ...]]]] = {}
+        for file, name, offsets in wanted:
+            if (file, name, offsets) not in self.verified:
+                by_file.setdefault(file, set()).add((name, offsets))
+        for file, chunks in sorted(by_file.items()):
             check_size(self.directory, file, self.listed[file])
             with Reader(self.directory / file) as f:
-                for name in sorted(names):
-                    chunk = next(c for c in self.entries[name].chunks if self.files[c.rank] == file)
-                    shape, dtype = f.info(name)
+                for name, offsets in sorted(chunks):
+                    _, chunk = self.chunks[name, offsets]
+                    key = index.chunk_key(name, self.entries[name], chunk)
+                    shape, dtype = f.info(key)
                     if (shape, dtype) != (chunk.sizes, self.entries[name].dtype):
-                        raise CheckpointError(f"{f.path}: {name} is {dtype} of shape {shape}, meta.json says "
+                        raise CheckpointError(f"{f.path}: {key} is {dtype} of shape {shape}, meta.json says "
                                               f"{self.entries[name].dtype} of shape {chunk.sizes}")
-                    if f.sha256(name) != chunk.sha256:
-                        raise CheckpointError(f"{f.path}: {name} is corrupt (its SHA-256 does not match meta.json)")
-                    self.verified.add((file, name))
+                    if f.sha256(key) != chunk.sha256:
+                        raise CheckpointError(f"{f.path}: {key} is corrupt (its SHA-256 does not match meta.json)")
+                    self.verified.add((file, name, offsets))
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        self.verify([(self._where(item.storage_index)[0], item.storage_index.fqn) for item in plan.items])
+        self.verify([self._place(item.storage_index) for item in plan.items])
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -174,13 +185,15 @@ class ShardReader(StorageReader):
         per_file: dict[str, list[Any]] = {}
         for item in plan.items:
             per_file.setdefault(self._where(item.storage_index)[0], []).append(item)
-        self.verify([(file, item.storage_index.fqn) for file, items in per_file.items() for item in items])
+        self.verify([self._place(item.storage_index) for items in per_file.values() for item in items])
         for file, items in sorted(per_file.items()):
             with Reader(self.directory / file) as f:
                 for item in items:
                     target = planner.resolve_tensor(item).detach()
                     box = tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))
-                    f.read(item.storage_index.fqn, box, out=target)
+                    name = item.storage_index.fqn
+                    f.read(index.chunk_key(name, self.entries[name], self._where(item.storage_index)[1]), box,
+                           out=target)
                     planner.commit_tensor(item, target)
         return _done(None)
 

@@ -80,7 +80,7 @@ def save_sequence_shard(full: torch.Tensor, local: torch.Tensor,
 
         x = tensorpar.gather_sequence(shard, seq_len)       # (B, T, C) from (B, T_r, C)
         with tensorpar.save_sequence_shard(x, shard):
-            q, k, v = q_proj(x), k_proj(x), v_proj(x)       # each keeps (B, T_r, C) for backward
+            up, gate = up_proj(x), gate_proj(x)              # each keeps (B, T_r, C) for backward
     """
     group, rank, n = _tp(group)
     for what, t in (("full", full), ("local", local)):

@@ -41,6 +41,7 @@ from torch.distributed import ProcessGroup
 
 from ..full import placements
 from ..mesh import current_mesh, exchange_ints, group_rank_size
+from ..sharding import Shard
 from .divergence import Item, classify, diagnose, gathered, parameter_items
 from .findings import DivergenceReport, Finding
 
@@ -120,7 +121,7 @@ def _items(phase: str, sharded: list[Record], dense: list[Record], model: nn.Mod
     for name, call, slots in sharded:
         module = model.get_submodule(name)
         layout = module.sharding().values() if callable(getattr(module, "sharding", None)) else ()
-        hints = tuple((p.size, p.blocks) for p in layout if getattr(p, "blocks", 1) > 1)
+        hints = tuple(p for p in layout if isinstance(p, Shard) and len(p.pieces(1, 0)) > 1)  # fused ones
         b = getattr(module, "bias", None)
         bias = b.detach() if isinstance(b, torch.Tensor) and (f"{name}.bias" if name else "bias") not in split \
             and phase == "forward output" else None
@@ -191,7 +192,7 @@ def _backward(out_s: Any, out_d: Any, forward: list[Item], loss_fn: Callable[...
     out_d.backward(grad)
     out_s.backward(grad)
     if shard is not None and full is not None and root is not None and full.grad is not None:
-        shard.backward(root.take(full.grad, *root.bounds(group_rank_size(group)[0])))
+        shard.backward(root.part(full.grad, group_rank_size(group)[0]))
     return None
 
 

@@ -10,10 +10,11 @@ shape (:func:`classify`):
 * **sharded**: split along one dim (a parameter's ``sharding()`` dim; for an
   activation, the one dim where its shape differs) into shards whose sizes sum
   to the dense size there; rank ``r``'s shard is compared with the dense
-  tensor's slice at its offset ``o_r = Σ_{s<r} size_s``. A dim made of ``k``
-  equal blocks split alike (a fused ``[Q | K | V]``, ``Shard(blocks=k)``) is
-  cut and joined block by block; an activation is taken to be so when its
-  module's ``sharding()`` has such a placement of the same size.
+  tensor's slice at its offset ``o_r = Σ_{s<r} size_s``. A dim whose shards are
+  several pieces of the full tensor (a fused ``[Q | K | V]``, a :class:`~tensorpar.Shard`
+  of tuple ``unit`` or with a replicated tail) is cut and joined by its placement;
+  an activation is taken to be so when its module's ``sharding()`` has such a
+  placement of the same size.
 
 A diverging item is diagnosed from every rank's tensor (gathered), ``d`` being
 the dense one and ``a_r`` rank ``r``'s; each pattern is tested over the whole
@@ -31,7 +32,7 @@ tensor with the comparison's tolerance, and nothing is said when none holds:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,7 @@ from ..comm.checks import dtype_code
 from ..comm.collectives import all_gather_along
 from ..full import placements, tp_local
 from ..mesh import exchange_ints, group_rank_size
+from ..sharding import Shard, join_shards, shard
 from .compare import TOLERANCES, rel_error
 from .findings import Finding
 
@@ -54,8 +56,8 @@ _MAX_DIMS = 8  # dims of a shape that travel in a descriptor
 class Item:
     """A tensor to compare: this rank's ``local`` and the dense twin's ``dense`` (``None``: absent).
     ``dim``: the dim a parameter is split along (``None``: replicated); ``any_dim``: an activation,
-    split along whichever dim its shape says; ``blocks``: equal blocks along ``dim`` (``hints``:
-    ``(size, blocks)`` of its module's blocked placements); ``scale``: the norm below which errors
+    split along whichever dim its shape says; ``placement``: how ``dim`` is split when a shard is
+    several pieces of the full tensor (``hints``: its module's such placements); ``scale``: the norm below which errors
     are absolute (see :func:`~tensorpar.testing.rel_error`); ``bias``: the module's replicated bias,
     for the partial-sums-with-bias pattern."""
 
@@ -69,8 +71,8 @@ class Item:
     scale: float = 0.0
     bias: torch.Tensor | None = None
     any_dim: bool = False
-    blocks: int = 1
-    hints: tuple[tuple[int, int], ...] = ()
+    placement: Shard | None = None
+    hints: tuple[Shard, ...] = ()
     # filled by classify():
     kind: str = "absent"  # "replicated", "sharded", "shape" (differs), "unmatched" or "absent" (not compared)
     sizes: list[int] = field(default_factory=list)
@@ -87,6 +89,19 @@ class Item:
         return Finding(self.module, self.phase, self.what, tuple(ranks), max(self.errors[r] for r in ranks),
                        tuple(self.errors), tuple(self.dense.shape), tuple(self.shapes), self.call, diagnosis,
                        downstream)
+
+    @property
+    def blocks(self) -> int:
+        """Equal blocks split alike along ``dim`` (1: none, or blocks that are not equal)."""
+        p = self.placement
+        return p.blocks if p is not None and len(set(p.units)) == 1 and not p.replicated else 1
+
+    def part(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s shard of a full tensor."""
+        assert self.dim is not None
+        if self.placement is None:
+            return full.narrow(self.dim, *self.bounds(rank))
+        return shard(full, replace(self.placement, dim=self.dim), len(self.sizes), rank)
 
     def bounds(self, rank: int) -> tuple[int, int]:
         """``(offset, length)`` of ``rank``'s shard (of its piece of each block) along ``dim``."""
@@ -133,9 +148,21 @@ def _split_dim(item: Item, full: tuple[int, ...]) -> int | None:
         if len(differ) != 1:
             return None
         (dim,) = differ
-        item.blocks = dict(item.hints).get(full[dim], 1) if dim == len(full) - 1 else 1
+        fits = [p for p in item.hints if p.size == full[dim]] if dim == len(full) - 1 else []
+        item.placement = fits[0] if fits else None
         return dim
     return None if item.dim is None or not full else item.dim % len(full)
+
+
+def _sizes(item: Item, full: int, n: int, shard_sizes: list[int]) -> list[int]:
+    """The shard sizes ``item`` must have along its dim of ``full`` elements over ``n`` ranks: its
+    placement's, or any that add up to ``full``."""
+    if item.placement is not None:
+        try:
+            return item.placement.sizes(n)
+        except ValueError:
+            return []
+    return shard_sizes if sum(shard_sizes) == full else []
 
 
 def classify(items: Sequence[Item], group: ProcessGroup, rtol: float | None,
@@ -161,9 +188,9 @@ def classify(items: Sequence[Item], group: ProcessGroup, rtol: float | None,
             item.kind = "replicated"
             local_errors.append(rel_error(item.local, item.dense, item.scale))
         elif (dim is not None and all(s[:dim] + s[dim + 1:] == full[:dim] + full[dim + 1:] for s in item.shapes)
-              and sum(s[dim] for s in item.shapes) == full[dim] and all(s[dim] % item.blocks == 0 for s in item.shapes)):
+              and [s[dim] for s in item.shapes] == _sizes(item, full[dim], n, [s[dim] for s in item.shapes])):
             item.kind, item.dim, item.sizes = "sharded", dim, [s[dim] for s in item.shapes]
-            local_errors.append(rel_error(item.local, item.take(item.dense, *item.bounds(rank)), item.scale))
+            local_errors.append(rel_error(item.local, item.part(item.dense, rank), item.scale))
         else:  # an activation may be laid out otherwise (a rank's selection of heads): not comparable
             item.kind = "unmatched" if item.any_dim else "shape"
             local_errors.append(float("inf"))
@@ -172,17 +199,35 @@ def classify(items: Sequence[Item], group: ProcessGroup, rtol: float | None,
         item.errors = [row[i] for row in errors] if item.kind not in ("absent", "unmatched") else []
 
 
+def _shards(item: Item, group: ProcessGroup) -> list[torch.Tensor]:
+    """Every rank's shard of a sharded ``item``, in rank order (a collective)."""
+    assert item.local is not None and item.dim is not None
+    return list(all_gather_along(item.local.detach(), item.dim, item.sizes, group).split(item.sizes, item.dim))
+
+
+def _joined(item: Item, shards: list[torch.Tensor]) -> torch.Tensor:
+    """The full tensor from every rank's shard of ``item`` (a replicated tail: the first rank's)."""
+    assert item.dim is not None
+    if item.placement is None:
+        return torch.cat(shards, item.dim)
+    return join_shards(shards, replace(item.placement, dim=item.dim))
+
+
 def gathered(item: Item, group: ProcessGroup) -> torch.Tensor:
     """Every rank's tensor of ``item`` (a collective): replicated ones stacked ``(tp, *full)``,
-    sharded ones joined along their dim into the full shape (block by block)."""
+    sharded ones joined along their dim into the full shape (piece by piece)."""
     assert item.local is not None
-    local = item.local.detach()
     if item.kind != "sharded":
-        return all_gather_along(local.unsqueeze(0), 0, [1] * len(item.errors), group)
-    assert item.dim is not None
-    shards = all_gather_along(local, item.dim, item.sizes, group).split(item.sizes, item.dim)  # in rank order
-    pieces = [s.chunk(item.blocks, item.dim) for s in shards]  # each rank's piece of each block
-    return torch.cat([p[b] for b in range(item.blocks) for p in pieces], item.dim)
+        return all_gather_along(item.local.detach().unsqueeze(0), 0, [1] * len(item.errors), group)
+    return _joined(item, _shards(item, group))
+
+
+def _tail_summed(item: Item, whole: torch.Tensor, shards: list[torch.Tensor]) -> torch.Tensor:
+    """``whole`` with its replicated tail (rows every rank holds) replaced by the sum of the ranks' tails."""
+    assert item.placement is not None and item.dim is not None
+    dim, tail = item.dim, item.placement.replicated
+    summed = torch.stack([s.narrow(dim, s.shape[dim] - tail, tail) for s in shards]).sum(0)
+    return torch.cat([whole.narrow(dim, 0, whole.shape[dim] - tail), summed], dim)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
@@ -203,13 +248,18 @@ def diagnose(item: Item, group: ProcessGroup) -> tuple[str | None, bool]:
         return f"shapes differ from the dense {tuple(d.shape)} ({shapes})", False
     if n == 1:
         return None, False
-    everyone = gathered(item, group)
+    shards = _shards(item, group) if item.kind == "sharded" else None
+    everyone = _joined(item, shards) if shards is not None else gathered(item, group)
     parts = list(everyone) if item.kind == "replicated" else None
     whole = everyone if item.kind == "sharded" else None
     if (whole is not None and _close(whole, n * d, tol)) or (parts and all(_close(p, n * d, tol) for p in parts)):
         return f"{noun} is tp× too large: {DOUBLED}", False
     if (whole is not None and _close(whole, d / n, tol)) or (parts and all(_close(p, d / n, tol) for p in parts)):
         return f"{noun} is 1/tp of the dense one: {MISSING}", False
+    if whole is not None and shards is not None and item.placement is not None and item.placement.replicated \
+            and _close(_tail_summed(item, whole, shards), d, tol):  # e.g. the K/V rows of a c_attn's output gradient
+        return (f"only this rank's part of the elements every rank holds (the ranks' {noun}s of them sum to the "
+                f"dense one): {MISSING}", True)
     if whole is not None:
         return _misplaced(item, whole), False
     assert parts is not None
@@ -239,6 +289,8 @@ def _misplaced(item: Item, whole: torch.Tensor) -> str | None:
     """Ranks whose shard equals the dense tensor's part at another rank's offset (of each block)."""
     assert item.dense is not None and item.dim is not None
     d, n, found = item.dense.detach(), len(item.sizes), []
+    if item.placement is not None and item.blocks == 1 and len(item.placement.pieces(n, 0)) > 1:
+        return None  # unequal blocks or a replicated tail: no common offsets to compare
     block = d.shape[item.dim] // item.blocks
     for r in item.diverging():
         offset, length = item.bounds(r)
@@ -265,11 +317,12 @@ def parameter_items(sharded: nn.Module, dense: nn.Module) -> tuple[list[Item], l
         if name not in theirs:
             continue
         q, (module, _, leaf) = theirs[name], name.rpartition(".")
-        dim, blocks = (split[name][0].dim, getattr(split[name][0], "blocks", 1)) if name in split else (None, 1)
+        dim, placement = (split[name][0].dim, split[name][0]) if name in split else (None, None)
+        placement = placement if placement is not None and len(placement.pieces(1, 0)) > 1 else None
         local = tp_local(p)
-        values.append(Item(module, "parameter", leaf, local, q.detach(), dim, blocks=blocks))
+        values.append(Item(module, "parameter", leaf, local, q.detach(), dim, placement=placement))
         g = None if p.grad is None and q.grad is None else tp_local(p.grad) if p.grad is not None \
             else torch.zeros_like(local)
         g_dense = None if g is None else q.grad.detach() if q.grad is not None else torch.zeros_like(q)
-        grads.append(Item(module, "parameter gradient", leaf, g, g_dense, dim, scale=scale, blocks=blocks))
+        grads.append(Item(module, "parameter gradient", leaf, g, g_dense, dim, scale=scale, placement=placement))
     return values, grads, sorted(set(mine) ^ set(theirs))
