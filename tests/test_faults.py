@@ -164,10 +164,10 @@ def disagreeing_all_reduce(case):
     mesh = _fresh_channels(tensorpar.current_mesh())
     rank = mesh.tp_rank
     numel, dtype, op = {
-        "count": ((4, 8)[rank], torch.float32, dist.ReduceOp.SUM),
-        "dtype": (4, (torch.float32, torch.float64)[rank], dist.ReduceOp.SUM),
-        "op": (4, torch.float32, (dist.ReduceOp.SUM, dist.ReduceOp.MAX)[rank]),
-        "capacity": ((256, 600_000)[rank], torch.float32, dist.ReduceOp.SUM),  # rank 1 past 1 MiB
+        "count": ((4, 8)[rank], torch.float32, "sum"),
+        "dtype": (4, (torch.float32, torch.float64)[rank], "sum"),
+        "op": (4, torch.float32, ("sum", "max")[rank]),
+        "capacity": ((256, 600_000)[rank], torch.float32, "sum"),  # rank 1 past 1 MiB
     }[case]
     with tensorpar.use_mesh(mesh):
         start_all_reduce_(torch.ones(2), mesh.tp_group).wait()  # the channel is open and working
