@@ -56,17 +56,17 @@ def check_ids(ids: torch.Tensor, limit: int, what: str, detail: str, *, allowed:
     graph. On the CPU it fails at once, and the ``ValueError`` it becomes names the first id out of
     range: ``"{what} {id} is out of range for {detail}"``.
     """
-    bad = (ids < 0) | (ids >= limit)  # (*)
+    ok = (ids >= 0) & (ids < limit)  # (*)
     if allowed is not None:
-        bad &= ids != allowed
+        ok |= ids == allowed
     message = f"a {what} is out of range for {detail}"
     if torch.compiler.is_compiling() or ids.device.type != "cpu":
-        torch._assert_async(~bad.any(), message)
+        torch._assert_async(ok.all(), message)
         return
     try:
-        torch._assert_async(~bad.any(), message)
+        torch._assert_async(ok.all(), message)
     except RuntimeError:  # only the failing path reads an id back
-        raise ValueError(f"{what} {ids[bad][0].item()} is out of range for {detail}") from None
+        raise ValueError(f"{what} {ids[~ok][0].item()} is out of range for {detail}") from None
 
 
 def partition_sizes(size: int, parts: int, *, unit: int = 1, name: str = "size") -> list[int]:
