@@ -98,6 +98,7 @@ def locate(value: torch.Tensor, placement: Shard | None, group: ProcessGroup | N
             pieces.append((a - lo, start + a - at, b - a, shared))
         at += length
     assert at == full[dim], (full, placement, n, rank)
+    pieces = [p for p in pieces if p[2]] or pieces[:1]  # a chunk that starts where a piece ends holds none of it
     full[dim] = placement.size
     offsets[dim] = pieces[0][1]
     box = Box(tuple(offsets), tuple(local.shape), tuple(full), dim, tuple(pieces) if len(pieces) > 1 or pieces[0][3] else ())
