@@ -9,7 +9,7 @@ TORCH  := $(VENV)/.torch
 DEMO   := $(VENV)/.installed-demo
 TEST   := $(VENV)/.installed-test
 
-.PHONY: test demo bench gpu-check clean
+.PHONY: test test-torch demo bench gpu-check clean
 
 $(TORCH):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,5 @@ clean:
 
 # The torch-sensitive tests under the other torch releases pyproject.toml declares, each in its
 # own virtualenv cached outside the clone (see .ci/torch_lanes.sh).
-.PHONY: test-torch
 test-torch:
 	.ci/torch_lanes.sh
