@@ -182,7 +182,7 @@ def check_compiled_gpt(cfg, b, t, dtype, seed, backend, device="cpu", sequence_p
 @settings(max_examples=3)
 @given(tp=tp_sizes(), dtype=FLOATS, data=st.data())
 def test_gpt_compiles_whole_and_equals_eager_and_reference(worlds, tp, dtype, data):
-    cfg = data.draw(gpt_configs(tp, max_layer=2))
+    cfg = data.draw(gpt_configs(tp, max_layer=1))  # one block: blocks compose in the compiled training run below
     t = data.draw(st.integers(1, cfg["block_size"]))
     sp = data.draw(st.booleans(), label="sequence_parallel")
     for err, breaks in worlds[tp].run(check_compiled_gpt, cfg, 2, t, dtype, data.draw(st.integers(0, 2**31)),
