@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_training import ROOT, SCRIPT, SMALL, flags, metrics
+from test_training import ROOT, SCRIPT, SMALL, _workers, flags, metrics
 
 import tensorpar
 from tensorpar import checkpoint
@@ -138,9 +138,9 @@ def _lines(path):
 
 def test_a_second_job_on_the_same_out_is_refused_and_a_killed_holder_frees_it(worlds, tmp_path):
     """Two jobs on one --out: the second is refused (exit code 2) naming the first's pid while the first
-    holds it (stopped with SIGSTOP meanwhile, so that it cannot end first), and the first then runs to
-    the end with every line of its log. A holder killed with SIGKILL (on another --out, meanwhile)
-    holds nothing after: a run there succeeds."""
+    holds it (its launcher stopped with SIGSTOP meanwhile, once it has started its rank, so that it
+    cannot end first), and the first then runs to the end with every line of its log. A holder killed
+    with SIGKILL (on another --out) holds nothing after: a run there succeeds."""
     out, other = tmp_path / "run", tmp_path / "other"
     steps = 6
 
@@ -148,18 +148,19 @@ def test_a_second_job_on_the_same_out_is_refused_and_a_killed_holder_frees_it(wo
         return [sys.executable, str(SCRIPT), *flags(SMALL | dict(tp=1, steps=steps, eval_every=0, out=where))]
 
     def start(where):
-        job = subprocess.Popen(command(where), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)  # its own process group: it and what it starts
-        _wait_for(lambda: job.poll() is not None or _lines(where / "run.lock") == [str(job.pid)], "a job's lock")
-        return job
+        return subprocess.Popen(command(where), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)  # its own process group: it and what it starts
 
     first = start(out)
-    os.killpg(first.pid, signal.SIGSTOP)
+    _wait_for(lambda: first.poll() is not None or _workers(first.pid), "the first job's rank")
+    os.kill(first.pid, signal.SIGSTOP)  # the launcher, which holds the lock; its rank starts meanwhile
     try:
+        assert _lines(out / "run.lock") == [str(first.pid)]
         second = subprocess.run(command(out), cwd=ROOT, capture_output=True, text=True, timeout=120)
     finally:
-        os.killpg(first.pid, signal.SIGCONT)
+        os.kill(first.pid, signal.SIGCONT)
     holder = start(other)
+    _wait_for(lambda: holder.poll() is not None or _lines(other / "run.lock") == [str(holder.pid)], "a lock")
     os.killpg(holder.pid, signal.SIGKILL)
     holder.wait(timeout=30)
     worlds[1].run(run_script, str(SCRIPT), *flags(SMALL | dict(tp=1, steps=2, eval_every=0, out=other)))
