@@ -12,12 +12,15 @@ from collections.abc import Mapping
 
 import torch
 
+from .tensors import NAMES
+
 
 def nonfinite(tensors: Mapping[str, torch.Tensor]) -> list[str]:
-    """The names of the floating-point ``tensors`` holding a NaN or an infinity, in the mapping's order."""
+    """The names of the floating-point ``tensors`` holding a NaN or an infinity, in the mapping's order
+    (of the dtypes a checkpoint stores: the others are refused by name when written)."""
     groups: dict[tuple[torch.device, torch.dtype], list[str]] = {}
     for name, value in tensors.items():
-        if value.is_floating_point() and value.numel():  # the infinity norm of nothing is undefined
+        if value.is_floating_point() and value.dtype in NAMES and value.numel():  # no infinity norm of nothing
             groups.setdefault((value.device, value.dtype), []).append(name)
     flags: dict[torch.device, list[tuple[list[str], torch.Tensor]]] = {}
     for (device, _), names in groups.items():

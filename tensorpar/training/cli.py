@@ -319,7 +319,6 @@ def _check_resume(cfg: TrainConfig) -> None:
                          f"up to step {last} (raise {'--stop-at' if cfg.stop_at else '--steps'} to train further)")
 
 
-
 def _check_memory(cfg: TrainConfig, parameters: int) -> None:
     """The model's weights, gradients and AdamW state fit where the ranks keep them: each rank's share
     (split over tp and pp; over dp too with --fsdp, the AdamW state with --zero) on its GPU when each
