@@ -32,7 +32,7 @@ test: $(TEST)
 	$(PY) -m pytest -q
 
 demo: $(DEMO)
-	$(PY) examples/train_gpt.py
+	$(PY) examples/train_gpt.py --overwrite
 
 bench: $(TEST)
 	$(PY) -m pip install -e ".[bench]"

@@ -142,8 +142,8 @@ def train_and_resume(out: Path, *, small: bool, steps: int, timeout: float) -> d
     common = ["examples/train_gpt.py", "--tp=1", *(TINY if small else GPT2_SMALL), f"--steps={steps}",
               "--warmup=5", "--eval-every=0", "--sample-tokens=0", "--no-progress", "--ckpt-every=0"]
     stop = steps // 2
-    runs = {"train_straight": [f"--out={out / 'straight'}"],
-            "train_stopped": [f"--out={out / 'resumed'}", f"--stop-at={stop}"],
+    runs = {"train_straight": [f"--out={out / 'straight'}", "--overwrite"],  # a check run again sets its last aside
+            "train_stopped": [f"--out={out / 'resumed'}", f"--stop-at={stop}", "--overwrite"],
             "train_resumed": [f"--out={out / 'resumed'}", "--resume"]}
     for name, extra in runs.items():
         code, text = run(name, [*common, *extra], out, timeout)

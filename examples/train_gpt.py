@@ -29,6 +29,30 @@ final model as a Hugging Face GPT-2 directory.
 
 The bar, metrics.jsonl and the summary show tokens_per_s (last 20 steps), mfu,
 peak memory (rank 0's; the summary every rank's), step_s, device and dtype.
+
+A run never destroys its own work:
+- A step whose loss or gradient norm is NaN or infinite (a diverging run) is
+  noticed at that step, by every rank alike (both values are the same on every
+  rank, and are read for the log anyway): --on-nonfinite stop (the default)
+  ends the run there with exit code 1 and a message naming the step and the
+  values, writing no checkpoint, so the earlier checkpoints stay; --on-nonfinite
+  skip drops that step's update on every rank (its gradients discarded, the
+  optimizer not stepped, the step logged with "skipped": true) and goes on.
+  A checkpoint holding a NaN or an infinity is never written (the save is
+  refused; the run stops with that message), so retention never replaces good
+  checkpoints by a diverged state.
+- OUT belongs to one run: the launching process (under torchrun, rank 0) holds
+  a lock on OUT/run.lock (with its pid) for the whole run, so a second job on
+  the same OUT is refused, naming that pid; the kernel releases the lock
+  however the holder ends. A new run into an OUT holding an earlier run's
+  checkpoints or metrics is refused unless it continues it (--resume) or sets
+  it aside (--overwrite: its files are moved into OUT/replaced-<time>/, nothing
+  deleted). OUT must not be a checkpoint directory (pass its parent).
+- A last line of metrics.jsonl cut short by a crash is dropped on --resume,
+  with a warning; any other unreadable line is refused before a rank starts.
+- Every numeric option must be finite; the seed, the output directory and the
+  memory the model needs (weights, gradients and AdamW state against this
+  host's memory, or each GPU's) are checked before any rank starts.
 """
 
 from __future__ import annotations
@@ -39,6 +63,7 @@ import functools
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -55,7 +80,7 @@ from layers.hf import export_gpt2
 from tensorpar import checkpoint
 from tensorpar.random import mix_seed
 from tensorpar.training import (DTYPES, ByteData, Throughput, TokenData, TrainConfig, autocast_for, compute_dtype,
-                                cosine_lr, device_name, hardware_summary, open_log, open_logger, open_splits,
+                                cosine_lr, device_name, hardware_summary, hold, open_log, open_logger, open_splits,
                                 peak_memory_bytes, peak_memory_per_rank, plot, progress, reset_peak_memory,
                                 validation_loss, warn_if_gpus_unused)
 from tensorpar.training import parse_args as parse_training_args
@@ -69,6 +94,8 @@ EPILOG = """examples:
   python examples/train_gpt.py --tp 2 --pp 2 --schedule 1f1b --microbatches 4   # 2 pipeline stages of tp=2
   python examples/train_gpt.py --data my.txt --steps 2000 --out run1 --stop-at 1000
   python examples/train_gpt.py --data my.txt --steps 2000 --out run1 --resume    # steps 1001-2000
+  python examples/train_gpt.py --data my.txt --out run1 --overwrite    # run1's earlier run moved to run1/replaced-*
+  python examples/train_gpt.py --lr 1e-2 --on-nonfinite skip    # a step with a NaN loss is skipped, not fatal
   python examples/train_gpt.py --tp 1 --export-hf run1/hf   # one GPU, bf16; then GPT2LMHeadModel.from_pretrained
   python examples/train_gpt.py --data data/shakespeare --vocab-size 50257 --eval-every 50 --logger tensorboard
   torchrun --nproc-per-node 8 examples/train_gpt.py --tp 4 --n-layer 12 --n-embd 768 --n-head 12
@@ -77,14 +104,20 @@ EPILOG = """examples:
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     """The run's options, checked before any rank starts (a bad one exits with code 2)."""
-    return parse_training_args(argv, prog=Path(__file__).name, description=__doc__, epilog=EPILOG)
+    return parse_training_args(argv, prog=Path(__file__).name, description=__doc__, epilog=EPILOG,
+                               parameters=lambda cfg: model_config(cfg).parameter_count(non_embedding=False))
+
+
+def model_config(cfg: TrainConfig) -> GPTConfig:
+    """The GPT the options describe."""
+    return GPTConfig(vocab_size=cfg.vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                     n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
+                     activation_checkpointing=cfg.activation_checkpointing, sequence_parallel=cfg.sequence_parallel)
 
 
 def build(cfg: TrainConfig, mesh: tensorpar.Mesh) -> tuple[GPT | PipelinedGPT, torch.optim.Optimizer]:
     tensorpar.manual_seed(cfg.seed)  # the same full weights at any tp, dp and pp
-    config = GPTConfig(vocab_size=cfg.vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                       n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
-                       activation_checkpointing=cfg.activation_checkpointing, sequence_parallel=cfg.sequence_parallel)
+    config = model_config(cfg)
     model: GPT | PipelinedGPT
     fsdp_options: dict[str, Any] = {}  # with --offload-optimizer, FSDP2 offloads its own shards (and steps on the host)
     if cfg.offload_optimizer and cfg.fsdp:
@@ -124,7 +157,8 @@ def blocks(model: GPT | PipelinedGPT) -> list[nn.Module]:
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run on every rank of the current mesh; rank 0 returns the losses, validation losses and gradient
-    norms by step, the sample, the final full weights and what the hardware did (``hardware``)."""
+    norms by step, the steps skipped (``skipped``), why the run stopped early (``stopped``: a message,
+    or None), the sample, the final full weights and what the hardware did (``hardware``)."""
     mesh = tensorpar.current_mesh()
     lead = mesh.rank == 0
     dtype_name = compute_dtype(cfg.dtype, mesh.device)
@@ -156,6 +190,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     losses: dict[int, float] = {}
     norms: dict[int, float] = {}
     vals: dict[int, float] = {}
+    skipped: list[int] = []
+    stopped: str | None = None
+    newest = checkpoint.resolve(out) if done and out else None  # the newest checkpoint in out
     last = cfg.stop_at or cfg.steps
     for step in range(done + 1, last + 1):
         began = time.perf_counter()
@@ -185,27 +222,47 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             norm = model.clip_grad_norm_(cfg.clip) if cfg.clip else model.grad_norm()
         else:
             norm = tensorpar.clip_grad_norm_(model, cfg.clip) if cfg.clip else tensorpar.grad_norm(model)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
         if mesh.dp > 1:  # the step's loss over the whole batch, for the log
             dist.all_reduce(loss_sum, group=mesh.dp_group)
             loss_sum /= mesh.dp
+        # Read for the log (the step's one wait for the device), and alike on every rank: the norm is summed
+        # over tp, dp and pp, the loss combined over tp (vocab-parallel), dp (above) and the stages (the
+        # pipeline's). So every rank takes the same step, or skips it (a NaN or an infinity anywhere
+        # reaches both sums).
         losses[step], norms[step] = loss_sum.item(), norm.item()
+        finite = math.isfinite(losses[step]) and math.isfinite(norms[step])
+        if finite:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - began  # the device's work included: .item() waited for it
         speed = meter.step(seconds)
         memory = peak_memory_bytes(mesh.device)  # rank 0's; every rank's at the end
         row = {"step": step, "loss": losses[step], "lr": lr, "grad_norm": norms[step], **speed, "step_s": seconds,
                "peak_memory_mib": memory / 2**20, "device": device, "dtype": dtype_name,
                "tp": mesh.tp, "dp": mesh.dp, "pp": mesh.pp}
-        if cfg.eval_every and step % cfg.eval_every == 0:
+        if not finite:
+            row["skipped"] = True
+            skipped.append(step)
+            what = f"step {step}: the loss is {losses[step]}, the gradient norm {norms[step]}"
+            if cfg.on_nonfinite == "stop":
+                kept = f"the newest checkpoint, {newest}, is untouched" if newest else "no checkpoint was written"
+                stopped = (f"{what}: the run stopped there (--on-nonfinite stop), with no checkpoint of it"
+                           + (f"; {kept}" if out else ""))
+            elif lead:
+                (bar.write if bar else print)(f"warning: {what}: its update is skipped (--on-nonfinite skip)",
+                                              file=sys.stderr)
+        if not stopped and cfg.eval_every and step % cfg.eval_every == 0:
             row["val_loss"] = vals[step] = validation_loss(model, val, iters=cfg.eval_iters, mesh=mesh,
                                                            batch_size=cfg.batch_size // cfg.grad_accum,
                                                            block_size=cfg.block_size,
                                                            loss_of=pipe.evaluate if pipe else None, dtype=dtype)
-        if out and ((cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == last):
-            checkpoint.save(out, model, optimizer, step=step, mesh=mesh,
-                            extra={"data_position": {"step": step, "tokens": step * tokens_per_step},
-                                   "train_config": dataclasses.asdict(cfg)})
+        if out and not stopped and ((cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == last):
+            try:  # refused on every rank alike, for a state holding a NaN or an infinity say
+                newest = checkpoint.save(out, model, optimizer, step=step, mesh=mesh,
+                                         extra={"data_position": {"step": step, "tokens": step * tokens_per_step},
+                                                "train_config": dataclasses.asdict(cfg)})
+            except checkpoint.CheckpointError as e:
+                stopped = f"step {step}: the run stopped: {e}"
         if log:
             log.write(json.dumps(row) + "\n")
             log.flush()
@@ -217,14 +274,17 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             bar.set_postfix(loss=f"{losses[step]:.3f}", **shown, tok_s=f"{speed['tokens_per_s']:,.0f}",
                             mem=f"{memory / 2**30:.2f}GiB")
             bar.update()
+        if stopped:
+            break
     for opened in (bar, log, logger):
         if opened:
             opened.close()
     hardware = meter.summary() | dict(device=device, dtype=dtype_name, peak_memory_bytes=peak_memory_per_rank(mesh))
-    if cfg.export_hf and isinstance(model, GPT):  # every rank: each tp group gathers, rank 0 writes
+    if cfg.export_hf and isinstance(model, GPT) and not stopped:  # every rank: each tp group gathers, rank 0 writes
         export_gpt2(model, cfg.export_hf)
     sample = None
-    if cfg.sample_tokens and last == cfg.steps and isinstance(model, GPT):  # a pipeline holds part of the model
+    finished = last == cfg.steps and not stopped
+    if cfg.sample_tokens and finished and isinstance(model, GPT):  # a pipeline holds part of the model
         sample = _sample(model, cfg, mesh, val)
     full = None
     if isinstance(model, GPT) and (mesh.dp_rank == 0 or cfg.fsdp):  # FSDP: gathered over dp too
@@ -233,8 +293,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         return {}
     if out and (losses or done):
         plot(out, unit="byte" if isinstance(val, ByteData) else "token")
-    return {"losses": losses, "val_losses": vals, "grad_norms": norms, "sample": sample, "state": full,
-            "hardware": hardware}
+    return {"losses": losses, "val_losses": vals, "grad_norms": norms, "skipped": skipped, "stopped": stopped,
+            "sample": sample, "state": full, "hardware": hardware}
 
 
 def _sample(model: GPT, cfg: TrainConfig, mesh: tensorpar.Mesh, val: TokenData) -> str:
@@ -263,13 +323,16 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
     warn_if_gpus_unused(tp=cfg.tp, dp=cfg.dp, pp=cfg.pp)
     began = time.perf_counter()
-    if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
+    held = functools.partial(hold, cfg.out, resume=cfg.resume, overwrite=cfg.overwrite, prog=Path(__file__).name)
+    if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank; rank 0 holds --out
         mesh = tensorpar.init(cfg.tp, cfg.dp, pp=cfg.pp)
-        result = train(cfg)
+        with held(mesh=mesh):
+            result = train(cfg)
         if mesh.rank:
             return
-    else:
-        result = tensorpar.spawn(spawned, cfg.tp * cfg.dp * cfg.pp, cfg)[0]
+    else:  # this process holds --out while its ranks run
+        with held():
+            result = tensorpar.spawn(spawned, cfg.tp * cfg.dp * cfg.pp, cfg)[0]
     losses, vals = result["losses"], result["val_losses"]
     if losses:
         first, last = losses[min(losses)], losses[max(losses)]
@@ -289,8 +352,12 @@ def main(argv: list[str] | None = None) -> None:
         print("sample:\n" + result["sample"])
     elif cfg.pp > 1 and cfg.sample_tokens and cfg.out:
         print(f"no sample: each pipeline rank holds part of the model; load {cfg.out}/latest at --pp 1 to sample")
-    if losses and not math.isfinite(losses[max(losses)]):
-        raise SystemExit("the loss is not finite")
+    if result["skipped"] and not result["stopped"]:
+        steps = result["skipped"]
+        print(f"{len(steps)} step{'s' if len(steps) > 1 else ''} skipped for a NaN or infinite loss or gradient "
+              f"norm (--on-nonfinite skip): {', '.join(map(str, steps[:20]))}{' ...' if len(steps) > 20 else ''}")
+    if result["stopped"]:
+        raise SystemExit(result["stopped"])
 
 
 if __name__ == "__main__":

@@ -232,3 +232,49 @@ def test_checkpoint_code_has_no_pickle_and_no_object_collectives():
     found = re.findall(r"\bimport pickle|\bpickle\.\w+|\b(?:all_gather|gather|broadcast|scatter|send|recv)_object"
                        r"(?:_list)?\(|torch\.load\(|\.consolidate_state_dict\(", code)
     assert not found, found
+
+
+# --- states holding a NaN or an infinity ----------------------------------------------------------
+
+def refused_nonfinite(root):
+    """Finite checkpoints of steps 1 and 2, then saves (``keep=1``) of states holding a NaN (a weight's
+    shard on rank 1 only) or an infinity (an AdamW moment on rank 0 only), each refused: (this rank's
+    messages, whether every file on disk stayed as it was, the checkpoints after a finite save of step 4)."""
+    out, mesh = Path(root) / "run", tensorpar.current_mesh()
+    model, optimizer = trained(0)
+    for step in (1, 2):
+        checkpoint.save(out, model, optimizer, step=step, keep=2)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    weight = model.transformer.wte.weight  # tied: the lm_head's too
+    moment = optimizer.state[weight]["exp_avg_sq"]
+    messages = []
+    for rank, tensor, value, save in ((1, weight, float("nan"), checkpoint.save),
+                                      (0, moment, float("inf"), checkpoint.async_save)):
+        kept = tensor.detach().clone()
+        if mesh.rank == rank:
+            with torch.no_grad():
+                tensor.view(-1)[-1] = value
+        try:
+            save(out, model, optimizer, step=3, keep=1)
+        except checkpoint.CheckpointError as e:
+            messages.append(str(e))
+        with torch.no_grad():
+            tensor.copy_(kept)
+    after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    checkpoint.save(out, model, optimizer, step=4, keep=1)
+    return messages, after == before, sorted(p.name for p in out.iterdir())
+
+
+def test_a_state_holding_nan_or_inf_is_never_saved_and_the_newest_finite_checkpoint_stays(worlds, tmp_path):
+    """A save (or an async save) of a state with one non-finite element on one rank is refused on every
+    rank, naming the tensor, and changes nothing on disk: retention (keep=1) cannot remove the newest
+    finite checkpoint; the next finite save prunes as usual."""
+    (mine, unchanged, kept), (theirs, unchanged_too, _) = worlds[2].run(refused_nonfinite, str(tmp_path))
+    assert unchanged and unchanged_too and kept == ["latest", "step-000004"]
+    said = ("the checkpoint of step 3 would hold NaN or infinite values (in {}): not saved, and the checkpoints "
+            "already in the directory are left as they are")
+    weight, moment = "model.transformer.wte.weight, model.lm_head.weight", "optim.state.transformer.wte.weight.exp_avg_sq"
+    assert theirs[0] == "rank 1: " + said.format(weight)
+    assert mine[0] == f"rank 1: {said.format(weight)} (so rank 0 did not save the checkpoint either)"
+    assert mine[1] == "rank 0: " + said.format(moment)
+    assert theirs[1] == f"rank 0: {said.format(moment)} (so rank 1 did not save the checkpoint either)"

@@ -5,6 +5,7 @@ a faked ``torch.cuda``)."""
 
 import runpy
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -117,6 +118,7 @@ def test_the_script_warns_before_its_ranks_start(monkeypatch, capsys, tmp_path, 
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: devices > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: devices)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 << 30))
 
     def no_ranks(*args, **kwargs):
         raise RanksWouldStart

@@ -72,6 +72,10 @@ def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimiz
     newest ``keep`` checkpoints stay. Saving a step that exists replaces it;
     until the new copy is in place, the old one stays reachable through
     ``latest``. The checkpoint is complete on disk when this returns on any rank.
+    A state holding a NaN or an infinity (a floating-point tensor of the model
+    or the optimizer, on any rank) is refused on every rank with a
+    :class:`CheckpointError` naming the tensors, and nothing on disk changes:
+    retention never removes the newest finite checkpoint.
 
     Example::
 

@@ -2,8 +2,11 @@
 the first rank then writes the manifest and publishes the directory.
 
 1. *prepare* (a collective): each rank picks the chunks it writes (:mod:`.state`,
-   :mod:`.optim`, :mod:`.rng`); the first rank clears what dead writers left and
-   makes a temporary directory, whose name every rank learns;
+   :mod:`.optim`, :mod:`.rng`) and checks that its floating-point ones are finite
+   (:mod:`.finite`: a NaN or an infinity anywhere refuses the save on every rank,
+   so a diverged state never replaces good checkpoints); the first rank clears
+   what dead writers left and makes a temporary directory, whose name every rank
+   learns;
 2. *write*: each rank saves its chunks with ``dcp.save`` (no coordination
    needed: each knows its boxes), :class:`~.planner.BoxSavePlanner` stating
    their offsets and :class:`~.storage.ShardWriter` streaming them, tensor by
@@ -39,11 +42,15 @@ from ..mesh import Mesh
 from . import index, optim, publish, rng, state
 from .agree import collect, described, settle, share
 from .boxes import Box
+from .finite import nonfinite
 from .groups import grouped_names, hyperparameters, merged_names
 from .manifest import CheckpointError, write_manifest
 from .meta import FORMAT, NAME, as_json, config_dict, dirname, shard_file, shard_files, step_of, whole
 from .planner import BoxSavePlanner
 from .storage import ShardWriter
+
+
+_SHOWN = 4  # the names of non-finite tensors an error lists
 
 
 @contextlib.contextmanager
@@ -101,6 +108,11 @@ def prepare(directory: str | Path, model: nn.Module, optimizer: torch.optim.Opti
         if optimizer is not None:
             more, more_boxes = optim.pieces(model, optimizer, mesh)
             tensors, boxes = tensors | more, boxes | more_boxes
+        bad = nonfinite(tensors)
+        if bad:
+            shown = ", ".join(bad[:_SHOWN]) + (f" and {len(bad) - _SHOWN} more" if len(bad) > _SHOWN else "")
+            raise CheckpointError(f"the checkpoint of step {step} would hold NaN or infinite values (in {shown}): "
+                                  "not saved, and the checkpoints already in the directory are left as they are")
         mine = rng.pieces(mesh)
         tensors |= mine
         boxes |= {k: Box((0,) * v.dim(), tuple(v.shape), tuple(v.shape)) for k, v in mine.items()}

@@ -1,8 +1,8 @@
 """Helpers for training loops: token data (bytes of a text, or nanoGPT's ``uint16`` token files)
 with deterministic per-step batches and a validation split, the LR schedule, the validation loss,
 the training script's command line, the device and dtype a run computes in and its speed (tokens/s,
-MFU, peak memory), and the run's log, progress bar, loss curve and optional TensorBoard / Weights &
-Biases logger. Not part of the runtime core: ``import tensorpar`` does not
+MFU, peak memory), the run's output directory (held by one run at a time), and the run's log,
+progress bar, loss curve and optional TensorBoard / Weights & Biases logger. Not part of the runtime core: ``import tensorpar`` does not
 import this package, and nothing in the core imports it; the example training script and the
 notebooks do.
 """
@@ -12,12 +12,13 @@ from .data import VOCAB_SIZE, ByteData, TokenData, default_corpus, open_splits
 from .device import (DTYPES, compute_dtype, cpu_fallback_warning, device_name, peak_memory_bytes,
                      peak_memory_per_rank, reset_peak_memory, warn_if_gpus_unused)
 from .evaluate import autocast_for, validation_loss
-from .output import open_log, open_logger, plot, progress
+from .output import open_log, open_logger, plot, progress, read_log
+from .rundir import hold
 from .schedule import cosine_lr
 from .throughput import Throughput, hardware_summary
 
 __all__ = ["DTYPES", "VOCAB_SIZE", "ByteData", "Throughput", "TokenData", "TrainConfig", "autocast_for",
            "build_parser", "compute_dtype", "cosine_lr", "cpu_fallback_warning", "default_corpus", "device_name",
-           "hardware_summary", "open_log", "open_logger", "open_splits", "parse_args", "peak_memory_bytes",
-           "peak_memory_per_rank", "plot", "progress", "reset_peak_memory", "resolve", "validation_loss",
-           "warn_if_gpus_unused"]
+           "hardware_summary", "hold", "open_log", "open_logger", "open_splits", "parse_args",
+           "peak_memory_bytes", "peak_memory_per_rank", "plot", "progress", "read_log", "reset_peak_memory", "resolve",
+           "validation_loss", "warn_if_gpus_unused"]

@@ -1,24 +1,37 @@
 """The training script's command line: every option with its help and default, and every check that
-can be made before a rank starts (sizes, world, data files, the checkpoint to resume, the logger's
-package), each failing as an argument error (exit code 2, one line naming the numbers)."""
+can be made before a rank starts (sizes, finite numbers, the seed's range, world, data files, the output
+directory, the checkpoint and metrics log to resume, the memory the model needs, the logger's package),
+each failing as an argument error (exit code 2, one line naming the numbers)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import importlib.util
+import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..checkpoint import CheckpointError
 from ..checkpoint.checked import read_checked
+from ..mesh import default_backend
 from .data import SCANNED_TOKENS, VOCAB_SIZE, open_splits
-from .device import DTYPES
+from .device import DTYPES, local_ranks
+from .output import read_log
+from .rundir import check_out
 
 GROUPS = ("model", "parallelism", "optimisation", "data and validation", "checkpoints and output")
 RESUME = ("never", "auto", "must")
+ON_NONFINITE = ("stop", "skip")
+#: the seeds torch.manual_seed accepts
+SEEDS = (-2**63, 2**64 - 1)
+#: bytes of training state per parameter: float32 weight and gradient, AdamW's two float32 moments
+WEIGHT_BYTES, GRAD_BYTES, ADAMW_BYTES = 4, 4, 8
 LOGGERS = ("none", "tensorboard", "wandb")
 #: the package each logger needs, and how to install it
 LOGGER_PACKAGES = (("tensorboard", "tensorboard", "pip install -e \".[tensorboard]\""),
@@ -73,6 +86,11 @@ class TrainConfig:
     warmup: int = _opt(20, "optimisation", "steps of linear warmup")
     weight_decay: float = _opt(0.1, "optimisation", "AdamW weight decay of matrices (none on biases and norms)")
     clip: float = _opt(1.0, "optimisation", "clip the norm of the whole unsharded gradient to this; 0: no clipping")
+    on_nonfinite: str = _opt("stop", "optimisation", "a step whose loss or gradient norm is NaN or infinite: "
+                             "'stop' ends the run there (exit code 1, naming the step and the values; no "
+                             "checkpoint of it, the earlier ones untouched), 'skip' drops that step's update on "
+                             "every rank (its gradients discarded, the optimizer not stepped; logged with "
+                             "\"skipped\": true) and goes on", choices=ON_NONFINITE)
     offload_optimizer: bool = _opt(False, "optimisation", "keep the AdamW state (and fp32 master weights) in host "
                                    "memory, stepping there (ZeRO-Offload style; with --fsdp, FSDP2's "
                                    "CPUOffloadPolicy, which keeps the parameters' dp shards there too)")
@@ -92,6 +110,9 @@ class TrainConfig:
     resume: str = _opt("never", "checkpoints and output", "continue from the newest checkpoint in --out: 'must' "
                        "(what --resume alone means) fails without one, 'auto' starts afresh without one",
                        nargs="?", const="must", choices=RESUME)
+    overwrite: bool = _opt(False, "checkpoints and output", "start afresh in an --out holding an earlier run "
+                           "(refused without this or --resume): its checkpoints, metrics and plots are moved "
+                           "into OUT/replaced-<time>/, nothing deleted")
     stop_at: int | None = _opt(None, "checkpoints and output", "end this run after step N, with a checkpoint "
                                "(--resume continues it to --steps)", shown="--steps", metavar="N")
     sample_tokens: int = _opt(200, "checkpoints and output", "tokens to sample at the end; 0: none")
@@ -107,8 +128,18 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         """Checks of the options among themselves (the environment is checked by :func:`resolve`)."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("float", "float | None") and value is not None and not math.isfinite(value):
+                raise ValueError(f"--{_flag(f.name)} must be a finite number, got {value}")
         if self.fsdp and self.zero:
             raise ValueError("--fsdp and --zero exclude each other: --fsdp shards the optimizer state over dp itself")
+        if self.overwrite and self.resume != "never":
+            raise ValueError("--overwrite and --resume exclude each other: --overwrite sets the earlier run aside, "
+                             "--resume continues it")
+        if not SEEDS[0] <= self.seed <= SEEDS[1]:
+            raise ValueError(f"--seed {self.seed} is outside the range torch.manual_seed accepts (-2**63 to "
+                             "2**64 - 1)")
         if self.stages_per_rank is None:
             self.stages_per_rank = 2 if self.schedule == "interleaved" else 1
         if self.microbatches is None:
@@ -176,9 +207,9 @@ def build_parser(prog: str | None = None, *, description: str = "", epilog: str 
 
 
 def parse_args(argv: list[str] | None = None, *, prog: str | None = None, description: str = "",
-               epilog: str = "") -> TrainConfig:
-    """The run's options from the command line, checked and resolved (:func:`resolve`); a bad one exits
-    as an argument error (code 2) before any rank starts.
+               epilog: str = "", parameters: Callable[[TrainConfig], int] | None = None) -> TrainConfig:
+    """The run's options from the command line, checked and resolved (:func:`resolve`, which is given
+    ``parameters``); a bad one exits as an argument error (code 2) before any rank starts.
 
     Example::
 
@@ -189,14 +220,16 @@ def parse_args(argv: list[str] | None = None, *, prog: str | None = None, descri
     if options["out"] in ("", "none"):
         options["out"] = None
     try:
-        return resolve(TrainConfig(**options))
+        return resolve(TrainConfig(**options), parameters=parameters)
     except ValueError as e:
         parser.error(str(e))
 
 
-def resolve(cfg: TrainConfig) -> TrainConfig:
+def resolve(cfg: TrainConfig, *, parameters: Callable[[TrainConfig], int] | None = None) -> TrainConfig:
     """``cfg`` with ``dp`` and ``vocab_size`` filled in, after checking it against the world (torchrun's
-    ``WORLD_SIZE``), the data, the checkpoint to resume and the logger's package (``ValueError``)."""
+    ``WORLD_SIZE``), the data, the output directory (:func:`~.rundir.check_out`), the checkpoint and the
+    metrics log to resume, the memory of this host or its GPUs (when ``parameters`` gives the model's
+    parameter count for a config) and the logger's package (``ValueError``)."""
     dp = _world_dp(cfg)
     if cfg.vocab_size is not None and cfg.vocab_size < cfg.tp:
         raise ValueError(f"--vocab-size {cfg.vocab_size} is smaller than --tp {cfg.tp}")
@@ -205,7 +238,12 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
         raise ValueError(f"--batch-size {cfg.batch_size} is not divisible by dp ({dp}) x --grad-accum "
                          f"({cfg.grad_accum}){pipelined}")
     cfg = dataclasses.replace(cfg, dp=dp, vocab_size=_check_data(cfg))
+    if cfg.out is not None:
+        # another job's lock: not on torchrun's other ranks (their rank 0 may hold it for them already)
+        check_out(Path(cfg.out), resume=cfg.resume, overwrite=cfg.overwrite, held=os.environ.get("RANK", "0") == "0")
     _check_resume(cfg)
+    if parameters is not None:
+        _check_memory(cfg, parameters(cfg))
     for name, package, install in LOGGER_PACKAGES:
         if cfg.logger == name and importlib.util.find_spec(package) is None:
             raise ValueError(f"--logger {name} needs the {package} package: {install}")
@@ -266,6 +304,9 @@ def _check_resume(cfg: TrainConfig) -> None:
         if cfg.resume == "auto" and not Path(cfg.out, "latest").exists() and not Path(cfg.out, "meta.json").exists():
             return
         raise ValueError(f"--resume: nothing to resume from: {e}") from None
+    log = Path(cfg.out, "metrics.jsonl")
+    if log.is_file():
+        read_log(log)  # a torn last line is dropped when the run resumes; any other bad line is refused now
     saved = meta.get("config") or {}
     ours = dataclasses.asdict(cfg)
     diff = ", ".join(f"--{_flag(k)}: checkpoint {saved[k]}, now {ours[k]}" for k in MODEL_FIELDS
@@ -277,3 +318,25 @@ def _check_resume(cfg: TrainConfig) -> None:
         raise ValueError(f"--resume: the checkpoint in {cfg.out} is at step {meta['step']}, nothing left to run "
                          f"up to step {last} (raise {'--stop-at' if cfg.stop_at else '--steps'} to train further)")
 
+
+def _check_memory(cfg: TrainConfig, parameters: int) -> None:
+    """The model's weights, gradients and AdamW state fit where the ranks keep them: each rank's share
+    (split over tp and pp; over dp too with --fsdp, the AdamW state with --zero) on its GPU when each
+    local rank has one, else all local ranks' shares in this host's memory."""
+    world = cfg.tp * cfg.dp * cfg.pp
+    split = cfg.tp * cfg.pp * (cfg.dp if cfg.fsdp else 1)
+    state_split = split * (cfg.dp if cfg.zero and not cfg.fsdp else 1)
+    weights = (WEIGHT_BYTES + GRAD_BYTES) * parameters / split
+    state = ADAMW_BYTES * parameters / state_split
+    local = local_ranks(world)
+    if default_backend(local) == "nccl":  # a GPU for each rank
+        need = weights + (0 if cfg.offload_optimizer else state)
+        capacity, where = torch.cuda.get_device_properties(0).total_memory, "on each rank's GPU"
+    else:
+        need = (weights + state) * local
+        capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        where = f"for this host's {local} rank{'s' if local > 1 else ''}"
+    if need > capacity:
+        raise ValueError(f"the model (--vocab-size {cfg.vocab_size}, --n-layer {cfg.n_layer}, --n-embd {cfg.n_embd}) "
+                         f"has {parameters:,} parameters: their weights, gradients and AdamW state take "
+                         f"{need / 2**30:,.1f} GiB {where}, more than its {capacity / 2**30:,.1f} GiB of memory")

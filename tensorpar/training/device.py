@@ -86,13 +86,19 @@ def cpu_fallback_warning(*, tp: int, dp: int, pp: int, local_ranks: int, cuda_de
             f"this run uses the CPU. {fix}")
 
 
+def local_ranks(world: int) -> int:
+    """The ranks of a run of ``world`` on this host: torchrun's ``LOCAL_WORLD_SIZE`` under torchrun,
+    else all of them (a local run starts them itself)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if "WORLD_SIZE" in os.environ else world
+
+
 def warn_if_gpus_unused(*, tp: int, dp: int, pp: int) -> None:
     """Print :func:`cpu_fallback_warning` for this host on stderr, if it applies: before a local run
     starts its ``tp * dp * pp`` ranks, or on rank 0 of torchrun's (``LOCAL_WORLD_SIZE`` per host)."""
     torchrun = "WORLD_SIZE" in os.environ
     if torchrun and os.environ.get("RANK", "0") != "0":
         return
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if torchrun else tp * dp * pp
+    local = local_ranks(tp * dp * pp)
     warning = cpu_fallback_warning(tp=tp, dp=dp, pp=pp, local_ranks=local, torchrun=torchrun,
                                    cuda_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0)
     if warning:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,14 +16,39 @@ SCALARS = (("loss", "train/loss"), ("val_loss", "val/loss"), ("lr", "train/lr"),
            ("tokens_per_s", "train/tokens_per_s"), ("mfu", "train/mfu"), ("peak_memory_mib", "train/peak_memory_mib"))
 
 
+def read_log(path: Path) -> tuple[list[tuple[str, dict[str, Any]]], int | None]:
+    """The lines of the metrics log ``path`` with their rows, and the number of a torn last line (cut
+    short by a run that ended while writing it: left out), or None. Any other line that is not a JSON
+    object with a ``step`` is a ``ValueError`` naming the file and the line."""
+    lines = [(number, line) for number, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    rows, torn = [], None
+    for position, (number, line) in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or "step" not in row:
+                raise ValueError("not a JSON object with a step")
+        except ValueError as e:
+            if position == len(lines):
+                torn = number
+                break
+            raise ValueError(f"{path}, line {number}: not a line of a metrics log ({e}): {line[:80]!r}") from None
+        rows.append((line, row))
+    return rows, torn
+
+
 def open_log(out: Path, start: int) -> Any:
     """The metrics log, one JSON line per step: a new run starts it afresh; a run resumed at step
     ``start`` keeps the lines of the steps before it and drops any later ones (steps run after the
-    checkpoint it resumes from, by a run that then stopped or died), so the log stays one line per step."""
+    checkpoint it resumes from, by a run that then stopped or died), so the log stays one line per step.
+    A last line cut short by a run that died while writing it is dropped, with a warning."""
     path = out / "metrics.jsonl"
     kept = []
     if start > 1 and path.exists():
-        kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < start]
+        rows, torn = read_log(path)
+        if torn is not None:
+            print(f"warning: {path}: line {torn} was cut short (a run ended while writing it): dropped",
+                  file=sys.stderr, flush=True)
+        kept = [line for line, row in rows if row["step"] < start]
     log = open(path, "w")  # noqa: SIM115 - the caller closes it
     log.writelines(line + "\n" for line in kept)
     return log
@@ -48,7 +74,7 @@ def plot(out: Path, *, unit: str = "byte") -> None:
     except ImportError:
         print("matplotlib is not installed (pip install 'tensorpar[plot]'): no loss.png")
         return
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [row for _, row in read_log(out / "metrics.jsonl")[0]]
     val = [r for r in rows if "val_loss" in r]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1, label="train")
