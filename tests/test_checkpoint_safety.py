@@ -15,7 +15,7 @@ import pytest
 import torch
 from checkpoint_cases import (Mixed, bitwise_equal, blocked, dead_pid, everything, killed_save, mixed_trained, picture,
                               trained)
-from checkpoint_damages import DAMAGES, RANK1
+from checkpoint_damages import DAMAGES, RANK1, SHARD, WTE, edit_meta, scalar
 
 import tensorpar
 from tensorpar import checkpoint
@@ -66,6 +66,34 @@ def test_every_rank_refuses_what_only_another_rank_needs(worlds, tmp_path):
     for kind, message, unchanged in worlds[2].run(refused_load, str(tmp_path), RANK1):
         assert kind == "CheckpointError" and DAMAGES[RANK1][1][0] in message, message
         assert unchanged
+
+
+def export_of_forged_sizes(root):
+    """The token embedding declared as 2**40 float32s, its file listed at its own size, then at 2**45 bytes:
+    what exporting the checkpoint raises (a declared size must never reach the allocator)."""
+    path = checkpoint.save(Path(root) / "run", trained(0)[0], step=1)
+    raised = []
+    for listed in (None, 2**45):
+        def forge(meta, listed=listed):
+            meta["tensors"][WTE] = scalar("F32", 2**40)
+            if listed:
+                meta["files"][SHARD]["bytes"] = listed
+        edit_meta(path, forge)
+        try:
+            checkpoint.export_state_dict(path)
+            raised.append(("no error", ""))
+        except Exception as e:  # the test checks the type
+            raised.append((type(e).__name__, str(e)))
+    return raised
+
+
+def test_an_export_checks_declared_sizes_before_allocating(worlds, tmp_path):
+    (kind, message), (listed_kind, listed_message) = worlds[1].run(export_of_forged_sizes, str(tmp_path))[0]
+    assert kind == listed_kind == "CheckpointError", (message, listed_message)
+    size = (tmp_path / "run" / "step-000001" / SHARD).stat().st_size
+    assert message.endswith(f"meta.json: tensors['{WTE}']: chunk [0] + [1099511627776] of rank 0 holds "
+                            f"4398046511104 bytes, more than its file {SHARD} ({size} bytes)")
+    assert listed_message.endswith(f"{SHARD} is corrupt or truncated (its size does not match meta.json)")
 
 
 # --- crashes during save, and what they leave behind ---------------------------------------------
