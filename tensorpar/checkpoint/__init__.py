@@ -72,6 +72,10 @@ def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimiz
     newest ``keep`` checkpoints stay. Saving a step that exists replaces it;
     until the new copy is in place, the old one stays reachable through
     ``latest``. The checkpoint is complete on disk when this returns on any rank.
+    The ranks must pass the same ``step``, ``keep`` and ``extra``: when they
+    differ, every rank raises the same :class:`CheckpointError` naming the ranks
+    and their values, and nothing is written. A rank whose launcher is gone
+    (see :mod:`tensorpar.lifeline`) publishes nothing: the save raises.
 
     Example::
 

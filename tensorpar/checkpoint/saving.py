@@ -3,7 +3,8 @@ the first rank then writes the manifest and publishes the directory.
 
 1. *prepare* (a collective): each rank picks the chunks it writes (:mod:`.state`,
    :mod:`.optim`, :mod:`.rng`); the first rank clears what dead writers left and
-   makes a temporary directory, whose name every rank learns;
+   makes a temporary directory, whose name every rank learns; the ranks compare
+   ``step``, ``keep`` and a SHA-256 of ``extra``, and all refuse when they differ;
 2. *write*: each rank saves its chunks with ``dcp.save`` (no coordination
    needed: each knows its boxes), :class:`~.planner.BoxSavePlanner` stating
    their offsets and :class:`~.storage.ShardWriter` streaming them, tensor by
@@ -11,7 +12,10 @@ the first rank then writes the manifest and publishes the directory.
 3. *finish* (a collective): the first rank gathers every rank's file hash and
    chunk list, checks that the chunks of each tensor cover it exactly, writes
    ``meta.json`` with the index and the hashes, publishes the directory
-   (:mod:`.publish`) and prunes old checkpoints; every rank learns the outcome.
+   (:mod:`.publish`) and prunes old checkpoints, unless the process that
+   launched it is gone (:func:`tensorpar.lifeline.launcher_gone`: its ranks are
+   about to end, and a restarted job may already be writing there); every rank
+   learns the outcome.
 
 :func:`async_save` copies this rank's chunks to CPU memory (its shard: a
 bounded buffer), runs step 2 in a thread and returns a :class:`PendingSave`
