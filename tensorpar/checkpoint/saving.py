@@ -39,9 +39,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 
+from ..lifeline import launcher_gone
 from ..mesh import Mesh
 from . import index, optim, publish, rng, state
-from ..lifeline import launcher_gone
 from .agree import collect, described, differences, settle, share
 from .boxes import Box
 from .groups import grouped_names, hyperparameters, merged_names
@@ -145,18 +145,18 @@ def _publish(job: Job, reports: list[dict[str, Any]]) -> None:
     entries = index.merge([r["chunks"] for r in reports])
     write_manifest(job.tmp, job.fields | {"tensors": index.to_json(entries)}, files,
                    {name: r["file"] for name, r in zip(files, reports)})
-    _launcher_running(job.final)
+    _launcher_running(job.final, "is not published")
     publish.publish(job.tmp, job.final)
-    _launcher_running(job.final)
+    _launcher_running(job.final, "is published, but older checkpoints are not pruned")
     publish.prune(job.final.parent, NAME, step_of, job.keep, job.final.name)
 
 
-def _launcher_running(final: Path) -> None:
-    """Raise unless the process that launched this rank still runs: a rank whose launcher is gone ends
-    soon (see :mod:`tensorpar.lifeline`) and publishes nothing in the meantime."""
+def _launcher_running(final: Path, otherwise: str) -> None:
+    """Raise (saying that ``final`` ``otherwise``) unless the process that launched this rank still runs:
+    a rank whose launcher is gone ends soon (see :mod:`tensorpar.lifeline`) and changes nothing meanwhile."""
     why = launcher_gone()
     if why is not None:
-        raise CheckpointError(f"{why}: {final} is not published")
+        raise CheckpointError(f"{why}: {final} {otherwise}")
 
 
 def finish(job: Job, written: dict[str, Any] | None, error: BaseException | None) -> Path:
