@@ -161,7 +161,9 @@ tensorpar.spawn(test_faults.save_once_the_launcher_is_gone, 2, sys.argv[1], time
 """
 
 _TORCHRUN_SAVER = """
-import sys, test_faults
+import sys
+sys.path.insert(0, sys.argv[2])
+import test_faults
 test_faults.save_once_the_launcher_is_gone(sys.argv[1])
 """
 
@@ -195,14 +197,10 @@ def test_a_rank_whose_launcher_is_gone_publishes_no_checkpoint(tmp_path, launche
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     (tmp_path / "job.py").write_text(_TORCHRUN_SAVER)
     cmd = {"spawn": [sys.executable, "-c", _SAVER, str(out)],
-           "torchrun": [torchrun, "--standalone", "--nproc-per-node=2", str(tmp_path / "job.py"), str(out)]}[launcher]
-    env_path = os.pathsep.join([str(TESTS), str(ROOT), os.environ.get("PYTHONPATH", "")])
-    os.environ["PYTHONPATH"], saved = env_path, os.environ.get("PYTHONPATH")
-    try:
-        _kill_launcher(cmd, TESTS, lambda: all((out / f"ready-{r}").exists() for r in range(2)),
-                       lambda: sorted(p.name for p in out.iterdir()))
-    finally:
-        os.environ.pop("PYTHONPATH") if saved is None else os.environ.__setitem__("PYTHONPATH", saved)
+           "torchrun": [torchrun, "--standalone", "--nproc-per-node=2", str(tmp_path / "job.py"), str(out),
+                        str(TESTS)]}[launcher]
+    _kill_launcher(cmd, TESTS, lambda: all((out / f"ready-{r}").exists() for r in range(2)),
+                   lambda: sorted(p.name for p in out.iterdir()))
     results = [(out / f"result-{r}").read_text() for r in range(2)]
     assert results[0].startswith("rank 0: the launching process") and " exited: " in results[0], results
     assert results[0].endswith("step-000002 is not published"), results
