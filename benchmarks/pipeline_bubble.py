@@ -63,7 +63,7 @@ def measure(kind: str, schedule: str, microbatches: int, steps: int, seconds: fl
     torch.set_num_threads(1)
     if kind == "timed":
         pipe = Pipeline([TimedStage(seconds)], [mesh.pp_rank], schedule=schedule, microbatches=microbatches,
-                        loss_fn=lambda out, _: out.mean(), timed=True)
+                        loss_fn=lambda out, _: out.mean(), stage_shapes=lambda stage, micro: (micro, micro), timed=True)
         batch = torch.ones(microbatches, 8), torch.zeros(microbatches)
     else:
         tensorpar.manual_seed(0)
@@ -71,7 +71,7 @@ def measure(kind: str, schedule: str, microbatches: int, steps: int, seconds: fl
         pipe = PipelinedGPT(config).pipeline(schedule, microbatches, timed=True)
         idx = torch.randint(0, 256, (2 * microbatches, 128))
         batch = idx, idx
-    pipe.step(*batch)  # warm-up: each stage learns its shapes from the first micro-batch
+    pipe.step(*batch)  # warm-up
     pipe.reset_times()
     for _ in range(steps):
         pipe.step(*batch)

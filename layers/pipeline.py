@@ -155,7 +155,27 @@ class PipelinedGPT(nn.Module):
         self.average_over_dp = wrap is None
         modules = [wrap(stage) if wrap else stage for stage in self.stages]
         return Pipeline(modules, self.stage_ids, self.mesh, schedule=schedule, microbatches=microbatches,
-                        loss_fn=self._loss, check_inputs=self._check, after_backward=self._backward_done, timed=timed)
+                        loss_fn=self._loss, stage_shapes=self.stage_shapes, check_inputs=self._check,
+                        after_backward=self._backward_done, timed=timed)
+
+    def stage_shapes(self, stage: int, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage ``stage``'s input and output (meta tensors) for a micro-batch of token ids ``idx`` ``(B, T)``:
+        ``idx`` itself into the first stage, hidden states ``(B, T, C)`` between stages (this rank's tokens
+        ``(B, T_r, C)`` with sequence parallelism), vocab-sharded logits ``(B, T, V / tp)`` out of the last.
+        The hidden states keep the parameters' dtype (the residual stream's: under autocast, its sum with a
+        lower-precision branch promotes back to it); the logits come from the head in the autocast dtype."""
+        b, t = idx.shape
+        device = self.mesh.device.type
+        autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        dtype = next(self.parameters()).dtype
+        rows = tensorpar.sequence_sizes(t, self.mesh.tp)[self.mesh.tp_rank] if self.config.sequence_parallel else t
+        hidden = torch.empty(b, rows, self.config.n_embd, device="meta",
+                             dtype=dtype if autocast is None else torch.promote_types(dtype, autocast))
+        first = idx if stage == 0 else hidden
+        if stage < self.stages[0].n_stages - 1:
+            return first, hidden
+        logits = torch.empty(b, t, self.lm_head.local_features, dtype=autocast or dtype, device="meta")
+        return first, logits
 
     def _backward_done(self) -> None:
         self._tied_pending = True
@@ -210,12 +230,13 @@ class PipelinedGPT(nn.Module):
         self.finish_gradients()
         return tensorpar.grad_norm(self, pp_group=self.mesh.pp_group, exclude=(HEAD,) if self.copied_head else ())
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, *, error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip by :meth:`grad_norm`, as ``torch.nn.utils.clip_grad_norm_`` would on the whole model;
-        return the norm before."""
+        return the norm before (see :func:`tensorpar.clip_grad_norm_` for ``error_if_nonfinite``)."""
         self.finish_gradients()
         return tensorpar.clip_grad_norm_(self, max_norm, pp_group=self.mesh.pp_group,
-                                         exclude=(HEAD,) if self.copied_head else ())
+                                         exclude=(HEAD,) if self.copied_head else (),
+                                         error_if_nonfinite=error_if_nonfinite)
 
 
 def average_(grads: list[torch.Tensor], group: dist.ProcessGroup, bucket_bytes: int = 25 << 20) -> None:

@@ -117,7 +117,8 @@ def _summed(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     return x if _size(group) == 1 else all_reduce_sum(x, group)
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, group: ProcessGroup | None = None, *,
-                    pp_group: ProcessGroup | None = None, exclude: Collection[str] = ()) -> torch.Tensor:
+                    pp_group: ProcessGroup | None = None, exclude: Collection[str] = (),
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
     """Scale the gradients so that the unsharded model's gradient norm is at most ``max_norm``
     (as ``torch.nn.utils.clip_grad_norm_`` would on the unsharded model); return the norm before.
 
@@ -125,8 +126,13 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, group: ProcessGroup | Non
     models sharded over dp with :func:`tensorpar.fully_shard_dp`, and on pipeline stages (``pp_group``,
     ``exclude``: see :func:`grad_norm`).
 
-    No host sync: the factor ``min(1, max_norm / norm)`` stays on the device and every gradient is
-    multiplied by it (as torch's own clipping does; by exactly 1.0 when the norm is within ``max_norm``).
+    No host sync: the factor ``min(1, max_norm / (norm + 1e-6))`` stays on the device and every gradient
+    is multiplied by it (as torch's own clipping does; by exactly 1.0 when the norm is within
+    ``max_norm``). As in torch, a NaN or infinite gradient makes the norm non-finite and the factor
+    NaN or 0, which then reaches every gradient; ``error_if_nonfinite=True`` raises a ``RuntimeError``
+    naming the norm instead, before any gradient changes, on every rank (the norm is the same on all),
+    at the cost of one host sync. ``max_norm`` must be a number >= 0 (``ValueError`` otherwise: a
+    negative one would flip the gradients); 0 zeroes them.
 
     Example::
 
@@ -134,8 +140,18 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, group: ProcessGroup | Non
         norm = tensorpar.clip_grad_norm_(model, 1.0)
         optimizer.step()
     """
+    try:
+        limit = float(max_norm)
+    except (TypeError, ValueError):
+        raise TypeError(f"clip_grad_norm_: max_norm must be a number, got {max_norm!r:.80}") from None
+    if not limit >= 0:  # NaN too
+        raise ValueError(f"clip_grad_norm_: max_norm must be a number >= 0, got {limit} "
+                         "(a negative one would flip the gradients)")
     norm = grad_norm(model, group, pp_group=pp_group, exclude=exclude)
-    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # (), on the device: nothing branches on it
+    if error_if_nonfinite and not torch.isfinite(norm).item():
+        raise RuntimeError(f"clip_grad_norm_: the total norm of the gradients is {norm.item()}, not finite, so "
+                           "it cannot be clipped (error_if_nonfinite=False scales the gradients by it anyway)")
+    coef = (limit / (norm + 1e-6)).clamp(max=1.0)  # (), on the device: nothing branches on it
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for p in model.parameters():
         if p.grad is not None:

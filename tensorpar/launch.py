@@ -233,6 +233,20 @@ class LocalRanks:
             p.join()
 
 
+def _running_job() -> str | None:
+    """How this process is a rank of a running job (started by ``torchrun``, by :func:`spawn` or by
+    the test pool, or in a process group of several ranks), in words; None for a plain process."""
+    env = os.environ
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return f"this process is rank {dist.get_rank()} of a process group of {dist.get_world_size()}"
+    if "TORCHELASTIC_RUN_ID" in env:
+        return f"this process is a rank started by torchrun (TORCHELASTIC_RUN_ID={env['TORCHELASTIC_RUN_ID']!r})"
+    if "WORLD_SIZE" in env and ("RANK" in env or "LOCAL_RANK" in env):
+        rank = env.get("RANK", env.get("LOCAL_RANK"))
+        return f"this process is rank {rank} of {env['WORLD_SIZE']} (its RANK and WORLD_SIZE are set, as torchrun's)"
+    return None
+
+
 def _run_once(packed: Packed, timeout: timedelta, conn: multiprocessing.connection.Connection) -> None:
     def work() -> Any:
         fn, args = unpack(packed)
@@ -249,10 +263,12 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None =
     per rank). ``fn`` must be importable: defined at the top level of a .py
     file, not in a REPL, on stdin, with ``python -c`` or in a notebook cell
     (``ValueError``), nor a lambda or a function inside a function
-    (``TypeError``); both are raised before any rank starts. A rank that
-    raises or exits makes the whole call raise :class:`RankError` naming it; so
-    does a run longer than ``timeout`` seconds. Collectives inside time out
-    after ``collective_timeout``.
+    (``TypeError``); both are raised before any rank starts, and so is a
+    ``RuntimeError`` when this process is itself a rank of a running job (under
+    ``torchrun``, say: call ``fn`` directly there). A rank that raises or exits
+    makes the whole call raise :class:`RankError` naming it; so does a run
+    longer than ``timeout`` seconds. Collectives inside time out after
+    ``collective_timeout``.
 
     Example::
 
@@ -262,6 +278,11 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None =
 
         tensorpar.spawn(work, 2)   # [torch.Size([2, 8]), torch.Size([2, 8])]
     """
+    job = _running_job()
+    if job is not None:
+        raise RuntimeError(f"tensorpar.spawn cannot start {nprocs} ranks here: {job}, so every rank of that job "
+                           "would start a job of its own. Call the function directly on the existing ranks "
+                           "(tensorpar.init reads torchrun's environment), or spawn from a plain process")
     packed = pack(fn, args, caller="tensorpar.spawn")
     ranks = LocalRanks(functools.partial(_run_once, packed, collective_timeout), nprocs, backend=backend,
                        collective_timeout=collective_timeout)

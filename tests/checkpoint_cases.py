@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from torch.distributed import distributed_c10d
 
 import tensorpar
 from layers import GPT, GPTConfig
@@ -149,7 +150,7 @@ def mixed_trained(seed, **options):
 
 
 def refuse_unpickling(*args, **kwargs):
-    raise AssertionError("checkpoint code unpickled data or ran an object collective")
+    raise AssertionError("the code under test unpickled data or ran an object collective")
 
 
 class RefusedUnpickler(pickle.Unpickler):
@@ -157,12 +158,14 @@ class RefusedUnpickler(pickle.Unpickler):
         refuse_unpickling()
 
 
-#: (module, name, replacement): every way to unpickle, and the object collectives (which unpickle)
-BLOCKED = [(pickle, "Unpickler", RefusedUnpickler)] + [
+#: (module, name, replacement): every way to unpickle, and the object collectives (which unpickle, through
+#: the Unpickler that torch.distributed holds as its own)
+BLOCKED = [(pickle, "Unpickler", RefusedUnpickler), (distributed_c10d, "_unpickler", RefusedUnpickler)] + [
     (module, name, refuse_unpickling) for module, names in ((pickle, ("loads", "load")), (torch, ("load",)),
                                                             (torch.distributed, ("all_gather_object", "gather_object",
                                                                                  "broadcast_object_list",
-                                                                                 "scatter_object_list")))
+                                                                                 "scatter_object_list",
+                                                                                 "recv_object_list")))
     for name in names]
 
 

@@ -88,6 +88,11 @@ def replace_file(path, name, data):
     edit_meta(path, lambda meta: meta["files"].update({name: {"sha256": digest, "bytes": len(data)}}))
 
 
+def garbage(path):
+    """Bytes of the size of ``path`` that no safetensors reader can read (a header of 16 bytes of garbage)."""
+    return (b"\x10" + b"\0" * 7 + b"garbage!").ljust(path.stat().st_size, b"\0")
+
+
 def link_outside(path, name):
     """Replace a file of the checkpoint by a link to an identical file outside it (its hash still matches)."""
     outside = path.parent.parent / "outside"
@@ -134,6 +139,13 @@ def add(name, entry):
     return in_index(lambda t: t.update({name: entry}))
 
 
+def huge_cuda_state(meta, file_bytes=None):
+    """A CUDA generator state of 2**40 bytes for rank 0 (and, with ``file_bytes``, its file listed that large)."""
+    meta["tensors"]["rng.rank0.cuda"] = scalar("U8", 2**40)
+    if file_bytes:
+        meta["files"][SHARD]["bytes"] = file_bytes
+
+
 def resize_rank0_cpu(index):
     index["rng.rank0.cpu"] = scalar("U8", 100)
 
@@ -174,7 +186,7 @@ DAMAGES = {
     "shard truncated": (lambda p: (p / SHARD).write_bytes((p / SHARD).read_bytes()[:99]),
                         [f"{SHARD} is corrupt or truncated (its size does not match meta.json)"]),
     "shard bytes flipped": (flip_last_bytes, [f"{SHARD}: ", " is corrupt (its SHA-256 does not match meta.json)"]),
-    "shard garbage": (lambda p: replace_file(p, SHARD, b"\x10" + b"\0" * 7 + b"garbage!"),
+    "shard garbage": (lambda p: replace_file(p, SHARD, garbage(p / SHARD)),
                       [f"{SHARD}", "cannot be read"]),
     "shard a link outside": (lambda p: link_outside(p, SHARD), [f"{SHARD} is not a regular"]),
     "index not an object": (in_meta(lambda m: m.update(tensors=[])), ["meta.json: tensors must be an object"]),
@@ -204,6 +216,16 @@ DAMAGES = {
                              ["meta.json: rng.rank0.cpu must be ", " bytes (it is torch.uint8 of shape (100,))"]),
     "rng state garbage": (in_file(lambda t: t["rng.rank0.tp.cpu"].fill_(255)),
                           [f"{SHARD}: rng.rank0.tp.cpu is no valid generator state"]),
+    "rng state of 2**40 bytes": (in_meta(huge_cuda_state),
+                                 ["meta.json: tensors['rng.rank0.cuda']: chunk [0] + [1099511627776] of rank 0 holds "
+                                  f"1099511627776 bytes, more than its file {SHARD} ("]),
+    "rng state of 2**40 bytes in a file listed larger": (in_meta(lambda m: huge_cuda_state(m, 2**41)),
+                                                         ["meta.json: rng.rank0.cuda must be a generator state of at "
+                                                          "most ", " bytes (it is torch.uint8 of shape (1099511627776,))"]),
+    "model config forged": (in_meta(lambda m: m["config"].update(n_embd=24)),
+                            ["meta.json: config does not match the model's (n_embd: checkpoint 24, model 16)"]),
+    "optimizer groups forged": (in_meta(lambda m: m["param_groups"][0]["params"].pop()),
+                                ["meta.json: param_groups[0] lacks ['", "(its parameters, or their grouping, differ"]),
     "rng rank missing": (in_index(lambda t: t.pop("rng.rank0.cpu")), ["meta.json: rng.rank0.cpu is missing"]),
     "rng rank unknown": (add("rng.rank7.cpu", scalar("U8", 5056)),
                          ["meta.json: rng.rank7.cpu is not a generator state of ranks 0-0"]),

@@ -100,7 +100,7 @@ def test_with_checks_on_every_rank_raises_when_one_rank_finds_a_collective_wrong
     assert "rank 0: sizes[0]=4, sizes[1]=3" in gather0.replace("dtype=float32, before=2, along=0, after=1, ", "")
     assert "rank 0: all-gather along dim -1: rank 0 of 2 holds 3 elements there but the split is [4, 3]" in gather0
     assert reduce0 == reduce1 == ("ValueError: all-reduce: the ranks' calls do not match (rank 0: numel=4, "
-                                  "dtype=float32, op=0; rank 1: numel=8, dtype=float32, op=0)")
+                                  "dtype=float32, op=sum; rank 1: numel=8, dtype=float32, op=sum)")
 
 
 def test_the_checks_are_off_unless_asked_for():

@@ -15,7 +15,7 @@ import pytest
 import torch
 from checkpoint_cases import (Mixed, bitwise_equal, blocked, dead_pid, everything, killed_save, mixed_trained, picture,
                               trained)
-from checkpoint_damages import DAMAGES, RANK1
+from checkpoint_damages import DAMAGES, RANK1, SHARD, WTE, edit_meta, scalar
 
 import tensorpar
 from tensorpar import checkpoint
@@ -66,6 +66,68 @@ def test_every_rank_refuses_what_only_another_rank_needs(worlds, tmp_path):
     for kind, message, unchanged in worlds[2].run(refused_load, str(tmp_path), RANK1):
         assert kind == "CheckpointError" and DAMAGES[RANK1][1][0] in message, message
         assert unchanged
+
+
+def export_of_forged_sizes(root):
+    """The token embedding declared as 2**40 float32s, its file listed at its own size, then at 2**45 bytes:
+    what exporting the checkpoint raises (a declared size must never reach the allocator)."""
+    path = checkpoint.save(Path(root) / "run", trained(0)[0], step=1)
+    raised = []
+    for listed in (None, 2**45):
+        def forge(meta, listed=listed):
+            meta["tensors"][WTE] = scalar("F32", 2**40)
+            if listed:
+                meta["files"][SHARD]["bytes"] = listed
+        edit_meta(path, forge)
+        try:
+            checkpoint.export_state_dict(path)
+            raised.append(("no error", ""))
+        except Exception as e:  # the test checks the type
+            raised.append((type(e).__name__, str(e)))
+    return raised
+
+
+def test_an_export_checks_declared_sizes_before_allocating(worlds, tmp_path):
+    (kind, message), (listed_kind, listed_message) = worlds[1].run(export_of_forged_sizes, str(tmp_path))[0]
+    assert kind == listed_kind == "CheckpointError", (message, listed_message)
+    size = (tmp_path / "run" / "step-000001" / SHARD).stat().st_size
+    assert message.endswith(f"meta.json: tensors['{WTE}']: chunk [0] + [1099511627776] of rank 0 holds "
+                            f"4398046511104 bytes, more than its file {SHARD} ({size} bytes)")
+    assert listed_message.endswith(f"{SHARD} is corrupt or truncated (its size does not match meta.json)")
+
+
+def saves_that_disagree(root):
+    """Saves whose step, keep or extra differ between the ranks (or whose step only one rank gets wrong):
+    what each raised, and what each left in its directory."""
+    rank = tensorpar.current_mesh().rank
+    model = trained(0)[0]
+    cases = {"step": dict(step=3 + rank), "keep": dict(step=3, keep=2 + rank),
+             "extra": dict(step=3, extra={"tokens": [rank]}), "one bad step": dict(step=-1 if rank else 3),
+             "async step": dict(step=5 + rank)}
+    raised = {}
+    for name, options in cases.items():
+        save = checkpoint.async_save if name.startswith("async") else checkpoint.save
+        try:
+            result = save(Path(root) / name, model, **options)
+            raised[name] = f"saved {result if isinstance(result, Path) else result.wait()}"
+        except checkpoint.CheckpointError as e:
+            raised[name] = str(e)
+    torch.distributed.barrier()
+    return raised, {name: sorted(os.listdir(Path(root) / name)) for name in cases if (Path(root) / name).exists()}
+
+
+def test_ranks_that_disagree_on_a_save_all_refuse_it_and_nothing_is_written(worlds, tmp_path):
+    (raised0, left), (raised1, _) = worlds[2].run(saves_that_disagree, str(tmp_path))
+    differ = "the ranks must save with the same arguments, and they differ"
+    assert raised0["step"] == raised1["step"] == f"{differ} (step: 3 on rank 0, 4 on rank 1)"
+    assert raised0["keep"] == raised1["keep"] == f"{differ} (keep: 2 on rank 0, 3 on rank 1)"
+    assert raised0["async step"] == raised1["async step"] == f"{differ} (step: 5 on rank 0, 6 on rank 1)"
+    assert raised0["extra"] == raised1["extra"] and raised0["extra"].startswith(f"{differ} (extra's SHA-256: ")
+    assert re.fullmatch(r'.*: "[0-9a-f]{16}" on rank 0, "[0-9a-f]{16}" on rank 1\)', raised0["extra"])
+    bad = "step must be an integer >= 0 and keep one >= 1 (got step=-1, keep=2)"
+    assert raised1["one bad step"] == f"rank 1: {bad}"
+    assert raised0["one bad step"] == f"rank 1: {bad} (so rank 0 did not save the checkpoint either)"
+    assert all(names == [] for names in left.values()), left  # no checkpoint, no temporary, no latest
 
 
 # --- crashes during save, and what they leave behind ---------------------------------------------

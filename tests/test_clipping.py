@@ -66,3 +66,57 @@ def mixed_dtype_clipping(seed):
 def test_clipping_takes_gradients_of_several_dtypes_at_once(worlds, tp):
     errors = worlds[tp].run(mixed_dtype_clipping, tp)
     assert all(e["norm"] <= 1e-6 for e in errors)
+
+
+def clip_like_torch(case):
+    """Our clipping of the sharded GPT and torch's of the plain twin, after the same backward, with a NaN
+    or an infinity put into a replicated gradient (ln_f's, held whole by every rank) or none:
+    (norms, clipped gradients) of both, or the errors both raise (and whether the gradients kept still)."""
+    cfg = dict(n_layer=1, n_head=2, n_kv_head=2, n_embd=8, vocab_size=16, block_size=4, bias=True, mlp="gelu")
+    ref, model = twins(cfg, torch.float64, 0)
+    idx, targets = batch(cfg, 2, 4, 0)
+    model(idx, targets).backward()
+    ref(idx, targets).backward()
+    bad, max_norm, error_if_nonfinite = case
+    if bad is not None:
+        model.transformer.ln_f.weight.grad[1] = bad
+        ref.transformer.ln_f.weight.grad[1] = bad
+    before = {k: g.clone() for k, g in tensorpar.full_grads(model).items()}
+    outcome = {}
+    for name, clip in (("ours", lambda: tensorpar.clip_grad_norm_(model, max_norm,
+                                                                  error_if_nonfinite=error_if_nonfinite)),
+                       ("torch", lambda: torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm,
+                                                                        error_if_nonfinite=error_if_nonfinite))):
+        try:
+            outcome[name] = float(clip())
+        except (RuntimeError, ValueError) as e:
+            outcome[name] = f"{type(e).__name__}: {e}"
+    grads = tensorpar.full_grads(model)
+    kept = all(torch.equal(before[k].nan_to_num(), g.nan_to_num()) for k, g in grads.items())
+    ref_grads = {k: p.grad for k, p in ref.named_parameters()} | {"lm_head.weight": ref.transformer.wte.weight.grad}
+    same = all(torch.allclose(g, ref_grads[k], rtol=1e-6, atol=1e-12, equal_nan=True) for k, g in grads.items())
+    return outcome, same, kept
+
+
+def test_clipping_matches_torch_on_non_finite_gradients_and_refuses_a_negative_max_norm(worlds):
+    nan, inf = float("nan"), float("inf")
+    cases = {"nan": (nan, 1.0, False), "inf": (inf, 1.0, False), "zero max_norm": (None, 0.0, False),
+             "nan, error": (nan, 1.0, True), "inf, error": (inf, 1.0, True), "finite, error": (None, 0.1, True),
+             "negative max_norm": (None, -1.0, False), "nan max_norm": (None, nan, False)}
+    for name, case in cases.items():
+        results = worlds[2].run(clip_like_torch, case)
+        assert str(results[0]) == str(results[1]), results  # the same on every rank (str: NaN != NaN)
+        outcome, same, kept = results[0]
+        ours, theirs = outcome["ours"], outcome["torch"]
+        if name in ("nan", "inf"):  # the norm is torch's, and so are the gradients: NaN, or 0 and NaN
+            assert str(ours) == str(theirs) == name and same and not kept
+        elif name.endswith(", error") and name != "finite, error":
+            assert theirs.startswith("RuntimeError: The total norm of order 2") and kept, outcome
+            assert ours == (f"RuntimeError: clip_grad_norm_: the total norm of the gradients is {name[:3]}, not "
+                            "finite, so it cannot be clipped (error_if_nonfinite=False scales the gradients by it "
+                            "anyway)")
+        elif name.endswith("max_norm") and name != "zero max_norm":
+            assert ours == (f"ValueError: clip_grad_norm_: max_norm must be a number >= 0, got {case[1]} (a negative "
+                            "one would flip the gradients)") and kept
+        else:  # zero max_norm zeroes the gradients; a finite norm passes error_if_nonfinite
+            assert abs(ours - theirs) <= 1e-6 * theirs and same and not kept

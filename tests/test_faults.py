@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from datetime import timedelta
@@ -25,6 +26,7 @@ import torch.distributed as dist
 
 import tensorpar
 import tensorpar.checkpoint
+from tensorpar import lifeline
 from tensorpar.comm import shm
 from tensorpar.comm.collectives import CollectiveError, all_gather_along, reduce_scatter_along, start_all_reduce_
 from tensorpar.training.rundir import check_out
@@ -155,6 +157,61 @@ def test_ranks_stop_when_a_pool_or_torchrun_launcher_is_killed(tmp_path, launche
     print(f"{launcher} launcher killed by SIGKILL: every rank gone after {took:.2f} s")
 
 
+_SAVER = """
+import sys, tensorpar, test_faults
+tensorpar.spawn(test_faults.save_once_the_launcher_is_gone, 2, sys.argv[1], timeout=600)
+"""
+
+_TORCHRUN_SAVER = """
+import sys
+sys.path.insert(0, sys.argv[2])
+import test_faults
+test_faults.save_once_the_launcher_is_gone(sys.argv[1])
+"""
+
+
+def save_once_the_launcher_is_gone(out):
+    """Save step 1; then, with this rank's own ending held back (its lifeline's exit blocks), wait until
+    the launcher is gone and save step 2: what that save raised goes to ``result-<rank>``."""
+    mesh = tensorpar.init(tp=2)
+    model = torch.nn.Linear(2, 2)
+    tensorpar.checkpoint.save(out, model, step=1)
+    held = threading.Event()
+    lifeline._end = lambda rank, why: held.wait()  # the window between the launcher's end and this rank's
+    parent = os.getppid()
+    (Path(out) / f"ready-{mesh.rank}").touch()
+    deadline = time.monotonic() + 60
+    while os.getppid() == parent and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        tensorpar.checkpoint.save(out, model, step=2)
+        result = "saved"
+    except tensorpar.checkpoint.CheckpointError as e:
+        result = str(e)
+    (Path(out) / f"result-{mesh.rank}").write_text(result)
+    os._exit(0)
+
+
+@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
+def test_a_rank_whose_launcher_is_gone_publishes_no_checkpoint(tmp_path, launcher, no_leftover_segments):
+    out = tmp_path / "run"
+    out.mkdir()
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    (tmp_path / "job.py").write_text(_TORCHRUN_SAVER)
+    cmd = {"spawn": [sys.executable, "-c", _SAVER, str(out)],
+           "torchrun": [torchrun, "--standalone", "--nproc-per-node=2", str(tmp_path / "job.py"), str(out),
+                        str(TESTS)]}[launcher]
+    _kill_launcher(cmd, TESTS, lambda: all((out / f"ready-{r}").exists() for r in range(2)),
+                   lambda: sorted(p.name for p in out.iterdir()))
+    results = [(out / f"result-{r}").read_text() for r in range(2)]
+    assert results[0].startswith("rank 0: the launching process") and " exited: " in results[0], results
+    assert results[0].endswith("step-000002 is not published"), results
+    assert results[1].startswith("rank 0: the launching process") and "so rank 1 did not save" in results[1], results
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(("ready-", "result-"))) == [
+        "latest", "step-000001"]
+    assert (out / "latest").read_text() == "step-000001\n"
+
+
 # ---------------------------------------------------------------- ranks that disagree
 
 def _fresh_channels(mesh):
@@ -221,6 +278,43 @@ def test_a_shared_memory_channel_grows_together_and_stays_exact(worlds):
         for out, _ in results:
             assert torch.equal(out[i][1], expected)
     assert results[0][1] == results[1][1] >= 8_000_000
+
+
+def disagreeing_after_a_failure():
+    """The shared-memory channel fails (the ranks disagree on the op), then the ranks disagree again,
+    on gloo: on the op, on the kind of call, on the call itself."""
+    mesh = _fresh_channels(tensorpar.current_mesh())
+    rank, group = mesh.tp_rank, mesh.tp_group
+    errors = []
+    with tensorpar.use_mesh(mesh):
+        start_all_reduce_(torch.ones(2), group).wait()
+        with pytest.raises(CollectiveError):
+            start_all_reduce_(torch.ones(4), group, op=("sum", "max")[rank]).wait()
+        assert mesh.channels[group].broken
+        calls = [lambda: start_all_reduce_(torch.full((3,), 100.0 + rank), group, op=("sum", "max")[rank]).wait(),
+                 lambda: (all_gather_along, reduce_scatter_along)[rank](torch.ones(2, 4), 0, [(2, 2), (1, 1)][rank],
+                                                                        group),
+                 lambda: start_all_reduce_(torch.ones(8), group).wait() if rank == 0
+                 else all_gather_along(torch.ones(2, 2), 0, [2, 2], group)]
+        for call in calls:
+            try:
+                call()
+            except ValueError as e:
+                errors.append(str(e))
+            else:
+                errors.append(None)
+        after = start_all_reduce_(torch.full((3,), float(rank + 1)), group).wait()  # agreeing calls still work
+    return errors, after.tolist()
+
+
+def test_after_a_shared_memory_failure_every_later_disagreement_is_still_an_error(worlds):
+    (errors0, after0), (errors1, after1) = worlds[2].run(disagreeing_after_a_failure)
+    assert after0 == after1 == [3.0, 3.0, 3.0]
+    assert errors0[0] == errors1[0] == ("all-reduce: the ranks' calls do not match (rank 0: numel=3, dtype=float32, "
+                                        "op=sum; rank 1: numel=3, dtype=float32, op=max)")
+    assert errors0[1].startswith("all-gather: the ranks' calls do not match (") and "rank 1: reduce-scatter" in errors0[1]
+    assert errors1[1].startswith("reduce-scatter: the ranks' calls do not match (") and "rank 0: all-gather" in errors1[1]
+    assert "rank 1: all-gather" in errors0[2] and "rank 0: all-reduce" in errors1[2]
 
 
 # ---------------------------------------------------------------- a peer stops or dies

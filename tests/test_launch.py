@@ -3,6 +3,8 @@ function that new processes cannot find refused by name before any rank starts."
 
 import contextlib
 import dataclasses
+import json
+import multiprocessing
 import os
 import re
 import signal
@@ -227,3 +229,42 @@ def test_a_rank_that_cannot_load_the_function_says_why(worlds, unimportable):
     with pytest.raises(tensorpar.RankError, match=r"rank \d: " + said):
         worlds[2].run(unimportable)
     assert worlds[2].run(report, 0)[1][:2] == (1, 2)  # the pool serves on
+
+
+def spawn_inside_a_rank():
+    """What ``tensorpar.spawn`` raises in a rank of a running job, and how many processes it started."""
+    started = []
+    start = multiprocessing.context.SpawnProcess.start
+    multiprocessing.context.SpawnProcess.start = lambda self: started.append(self) or start(self)
+    try:
+        tensorpar.spawn(os.getpid, 2)
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    finally:
+        multiprocessing.context.SpawnProcess.start = start
+    return error, len(started)
+
+
+UNDER_TORCHRUN = """
+import json, test_launch
+print(json.dumps(test_launch.spawn_inside_a_rank()))
+"""
+
+
+def test_spawn_inside_a_rank_of_a_running_job_is_refused_before_anything_starts(worlds):
+    """A job's ranks (here the pool's, in one process group; then a process with torchrun's environment)
+    that call spawn would each start a job of their own: refused, naming what this process is."""
+    for rank, (error, started) in enumerate(worlds[2].run(spawn_inside_a_rank)):
+        assert error == (f"tensorpar.spawn cannot start 2 ranks here: this process is rank {rank} of a process "
+                         "group of 2, so every rank of that job would start a job of its own. Call the function "
+                         "directly on the existing ranks (tensorpar.init reads torchrun's environment), or spawn "
+                         "from a plain process") and started == 0
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env |= {"TORCHELASTIC_RUN_ID": "job-7", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2",
+            "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", UNDER_TORCHRUN], capture_output=True, text=True, env=env,
+                          timeout=120, check=True)
+    error, started = json.loads(done.stdout)
+    assert error.startswith("tensorpar.spawn cannot start 2 ranks here: this process is a rank started by torchrun "
+                            "(TORCHELASTIC_RUN_ID='job-7'), so every rank") and started == 0

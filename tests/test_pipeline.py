@@ -8,6 +8,7 @@ and parameters after AdamW steps agree to round-off."""
 
 import pytest
 import torch
+from checkpoint_cases import blocked
 from gpt_cases import gpt_configs, key_bias_drift
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -146,6 +147,41 @@ def test_pipelined_training_equals_the_unsharded_gpt(worlds, world, pp, schedule
     for errors in results:
         worst = {"norm" in k: v for k, v in sorted(errors.items(), key=lambda kv: kv[1])}
         assert worst.get(False, 0) <= TOLERANCE[dtype] and worst.get(True, 0) <= NORM_TOLERANCE[dtype]
+
+
+def steps_without_unpickling(schedule, stages_per_rank, sequence_parallel):
+    """A training step in float32, one under bfloat16 autocast and an evaluation of the pipelined GPT while
+    every way to unpickle (``recv_object_list`` included) raises; the plain GPT's losses on the same batch
+    (under the same autocast)."""
+    cfg = dict(n_layer=tensorpar.current_mesh().pp * stages_per_rank, n_head=2, n_embd=16, vocab_size=32,
+               block_size=8)
+    torch.manual_seed(0)
+    ref = RefGPT(RefConfig(**cfg))
+    model = PipelinedGPT(GPTConfig(**cfg, sequence_parallel=sequence_parallel), stages_per_rank=stages_per_rank)
+    model.load_full_state_dict(ref.state_dict())
+    pipe = model.pipeline(schedule, 2)
+    idx = torch.randint(0, 32, (4, 7), generator=torch.Generator().manual_seed(1))
+    with blocked():
+        losses = [pipe.step(idx, idx)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses.append(pipe.step(idx, idx))
+        losses.append(pipe.evaluate(idx, idx))
+    with torch.no_grad():
+        expected = [ref(idx, idx)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected.append(ref(idx, idx))
+    return [float(loss) for loss in losses], [float(loss) for loss in expected]
+
+
+@pytest.mark.parametrize("world, pp, schedule, stages_per_rank, sequence_parallel",
+                         [(4, 2, "1f1b", 1, True), (2, 2, "interleaved", 2, False)])
+def test_no_rank_unpickles_what_a_peer_stage_sends(worlds, world, pp, schedule, stages_per_rank, sequence_parallel):
+    """The stages are built with their shapes, so torch's pipelining receives no pickled description."""
+    results = worlds[world].run(steps_without_unpickling, schedule, stages_per_rank, sequence_parallel, pp=pp)
+    (step, autocast, evaluation), (expected, expected_autocast) = results[0]
+    assert all(r == results[0] for r in results)  # every rank of the pipeline gets the same losses
+    assert abs(step - expected) <= 1e-5 * expected and evaluation == step  # no optimizer step in between
+    assert abs(autocast - expected_autocast) <= 2e-2 * expected_autocast  # bfloat16 round-off
 
 
 def in_flight(schedule, microbatches):

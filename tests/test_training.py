@@ -159,10 +159,10 @@ def check_bad_checkpoints(out):
 def test_broken_checkpoints_get_clear_errors_and_change_nothing(worlds, tmp_path):
     messages, unchanged = worlds[2].run(check_bad_checkpoints, str(tmp_path))[0]
     assert unchanged
-    assert messages["n_embd"] == ("rank 0: the checkpoint's model config does not match the model's "
-                                  "(n_embd: checkpoint 32, model 64)")
-    assert messages["vocab"] == ("rank 0: the checkpoint's model config does not match the model's "
-                                 "(vocab_size: checkpoint 256, model 300)")
+    assert messages["n_embd"].startswith("rank 0: ") and messages["n_embd"].endswith(
+        "meta.json: config does not match the model's (n_embd: checkpoint 32, model 64)")
+    assert messages["vocab"].startswith("rank 0: ") and messages["vocab"].endswith(
+        "meta.json: config does not match the model's (vocab_size: checkpoint 256, model 300)")
     assert messages["truncated"].endswith("shard-00000-of-00002.safetensors is corrupt or truncated (its size does "
                                           "not match meta.json)")
     assert messages["missing"].startswith("rank 0: no checkpoint at ")
@@ -270,5 +270,6 @@ def check_pruning(out):
 def test_pruning_keeps_the_newest_and_a_mismatched_optimizer_changes_nothing(worlds, tmp_path):
     kept, latest, message, unchanged = worlds[1].run(check_pruning, str(tmp_path))[0]
     assert kept == ["step-000100", "step-1000000"] and latest == 100
-    assert message == "rank 0: the optimizer's parameters (or their grouping) differ from the checkpoint's"
+    assert message.startswith("rank 0: ") and message.endswith(
+        "step-000100/meta.json: param_groups lists 1 group, the optimizer has 2")
     assert unchanged

@@ -76,6 +76,10 @@ def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimiz
     or the optimizer, on any rank) is refused on every rank with a
     :class:`CheckpointError` naming the tensors, and nothing on disk changes:
     retention never removes the newest finite checkpoint.
+    The ranks must pass the same ``step``, ``keep`` and ``extra``: when they
+    differ, every rank raises the same :class:`CheckpointError` naming the ranks
+    and their values, and nothing is written. A rank whose launcher is gone
+    (see :mod:`tensorpar.lifeline`) publishes nothing: the save raises.
 
     Example::
 

@@ -3,7 +3,8 @@ pickled, no object collective, no numpy), and one outcome for all.
 
 :func:`share` all-gathers a small JSON object from every rank; :func:`collect`
 gathers one to the first rank only (for what only it needs, such as the chunk
-index). :func:`settle` makes every rank raise when any rank failed: a rank
+index). :func:`differences` says what the ranks' arguments differ in, in the
+same words on every rank. :func:`settle` makes every rank raise when any rank failed: a rank
 re-raises its own error, tagged with its rank when it is a
 :class:`CheckpointError`; the others raise a CheckpointError naming the first
 rank that failed and its message.
@@ -66,6 +67,22 @@ def described(error: BaseException | None) -> str | None:
         return None
     text = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
     return text[:_MESSAGE]
+
+
+def differences(rows: Sequence[Mapping[str, Any]], fields: Mapping[str, Any], doing: str) -> str | None:
+    """What the ranks disagree on among ``fields`` (keys of every rank's row in ``rows``), naming each
+    value and the ranks that gave it, the same words on every rank; None when they agree."""
+    found = []
+    for key in fields:
+        ranks: dict[str, list[int]] = {}
+        for r, row in enumerate(rows):
+            ranks.setdefault(json.dumps(row.get(key)), []).append(r)
+        if len(ranks) > 1:
+            found.append(f"{key}: " + ", ".join(f"{value} on rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))}"
+                                                for value, rs in ranks.items()))
+    if not found:
+        return None
+    return f"the ranks must {doing} with the same arguments, and they differ ({'; '.join(found)})"
 
 
 def settle(rows: Sequence[Mapping[str, Any]], error: BaseException | None, mesh: Mesh, doing: str) -> None:

@@ -23,11 +23,13 @@ def resolve(path: str | Path) -> Path:
 
 def read_checked(path: str | Path) -> tuple[Path, dict[str, Any], dict[str, index.Entry], list[str]]:
     """``(directory, manifest, chunk index, data file names by rank)`` of the checkpoint ``path``
-    names, after checking the manifest's own hash, its fields, its list of files and its index."""
+    names, after checking the manifest's own hash, its fields, its list of files and its index (no
+    chunk larger than its file is listed to be)."""
     directory = resolve(path)
     meta = read_manifest(directory, FORMAT)
     where = directory / MANIFEST
     check_fields(meta, where)
     files = shard_files(world_of(meta))
     check_listing(directory, meta, files)
-    return directory, meta, index.parse(meta.get("tensors"), where, len(files)), files
+    entries = index.parse(meta.get("tensors"), where, [(f, meta["files"][f]["bytes"]) for f in files])
+    return directory, meta, entries, files

@@ -94,8 +94,17 @@ def check_groups(meta: Mapping[str, Any], where: Path, model: nn.Module,
     ours = [[copies.get(n, n) if n not in stored else n for n in group] for group in ours]
     mine = {name for group in ours for name in group}
     # a pipeline stage holds some of the checkpoint's parameters: those it holds must be grouped alike
-    if len(saved) != len(ours) or any(sorted(set(s["params"]) & mine) != sorted(o) for s, o in zip(saved, ours)):
-        raise CheckpointError("the optimizer's parameters (or their grouping) differ from the checkpoint's")
+    if len(saved) != len(ours):
+        raise CheckpointError(f"{where}: param_groups lists {len(saved)} group{'s' * (len(saved) != 1)}, the optimizer "
+                              f"has {len(ours)}")
+    for i, (group, names) in enumerate(zip(saved, ours)):
+        held = set(group["params"]) & mine
+        if held != set(names):
+            lacks, others = sorted(set(names) - held), sorted(held - set(names))
+            problems = [f"lacks {lacks[:3]}{'...' * (len(lacks) > 3)}"] * bool(lacks)
+            problems += [f"holds {others[:3]}{'...' * (len(others) > 3)}, which the optimizer puts in another group"] * bool(others)
+            raise CheckpointError(f"{where}: param_groups[{i}] {' and '.join(problems)} (its parameters, or their "
+                                  "grouping, differ from the optimizer's)")
     groups, start = [], 0
     for i, (group, current, names) in enumerate(zip(saved, optimizer.param_groups, ours)):
         keys, expected = set(group) - {"params"}, set(current) - {"params"}

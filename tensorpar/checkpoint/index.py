@@ -96,10 +96,13 @@ def check_cover(name: str, entry: Entry, where: Path | str) -> None:
         raise CheckpointError(f"{where}: {name}: a rank's file holds two chunks of it at the same offsets")
 
 
-def parse(tensors: Any, where: Path, world: int) -> dict[str, Entry]:
-    """The index from ``meta.json["tensors"]`` of a checkpoint of ``world`` ranks, every field checked."""
+def parse(tensors: Any, where: Path, files: Sequence[tuple[str, int]]) -> dict[str, Entry]:
+    """The index from ``meta.json["tensors"]`` of a checkpoint whose ranks' files are ``files`` (name and
+    listed size, by rank), every field checked, and every chunk no larger than the file that holds it
+    (so that no declared size makes a reader allocate more than the files hold)."""
     if not isinstance(tensors, dict):
         raise CheckpointError(f"{where}: tensors must be an object (it is {type(tensors).__name__})")
+    world = len(files)
     entries = {}
     for name, e in tensors.items():
         shape = "{'dtype': a dtype name, 'size': [sizes], 'chunks': [[rank, [offsets], [sizes], sha256], ...]}"
@@ -107,11 +110,16 @@ def parse(tensors: Any, where: Path, world: int) -> dict[str, Entry]:
                 and _ints(e["size"], None) and isinstance(e["chunks"], list)):
             raise CheckpointError(f"{where}: tensors[{name!r}] must be {shape} (it is {e!r})"[:2000])
         dims, chunks = len(e["size"]), []
+        itemsize = BY_NAME[e["dtype"]].itemsize
         for c in e["chunks"]:
             if not (isinstance(c, list) and len(c) == 4 and type(c[0]) is int and 0 <= c[0] < min(world, MAX_WORLD)
                     and _ints(c[1], dims) and _ints(c[2], dims) and isinstance(c[3], str) and HEX64.fullmatch(c[3])):
                 raise CheckpointError(f"{where}: tensors[{name!r}]: chunk {c!r} must be [a rank of 0-{world - 1}, "
                                       f"{dims} offsets, {dims} sizes, 64 hex digits]"[:2000])
+            file, size = files[c[0]]
+            if math.prod(c[2]) * itemsize > size:
+                raise CheckpointError(f"{where}: tensors[{name!r}]: chunk {c[1]} + {c[2]} of rank {c[0]} holds "
+                                      f"{math.prod(c[2]) * itemsize} bytes, more than its file {file} ({size} bytes)")
             chunks.append(Chunk(c[0], tuple(c[1]), tuple(c[2]), c[3]))
         entries[name] = Entry(BY_NAME[e["dtype"]], tuple(e["size"]), chunks)
         check_cover(name, entries[name], where)

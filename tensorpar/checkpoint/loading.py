@@ -71,7 +71,7 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     try:
         directory, meta, entries, files = read_checked(path)
         where = directory / MANIFEST
-        check_config(meta, model)
+        check_config(meta, model, where)
         rng.check_index(entries, world_of(meta), where)
         tensors, boxes = state.destinations(model, entries, where, cast=cast, stage=mesh.pp > 1)
         optimizer_state = None

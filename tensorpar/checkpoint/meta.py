@@ -113,10 +113,10 @@ def check_fields(meta: Mapping[str, Any], where: Path) -> None:
                                   f"names under 'params' (it is {group!r})")
 
 
-def check_config(meta: Mapping[str, Any], model: nn.Module) -> None:
-    """Raise unless the checkpoint's model config equals the model's (when both have one)."""
+def check_config(meta: Mapping[str, Any], model: nn.Module, where: Path) -> None:
+    """Raise unless the checkpoint's model config (in ``where``) equals the model's (when both have one)."""
     ours, theirs = config_dict(model), meta.get("config")
     if ours is not None and theirs is not None and ours != theirs:
         diff = ", ".join(f"{k}: checkpoint {theirs.get(k)!r}, model {ours.get(k)!r}"
                          for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k))
-        raise CheckpointError(f"the checkpoint's model config does not match the model's ({diff})")
+        raise CheckpointError(f"{where}: config does not match the model's ({diff})")

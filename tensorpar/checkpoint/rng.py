@@ -39,7 +39,8 @@ def pieces(mesh: Mesh) -> dict[str, torch.Tensor]:
 
 def check_index(entries: Mapping[str, Entry], world: int, where: Path) -> None:
     """Raise unless the generator states in the index are those of ranks ``0..world-1``, each of the
-    right dtype and size, and every rank has its CPU state."""
+    right dtype and size (a CPU state's exactly, a CUDA one at most as large: checked before anything is
+    allocated for them), and every rank has its CPU state."""
     cpu_size = torch.get_rng_state().numel()
     found: dict[int, set[str]] = {r: set() for r in range(world)}
     for key, entry in entries.items():
@@ -52,11 +53,12 @@ def check_index(entries: Mapping[str, Entry], world: int, where: Path) -> None:
         if match[2] == "tp.base":
             if (shape, dtype) != ((1,), torch.int64):
                 raise CheckpointError(f"{where}: {key} must be one int64 (it is {dtype} of shape {shape})")
-        else:
-            size = cpu_size if match[2].endswith("cpu") else None
-            if dtype != torch.uint8 or len(shape) != 1 or (size is not None and shape[0] != size):
-                raise CheckpointError(f"{where}: {key} must be {size or 'a vector of'} bytes "
-                                      f"(it is {dtype} of shape {shape})")
+        elif match[2].endswith("cpu"):
+            if (shape, dtype) != ((cpu_size,), torch.uint8):
+                raise CheckpointError(f"{where}: {key} must be {cpu_size} bytes (it is {dtype} of shape {shape})")
+        elif dtype != torch.uint8 or len(shape) != 1 or shape[0] > cpu_size:  # CUDA's: 16 bytes (seed, offset)
+            raise CheckpointError(f"{where}: {key} must be a generator state of at most {cpu_size} bytes "
+                                  f"(it is {dtype} of shape {shape})")
         found[int(match[1])].add(match[2])
     for r, names in found.items():
         if "cpu" not in names:

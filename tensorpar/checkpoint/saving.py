@@ -6,7 +6,8 @@ the first rank then writes the manifest and publishes the directory.
    (:mod:`.finite`: a NaN or an infinity anywhere refuses the save on every rank,
    so a diverged state never replaces good checkpoints); the first rank clears
    what dead writers left and makes a temporary directory, whose name every rank
-   learns;
+   learns; the ranks compare ``step``, ``keep`` and a SHA-256 of ``extra``, and
+   all refuse when they differ;
 2. *write*: each rank saves its chunks with ``dcp.save`` (no coordination
    needed: each knows its boxes), :class:`~.planner.BoxSavePlanner` stating
    their offsets and :class:`~.storage.ShardWriter` streaming them, tensor by
@@ -14,7 +15,10 @@ the first rank then writes the manifest and publishes the directory.
 3. *finish* (a collective): the first rank gathers every rank's file hash and
    chunk list, checks that the chunks of each tensor cover it exactly, writes
    ``meta.json`` with the index and the hashes, publishes the directory
-   (:mod:`.publish`) and prunes old checkpoints; every rank learns the outcome.
+   (:mod:`.publish`) and prunes old checkpoints, unless the process that
+   launched it is gone (:func:`tensorpar.lifeline.launcher_gone`: its ranks are
+   about to end, and a restarted job may already be writing there); every rank
+   learns the outcome.
 
 :func:`async_save` copies this rank's chunks to CPU memory (its shard: a
 bounded buffer), runs step 2 in a thread and returns a :class:`PendingSave`
@@ -38,13 +42,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 
+from ..lifeline import launcher_gone
 from ..mesh import Mesh
 from . import index, optim, publish, rng, state
-from .agree import collect, described, settle, share
+from .agree import collect, described, differences, settle, share
 from .boxes import Box
 from .finite import nonfinite
 from .groups import grouped_names, hyperparameters, merged_names
-from .manifest import CheckpointError, write_manifest
+from .manifest import CheckpointError, canonical_sha256, write_manifest
 from .meta import FORMAT, NAME, as_json, config_dict, dirname, shard_file, shard_files, step_of, whole
 from .planner import BoxSavePlanner
 from .storage import ShardWriter
@@ -96,13 +101,14 @@ def _fields(model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int
 
 def prepare(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, step: int,
             extra: Mapping[str, Any] | None, keep: int, mesh: Mesh, stage: bool) -> Job:
-    """Step 1 (a collective); ``stage`` copies this rank's chunks to CPU memory."""
-    if not whole(step, 0) or not whole(keep, 1):  # checked on every rank, before any collective
-        raise CheckpointError(f"step must be an integer >= 0 and keep one >= 1 (got step={step!r}, keep={keep!r})")
-    final = Path(directory) / dirname(step)
+    """Step 1 (a collective); ``stage`` copies this rank's chunks to CPU memory. The ranks must agree on
+    ``step``, ``keep`` and ``extra``: every rank raises the same CheckpointError when they do not."""
     error: Exception | None = None
     tmp: Path | None = None
     try:
+        if not whole(step, 0) or not whole(keep, 1):
+            raise CheckpointError(f"step must be an integer >= 0 and keep one >= 1 (got step={step!r}, keep={keep!r})")
+        final = Path(directory) / dirname(step)
         fields = _fields(model, optimizer, step, extra, mesh)
         tensors, boxes = state.pieces(model, mesh)
         if optimizer is not None:
@@ -126,10 +132,15 @@ def prepare(directory: str | Path, model: nn.Module, optimizer: torch.optim.Opti
             tmp = publish.temporary(final.parent, final.name)
     except Exception as e:  # every rank learns of it below, then every rank raises
         error = e
-    rows = share({"error": described(error), "tmp": tmp.name if tmp is not None else None}, mesh)
-    if any(row["error"] is not None for row in rows) and tmp is not None:
+    arguments = ({"step": step, "keep": keep, "extra's SHA-256": canonical_sha256(fields["extra"])[:16]}
+                 if error is None else {})  # compared across ranks (once none failed)
+    rows = share({"error": described(error), "tmp": tmp.name if tmp is not None else None} | arguments, mesh)
+    disagreement = differences(rows, arguments, "save")
+    if (disagreement or any(row["error"] is not None for row in rows)) and tmp is not None:
         publish.remove(tmp)
     settle(rows, error, mesh, "save the checkpoint")
+    if disagreement:
+        raise CheckpointError(disagreement)
     return Job(final, final.parent / rows[0]["tmp"], fields, keep, mesh, tensors, boxes)
 
 
@@ -146,8 +157,18 @@ def _publish(job: Job, reports: list[dict[str, Any]]) -> None:
     entries = index.merge([r["chunks"] for r in reports])
     write_manifest(job.tmp, job.fields | {"tensors": index.to_json(entries)}, files,
                    {name: r["file"] for name, r in zip(files, reports)})
+    _launcher_running(job.final, "is not published")
     publish.publish(job.tmp, job.final)
+    _launcher_running(job.final, "is published, but older checkpoints are not pruned")
     publish.prune(job.final.parent, NAME, step_of, job.keep, job.final.name)
+
+
+def _launcher_running(final: Path, otherwise: str) -> None:
+    """Raise (saying that ``final`` ``otherwise``) unless the process that launched this rank still runs:
+    a rank whose launcher is gone ends soon (see :mod:`tensorpar.lifeline`) and changes nothing meanwhile."""
+    why = launcher_gone()
+    if why is not None:
+        raise CheckpointError(f"{why}: {final} {otherwise}")
 
 
 def finish(job: Job, written: dict[str, Any] | None, error: BaseException | None) -> Path:

@@ -13,8 +13,10 @@ collective per call, so it is a debugging switch: with
 each collective of :mod:`tensorpar.comm` first all-gathers a few integers
 describing this rank's call (sizes, dtype, op) and the text of any problem
 this rank found, and every rank raises the same ``ValueError`` when they
-differ. The shared-memory all-reduce compares its calls always, at no cost
-(see :mod:`tensorpar.comm.shm`).
+differ. The shared-memory collectives compare their calls always, at no cost
+(see :mod:`tensorpar.comm.shm`); once a group's shared-memory channel has failed
+(the ranks disagreed, say), its collectives go through gloo and compare their
+calls this way always, so that a later mismatch is still an error on every rank.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import struct
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ..mesh import exchange_ints
@@ -32,6 +35,9 @@ from ..mesh import exchange_ints
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
 _TEXT = 256  # bytes of a rank's problem that travel with its description
+#: the calls :func:`agree` compares, and the reductions, by number
+CALLS = ("all-reduce", "broadcast", "all-gather", "reduce-scatter")
+REDUCE_OPS = ("sum", "max")
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -51,23 +57,35 @@ def enabled() -> bool:
 
 
 def agree(what: str, group: ProcessGroup, fields: Mapping[str, int], problem: str | None = None, *,
-          device: torch.device | None = None) -> None:
-    """Raise ``ValueError(problem)`` when this rank found one; with checks :func:`enabled`, first
-    compare ``fields`` and problems across the group, so that every rank raises the same error
-    when any rank found a problem or the fields differ. ``device``: where the group's tensors live."""
-    if torch.compiler.is_compiling() or not enabled():  # eager mode only (see tensorpar.comm.traced)
+          device: torch.device | None = None, compare: bool = False) -> None:
+    """Raise ``ValueError(problem)`` when this rank found one; with checks :func:`enabled` (or
+    ``compare``), first compare the call (``what``, one of :data:`CALLS`), its ``fields`` (at most
+    4 + the group's size) and the problems across the group, so that every rank raises when any
+    rank found a problem or the calls differ. ``device``: where the group's tensors live."""
+    if torch.compiler.is_compiling() or not (compare or enabled()):  # eager mode only (see tensorpar.comm.traced)
         if problem:
             raise ValueError(problem)
         return
+    width = 4 + dist.get_world_size(group)  # every call's description fills as many words, whatever the call
+    assert len(fields) <= width, f"{what}: {len(fields)} fields to compare, at most {width}"
     text = (problem or "").encode()[:_TEXT].ljust(_TEXT, b"\0")  # travels as int64 words
-    rows = exchange_ints([*fields.values(), *struct.unpack(f"<{_TEXT // 8}q", text)], group, device)
-    values = [row[:len(fields)] for row in rows]
-    problems = {r: struct.pack(f"<{_TEXT // 8}q", *row[len(fields):]).rstrip(b"\0").decode(errors="replace")
+    mine = [CALLS.index(what), *fields.values()] + [0] * (width - len(fields))
+    rows = exchange_ints(mine + list(struct.unpack(f"<{_TEXT // 8}q", text)), group, device)
+    calls = [row[:1 + len(fields)] for row in rows]
+    problems = {r: struct.pack(f"<{_TEXT // 8}q", *row[1 + width:]).rstrip(b"\0").decode(errors="replace")
                 for r, row in enumerate(rows)}
     found = [f"rank {r}: {p}" for r, p in problems.items() if p]
-    if not found and all(v == values[0] for v in values):
+    if not found and all(row[:1 + width] == rows[0][:1 + width] for row in rows):
         return
-    views = "; ".join(f"rank {r}: " + ", ".join(f"{k}={dtype_name(v) if k == 'dtype' else v}"
-                                                 for k, v in zip(fields, row))
-                      for r, row in enumerate(values))
+    views = "; ".join(f"rank {r}: " + (", ".join(f"{k}={_shown(k, v)}" for k, v in zip(fields, call[1:]))
+                                       if call[0] == mine[0] else f"{_shown('call', call[0])}")
+                      for r, call in enumerate(calls))
     raise ValueError(f"{what}: the ranks' calls do not match ({views})" + "".join(f"; {f}" for f in found))
+
+
+def _shown(key: str, value: int) -> str:
+    """A field of a call's description as the error shows it."""
+    names = {"dtype": DTYPES, "op": REDUCE_OPS, "call": CALLS}.get(key)
+    if names is None:
+        return str(value)
+    return dtype_name(value) if key == "dtype" else names[value] if 0 <= value < len(names) else "another"

@@ -30,7 +30,7 @@ from torch.distributed import ProcessGroup
 
 from ..mesh import current_mesh_or_none
 from . import shm_routes, traced
-from .checks import agree, dtype_code, enabled
+from .checks import REDUCE_OPS, agree, dtype_code, enabled
 from .counter import CollectiveCounter, record
 
 # torch >= 2.12 renamed the tensor-in/tensor-out collectives.
@@ -63,9 +63,14 @@ def _tagged(op: str, x: torch.Tensor, group: ProcessGroup) -> Iterator[None]:
         ) from e
 
 
-def _checking() -> bool:
-    """Whether to compare a call's arguments across ranks (eager mode only: see :mod:`.traced`)."""
-    return not traced.tracing() and enabled()
+def _checking(group: ProcessGroup) -> bool:
+    """Whether to compare a call's arguments across ranks (eager mode only: see :mod:`.traced`): when
+    checks are :func:`~.checks.enabled`, and always over a group whose shared-memory channel failed
+    (its ranks disagreed once: a later mismatch on gloo would give each rank another answer)."""
+    if traced.tracing():
+        return False
+    mesh = current_mesh_or_none()
+    return enabled() or (mesh is not None and shm_routes.failed(mesh.channels, group))
 
 
 def _layout(x: torch.Tensor, dim: int, sizes: Sequence[int], n: int) -> tuple[dict[str, int], str | None]:
@@ -147,9 +152,9 @@ def start_all_reduce_(x: torch.Tensor, group: ProcessGroup,
     if traced.tracing():  # a new tensor, in the graph; x is left alone
         return traced.start_all_reduce(x, group, op)
     reduce_op = _REDUCE[op][0]
-    if enabled():
-        agree("all-reduce", group, {"numel": x.numel(), "dtype": dtype_code(x.dtype), "op": int(reduce_op)},
-              device=x.device)
+    if _checking(group):
+        agree("all-reduce", group, {"numel": x.numel(), "dtype": dtype_code(x.dtype), "op": REDUCE_OPS.index(op)},
+              device=x.device, compare=True)
     if counted:
         record("all_reduce", x.dtype, x.numel(), n, counters)
     with _tagged("all_reduce", x, group):
@@ -174,8 +179,8 @@ def broadcast_from_first_(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     n = dist.get_world_size(group)
     if n == 1:
         return x
-    if enabled():
-        agree("broadcast", group, {"numel": x.numel(), "dtype": dtype_code(x.dtype)}, device=x.device)
+    if _checking(group):
+        agree("broadcast", group, {"numel": x.numel(), "dtype": dtype_code(x.dtype)}, device=x.device, compare=True)
     record("broadcast", x.dtype, x.numel(), n)
     with _tagged("broadcast", x, group):
         dist.broadcast(x, dist.get_global_rank(group, 0), group=group)
@@ -226,12 +231,14 @@ def start_all_gather_along(x: torch.Tensor, dim: int, sizes: Sequence[int], grou
     """Start :func:`all_gather_along` and return at once; ``wait()`` returns the concatenation.
     ``counted=False``: the caller records the call."""
     n, rank = dist.get_world_size(group), dist.get_rank(group)
-    if len(sizes) != n or not -x.dim() <= dim < x.dim() or x.shape[dim] != sizes[rank] or _checking():
+    checking = _checking(group)
+    if len(sizes) != n or not -x.dim() <= dim < x.dim() or x.shape[dim] != sizes[rank] or checking:
         fields, problem = _layout(x, dim, sizes, n)  # only where something is wrong, or checks are on
         if problem is None and x.shape[dim] != sizes[rank]:
             problem = (f"all-gather along dim {dim}: rank {rank} of {n} holds {x.shape[dim]} "
                        f"elements there but the split is {list(sizes)}")
-        agree("all-gather", group, fields | {"along": 0}, problem, device=x.device)  # each rank's own part
+        agree("all-gather", group, fields | {"along": 0}, problem, device=x.device,  # each rank's own part
+              compare=checking)
     if n == 1:
         return Pending("all_gather", x, group, None, lambda: x.clone(memory_format=torch.contiguous_format))
     x3, dim = _split_view(x, dim)
@@ -271,12 +278,13 @@ def start_reduce_scatter_along(x: torch.Tensor, dim: int, sizes: Sequence[int], 
     """Start :func:`reduce_scatter_along` and return at once; ``wait()`` returns this rank's slice.
     ``counted=False``: the caller records the call (one of several chunks of one reduce-scatter)."""
     n, rank = dist.get_world_size(group), dist.get_rank(group)
-    if len(sizes) != n or not -x.dim() <= dim < x.dim() or x.shape[dim] != sum(sizes) or _checking():
+    checking = _checking(group)
+    if len(sizes) != n or not -x.dim() <= dim < x.dim() or x.shape[dim] != sum(sizes) or checking:
         fields, problem = _layout(x, dim, sizes, n)  # only where something is wrong, or checks are on
         if problem is None and x.shape[dim] != sum(sizes):
             problem = (f"reduce-scatter along dim {dim}: size {x.shape[dim]} does not match "
                        f"the split {list(sizes)} over {n} ranks")
-        agree("reduce-scatter", group, fields, problem, device=x.device)
+        agree("reduce-scatter", group, fields, problem, device=x.device, compare=checking)
     if n == 1:
         return Pending("reduce_scatter", x, group, None, lambda: x.clone(memory_format=torch.contiguous_format))
     x3, dim = _split_view(x, dim)

@@ -10,7 +10,9 @@ is up, each rank checks that all descriptions agree and sums the slots in rank
 order (the same order, so the same bits, on every rank), or copies every
 slot out (all-gather), or sums its own part of every slot (reduce-scatter); a
 second flag says the slots may be reused. Ranks that disagree all see the same descriptions, so
-every rank raises the same :class:`ChannelError`. A tensor too large for the
+every rank raises the same :class:`ChannelError`. A channel that failed is never used again: its
+group's collectives then go through gloo, and compare each call across ranks first
+(:mod:`tensorpar.comm.checks`), so that ranks that disagree later still all raise. A tensor too large for the
 segment is seen as such by every rank at once, and they grow it together.
 
 The segment is an anonymous memory file (``memfd``): the first rank creates

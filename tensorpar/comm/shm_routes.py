@@ -5,7 +5,8 @@ owns), grows it by powers of two when every rank finds a tensor too large for
 it, and starts a round: ``wait()`` on the returned round finishes it, so work
 done in between overlaps the wait for the peers. ``None`` where the ranks
 cannot share memory or the channel failed earlier: the caller then uses gloo,
-and every rank makes the same choice.
+and every rank makes the same choice (after a failure, :func:`failed`: the
+caller then compares every call across ranks, see :mod:`tensorpar.comm.checks`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,12 @@ def start_reduce_scatter(channels: MutableMapping[ProcessGroup, SharedMemoryChan
             out.add_(slot[rank])
 
     return _through(channels, group, x, lambda channel: channel.post(x, _OPS.index("reduce_scatter"), read))
+
+
+def failed(channels: MutableMapping[ProcessGroup, SharedMemoryChannel | None], group: ProcessGroup) -> bool:
+    """Whether ``group``'s channel in ``channels`` failed earlier (its collectives now go through gloo)."""
+    channel = channels.get(group)
+    return channel is not None and channel.broken
 
 
 def _through(channels: MutableMapping[ProcessGroup, SharedMemoryChannel | None], group: ProcessGroup,

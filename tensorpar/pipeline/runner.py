@@ -6,6 +6,11 @@ divided by their number, so the gradients are those of the whole batch's mean
 loss and keep accumulating over calls (gradient accumulation works as without
 pipelining). The step's loss comes back on every rank of the pipeline.
 
+Each stage is built with its input's and output's shapes and dtypes (``stage_shapes``, given
+by the model), so torch's pipelining never infers them at run time: that inference sends
+each stage's description to the next as a pickle (``send_object_list``), which the next
+unpickles. With static shapes no rank unpickles anything a peer sent.
+
 Each stage also measures itself (:class:`StageTimes`): seconds spent computing
 forward and backward chunks against the step's wall time (the rest is waiting
 for a neighbour stage: the bubble), and the most micro-batches whose
@@ -28,6 +33,11 @@ from ..mesh import Mesh, current_mesh
 from ..sharding import check_int
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+#: ``stage_shapes(stage, micro)``: stage ``stage``'s example input and output (meta tensors of the shape,
+#: dtype and layout it takes and returns) for a micro-batch ``micro`` of the first stage's input (a meta tensor),
+#: under the autocast state in force when it is called.
+StageShapes = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def _schedule_class(name: str) -> type:
@@ -83,9 +93,17 @@ def _timed_stage_class() -> type:
     return TimedStage
 
 
+def _flowing(example: torch.Tensor, grad: bool) -> torch.Tensor:
+    """``example`` (a meta tensor) marked as needing a gradient when ``grad`` and it is a float tensor."""
+    return example.detach().requires_grad_(grad and example.is_floating_point())
+
+
 class Pipeline:
     """Run ``modules`` (this rank's stages, numbered ``stages`` of ``mesh.pp * len(modules)``) as one
     pipeline over ``mesh.pp_group`` with the schedule ``schedule``.
+
+    ``stage_shapes(stage, micro)`` gives each stage's example input and output (see :data:`StageShapes`):
+    the stages are built with them, so nothing about shapes travels between ranks as a pickle.
 
     ``loss_fn(output, target)`` is the mean loss of one micro-batch, from the last stage's output;
     ``check_inputs(inputs, target)`` raises for a batch the model cannot take, on every rank before
@@ -101,14 +119,15 @@ class Pipeline:
     Example::
 
         mesh = tensorpar.init(tp=2, pp=2)
-        pipe = Pipeline([stage_module], [mesh.pp_rank], schedule="1f1b", microbatches=4, loss_fn=loss_fn)
+        pipe = Pipeline([stage_module], [mesh.pp_rank], schedule="1f1b", microbatches=4, loss_fn=loss_fn,
+                        stage_shapes=lambda stage, micro: (torch.empty_like(micro), torch.empty_like(micro)))
         loss = pipe.step(idx, targets)        # forward and backward of the whole batch
         optimizer.step()
     """
 
     def __init__(self, modules: Sequence[nn.Module], stages: Sequence[int], mesh: Mesh | None = None, *,
                  schedule: str = "1f1b", microbatches: int,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], stage_shapes: StageShapes,
                  check_inputs: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
                  after_backward: Callable[[], None] | None = None, timed: bool = False) -> None:
         self.mesh = mesh = mesh or current_mesh()
@@ -130,6 +149,7 @@ class Pipeline:
         self.schedule_name, self.microbatches = schedule, microbatches
         self.modules, self.stage_ids = list(modules), list(stages)
         self._loss_fn, self._check, self._after_backward = loss_fn, check_inputs, after_backward
+        self._stage_shapes = stage_shapes
         self._scale, self.timed = 1.0, timed
         self._schedules: dict[tuple[Any, ...], tuple[Any, list[Any]]] = {}
         self.reset_times()
@@ -146,13 +166,25 @@ class Pipeline:
         # summed over the micro-batches: the mean (times the step's loss_scale)
         return self._loss_fn(output, target) * (self._scale / self.microbatches)
 
-    def _schedule(self, key: tuple[Any, ...]) -> tuple[Any, list[Any]]:
-        """The schedule (and its stages) for batches of one shape: a stage learns its tensors' shapes
-        from its first micro-batch, so each shape gets its own."""
+    def _schedule(self, inputs: torch.Tensor, train: bool) -> tuple[Any, list[Any]]:
+        """The schedule (and its stages) for batches like ``inputs``: its stages are built with their
+        tensors' shapes, strides and dtypes (:data:`StageShapes`), so each batch layout and autocast state gets
+        its own."""
+        device = self.mesh.device.type
+        autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        key = (train, tuple(inputs.shape), inputs.stride(), inputs.dtype, autocast)
         if key not in self._schedules:
+            first = inputs.tensor_split(self.microbatches)[0]  # the schedule's first micro-batch: a view, as here
+            micro = torch.empty_strided(first.shape, first.stride(), dtype=inputs.dtype, device="meta")
             stage_class = _timed_stage_class()
-            stages = [stage_class(m, s, self.n_stages, self.mesh.device, group=self.mesh.pp_group)
-                      for m, s in zip(self.modules, self.stage_ids)]
+            stages = []
+            for module, s in zip(self.modules, self.stage_ids):
+                example_input, example_output = self._stage_shapes(s, micro)
+                # as torch's own inference marks them: gradients flow back through what stages pass on
+                example_input = _flowing(example_input, train and s > 0)
+                example_output = _flowing(example_output, train)
+                stages.append(stage_class(module, s, self.n_stages, self.mesh.device, input_args=example_input,
+                                          output_args=example_output, group=self.mesh.pp_group))
             cls = _schedule_class(self.schedule_name)
             first = stages if self.schedule_name == "interleaved" else stages[0]
             self._schedules[key] = (cls(first, self.microbatches, loss_fn=self._loss, scale_grads=False), stages)
@@ -167,7 +199,7 @@ class Pipeline:
                                  f"microbatches ({self.microbatches}) of equal size")
         if self._check is not None:
             self._check(inputs, target)
-        schedule, stages = self._schedule((train, tuple(inputs.shape), inputs.dtype))
+        schedule, stages = self._schedule(inputs, train)
         self._scale = loss_scale
         args = (inputs,) if self.has_first else ()
         losses: list[torch.Tensor] = []
