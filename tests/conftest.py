@@ -2,7 +2,6 @@
 
 import os
 
-import notebook_runs
 import pytest
 from gpt_cases import EXAMPLES, WORST
 from hypothesis import HealthCheck, Phase, settings
@@ -40,14 +39,6 @@ def pytest_collection_modifyitems(items):
         own = getattr(test, "_hypothesis_internal_use_settings", None)  # where @settings puts them
         if own is not None and own.max_examples > LANE_EXAMPLES:
             test._hypothesis_internal_use_settings = settings(own, max_examples=LANE_EXAMPLES)
-
-
-def pytest_collection_finish(session):
-    notebook_runs.start(session)  # the notebooks run alongside the tests before theirs
-
-
-def pytest_sessionfinish(session):
-    notebook_runs.stop(session)
 
 
 def pytest_terminal_summary(terminalreporter):

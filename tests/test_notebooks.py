@@ -1,9 +1,27 @@
 """Every notebook in notebooks/ is committed with its outputs and runs from top to bottom without
-a cell error (each run is started when the tests are collected: see notebook_runs.py)."""
+a cell error.
+
+Each one is executed into a temporary copy (the committed notebook and its
+outputs are left alone) by the notebooks' own runner, ``python notebooks/run.py``:
+a fresh kernel on this interpreter, with notebooks/ as working directory and on
+``PYTHONPATH``. The runs are started all at once, when the first is needed, and
+each test waits for its own: while one notebook waits on its ranks, the others
+use the cores.
+"""
+
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import nbformat
 import pytest
-from notebook_runs import CELL_TIMEOUT, NOTEBOOKS, PATHS, STASH_KEY
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+PATHS = sorted(NOTEBOOKS.glob("*.ipynb"))
+CELL_TIMEOUT = 600  # seconds per cell; the slowest notebook (03) takes a few minutes on a busy machine
+
 
 MAX_BYTES = 300_000  # a notebook with its outputs: figures are small inline PNGs, not megabytes of them
 
@@ -26,12 +44,49 @@ def test_committed_notebook_has_its_outputs(path):
     assert all("image/png" in o.data for o in figures), f"{path.name}: a figure is not an inline PNG"
 
 
-@pytest.fixture(scope="session")
-def notebook_runs(request):
-    """Every notebook's run, by path (started by conftest when the tests were collected)."""
-    runs = request.config.stash.get(STASH_KEY, None)
-    assert runs is not None, "the notebooks' runs were not started at collection"
+@dataclass
+class NotebookRun:
+    """A notebook being executed by ``notebooks/run.py`` into ``output``."""
+
+    process: subprocess.Popen
+    output: Path
+    stderr: Path
+    committed: bytes  # the committed notebook's bytes before the run
+
+    def stop(self) -> None:
+        """Interrupt the run if it is still going: the runner then kills its kernel's process group
+        (the kernel and the ranks it started); kill the runner if it does not end in time."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def start_runs(directory: Path) -> dict[Path, NotebookRun]:
+    """Every notebook's run, by path, all started now, each into a folder of its own in ``directory``."""
+    runs = {}
+    for path in PATHS:
+        out = directory / path.stem
+        out.mkdir()
+        stderr = out / "stderr.txt"
+        with open(stderr, "w") as err:  # a file, not a pipe: a run that writes much never blocks on it
+            process = subprocess.Popen([sys.executable, str(NOTEBOOKS / "run.py"), str(path), "--output-dir",
+                                        str(out), f"--timeout={CELL_TIMEOUT}"], stdout=subprocess.DEVNULL,
+                                       stderr=err)
+        runs[path] = NotebookRun(process, out / path.name, stderr, path.read_bytes())
     return runs
+
+
+@pytest.fixture(scope="module")
+def notebook_runs(tmp_path_factory):
+    """Every notebook's run, by path, all started at once; stopped at the end if still running."""
+    runs = start_runs(tmp_path_factory.mktemp("notebooks"))
+    yield runs
+    for run in runs.values():
+        run.stop()
 
 
 @pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])

@@ -27,8 +27,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch.distributed as dist
-
+from ..checkpoint.agree import share
 from ..checkpoint.manifest import MANIFEST
 from ..checkpoint.meta import NAME
 from ..mesh import Mesh
@@ -160,9 +159,7 @@ def hold(out: str | None, *, resume: str, overwrite: bool, prog: str, mesh: Mesh
                 if aside is not None:
                     print(f"--overwrite: the earlier run's files in {out} are now in {aside}", flush=True)
         if out is not None and mesh is not None and mesh.world_size > 1:
-            shared = [refusal]
-            dist.broadcast_object_list(shared, src=0)
-            refusal = shared[0]
+            refusal = share({"refusal": refusal}, mesh)[0]["refusal"]  # JSON over a tensor: nothing pickled
         if refusal is not None:
             if mesh is None or mesh.rank == 0:
                 print(f"{prog}: error: {refusal}", file=sys.stderr, flush=True)
