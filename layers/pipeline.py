@@ -27,10 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 import tensorpar
-from tensorpar.full import local_part
+from tensorpar.full import is_dtensor, local_part
 from tensorpar.pipeline import Pipeline, rank_stages, stage_blocks
 from tensorpar.sharding import check_int
 
@@ -217,7 +216,7 @@ class PipelinedGPT(nn.Module):
         if not pending:
             return
         if self.average_over_dp and self.mesh.dp > 1:
-            grads = [p.grad for p in self.parameters() if p.grad is not None and not isinstance(p.grad, DTensor)]
+            grads = [p.grad for p in self.parameters() if p.grad is not None and not is_dtensor(p.grad)]
             average_(grads, self.mesh.dp_group)
         if self._embedding_group is not None:
             (p,) = self._tied()

@@ -8,11 +8,22 @@ schedules (:mod:`tensorpar.pipeline`), checkpoints and a local launcher.
 ``tensorpar.testing`` is the multi-process test kit; ``tensorpar.training``
 holds helpers for training loops (data, LR schedule) outside the core. The
 ``nn.Module``\\ s built on this core live in a package of their own.
+
+``import tensorpar`` loads the mesh, sharding, the collectives and what a
+model's forward and backward use. The checkpoint store, the launcher
+(:func:`spawn`), the offloading optimizer, FSDP2, pipelines, the test kit
+and the training helpers load on first use (``tensorpar.checkpoint``,
+``tensorpar.spawn``, ...), and so do ``torch.distributed.checkpoint`` and
+DTensor, which only they need.
 """
 
-import importlib.metadata
+from __future__ import annotations
 
-from . import checkpoint, tiled_init
+import importlib
+import importlib.metadata
+from typing import TYPE_CHECKING, Any
+
+from . import tiled_init
 from .clipping import clip_grad_norm_, grad_norm
 from .comm import (
     CollectiveCounter,
@@ -37,9 +48,7 @@ from .comm import (
     sequence_sizes,
 )
 from .cross_entropy import vocab_parallel_cross_entropy
-from .fsdp import fully_shard_dp
 from .full import full_grads, full_state_dict, load_full_state_dict, shard_geometry, unshard
-from .launch import RankError, spawn
 from .mesh import (
     Mesh,
     current_mesh,
@@ -50,7 +59,6 @@ from .mesh import (
     tp_group,
     use_mesh,
 )
-from .offload import OffloadedOptimizer
 from .random import RNGStatesTracker
 from .sharding import Shard, partition_bounds, partition_offsets, partition_sizes, shard
 
@@ -65,6 +73,38 @@ def _installed_version() -> str:
 
 
 __version__ = _installed_version()
+
+#: what loads on first use: attribute -> (module, name in it; None for the module itself)
+_ON_FIRST_USE = (
+    ("checkpoint", "tensorpar.checkpoint", None),
+    ("pipeline", "tensorpar.pipeline", None),
+    ("testing", "tensorpar.testing", None),
+    ("training", "tensorpar.training", None),
+    ("spawn", "tensorpar.launch", "spawn"),
+    ("RankError", "tensorpar.launch", "RankError"),
+    ("OffloadedOptimizer", "tensorpar.offload", "OffloadedOptimizer"),
+    ("fully_shard_dp", "tensorpar.fsdp", "fully_shard_dp"),
+)
+
+if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr__ below
+    from . import checkpoint, pipeline, testing, training
+    from .fsdp import fully_shard_dp
+    from .launch import RankError, spawn
+    from .offload import OffloadedOptimizer
+
+
+def __getattr__(name: str) -> Any:
+    """Load an attribute of :data:`_ON_FIRST_USE` when it is first asked for (PEP 562)."""
+    for attribute, module, inside in _ON_FIRST_USE:
+        if attribute == name:
+            value = importlib.import_module(module)
+            return value if inside is None else getattr(value, inside)
+    raise AttributeError(f"module 'tensorpar' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *(attribute for attribute, _, _ in _ON_FIRST_USE)})
+
 
 __all__ = [
     "CollectiveCounter",

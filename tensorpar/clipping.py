@@ -24,17 +24,21 @@ their squares are summed over dp as well (one more scalar all-reduce). A
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from .comm.collectives import all_reduce_sum
-from .full import local_part, placements
+from .full import is_dtensor, local_part, placements
 from .mesh import group_rank_size, tp_group
 from .sharding import Shard
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
 
 def _replicas(x: DTensor, name: str) -> int:
     """How many ranks of ``x``'s mesh hold each element of it (1 when every dim is sharded)."""
@@ -68,7 +72,7 @@ def grad_norm(model: nn.Module, group: ProcessGroup | None = None, *, pp_group: 
             continue
         copies = n if name not in split else 1  # a replica counts 1/n on each of the n tp ranks
         mesh = None
-        if isinstance(p.grad, DTensor):
+        if is_dtensor(p.grad):
             mesh, copies = p.grad.device_mesh, copies * _replicas(p.grad, name)
         for grad, held in _parts(p.grad, split[name][0] if name in split else None, n):
             buckets.setdefault((mesh, copies * held, grad.device, grad.dtype), []).append(grad)
@@ -101,7 +105,7 @@ def _parts(grad: torch.Tensor, placement: Shard | None, n: int) -> list[tuple[to
     if placement is None or not placement.replicated or n == 1:
         return [(local, 1)]
     dim = placement.dim % local.dim()
-    start = grad.__create_chunk_list__()[0].offsets[dim] if isinstance(grad, DTensor) else 0  # FSDP2's dp chunk
+    start = grad.__create_chunk_list__()[0].offsets[dim] if is_dtensor(grad) else 0  # FSDP2's dp chunk
     lo = min(max(grad.shape[dim] - placement.replicated - start, 0), local.shape[dim])  # the tail's first local row
     return [(local.narrow(dim, 0, lo), 1), (local.narrow(dim, lo, local.shape[dim] - lo), n)]
 

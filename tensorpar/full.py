@@ -16,17 +16,20 @@ loading cuts a full tensor to the tp shard, then to this rank's dp chunk of it.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .comm.collectives import all_gather_along
 from .mesh import group_rank_size
 from .sharding import Shard, join_shards, shard
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 #: ``{state-dict key: (placement, group)}`` for the split tensors of a model.
 Placements = Mapping[str, tuple[Shard, ProcessGroup]]
@@ -43,16 +46,24 @@ def placements(model: nn.Module) -> dict[str, tuple[Shard, ProcessGroup]]:
     return found
 
 
+def is_dtensor(x: object) -> TypeGuard[DTensor]:
+    """Whether ``x`` is a ``DTensor`` (FSDP2's parameters and gradients are), without loading DTensor's
+    module, which ``import tensorpar`` leaves out: until something has loaded it, nothing is one."""
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
+    return dtensor is not None and isinstance(x, dtensor)
+
+
 def local_part(x: torch.Tensor) -> torch.Tensor:
     """The tensor this rank stores: a ``DTensor``'s local piece, any other tensor itself (no copy)."""
-    return x.to_local() if isinstance(x, DTensor) else x
+    return x.to_local() if is_dtensor(x) else x
 
 
 def tp_local(x: torch.Tensor) -> torch.Tensor:
     """The rank's whole tp shard (or replicated copy) of ``x``, detached: a ``DTensor`` (FSDP2's
     dp shards of it) is all-gathered over its mesh, a collective; any other tensor is itself."""
     with torch.no_grad():
-        return x.full_tensor() if isinstance(x, DTensor) else x.detach()
+        return x.full_tensor() if is_dtensor(x) else x.detach()
 
 
 def unshard(x: torch.Tensor, placement: Shard, group: ProcessGroup) -> torch.Tensor:
@@ -141,7 +152,9 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
         except ValueError as e:
             raise ValueError(f"{key}: {e}") from None
     for key, current in model.state_dict().items():
-        if isinstance(current, DTensor) and key in local and not isinstance(local[key], DTensor):
+        if is_dtensor(current) and key in local and not is_dtensor(local[key]):
+            from torch.distributed.tensor import distribute_tensor  # loaded already: current is a DTensor
+
             if tuple(local[key].shape) != tuple(current.shape):  # before cutting it over dp
                 raise ValueError(f"{key}: expected this rank's shard of shape {tuple(current.shape)}, "
                                  f"got {tuple(local[key].shape)}")

@@ -15,7 +15,9 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from .full import is_dtensor
+
 
 #: What ``params`` may be: tensors, ``(name, tensor)`` pairs (``model.named_parameters()``), or groups.
 Params = Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterable[dict[str, Any]]
@@ -94,7 +96,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         for p, label in zip(tensors, labels):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"{label} is a {type(p).__name__}, not a tensor")
-            if isinstance(p, DTensor):
+            if is_dtensor(p):
                 raise TypeError(f"{label} is a DTensor (FSDP2's, say): OffloadedOptimizer takes plain tensors; "
                                 "FSDP2 offloads its own with fully_shard(..., offload_policy=CPUOffloadPolicy())")
             if not p.is_floating_point():

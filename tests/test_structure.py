@@ -3,6 +3,7 @@ package, no module holds mutable state outside context variables, and the core
 does not depend on what it does not need (a user's own ``layers.py`` or a missing ``hypothesis``)."""
 
 import ast
+import json
 import os
 import re
 import subprocess
@@ -113,13 +114,28 @@ print(tuple(y.shape), tensorpar.reduce_from_tp(torch.ones(2)).tolist(), tensorpa
     assert out.split() == ["(2,", "3)", "[1.0,", "1.0]", "1"]
 
 
-def test_the_core_and_its_test_kit_import_without_hypothesis(tmp_path):
-    """``import tensorpar`` and the pool and comparisons of ``tensorpar.testing`` need neither
-    ``hypothesis`` nor the layer package; the strategies say what they need."""
+#: what ``import tensorpar`` leaves for first use: attribute -> the module it loads
+ON_FIRST_USE = {"checkpoint": "tensorpar.checkpoint", "spawn": "tensorpar.launch", "RankError": "tensorpar.launch",
+                "OffloadedOptimizer": "tensorpar.offload", "fully_shard_dp": "tensorpar.fsdp",
+                "pipeline": "tensorpar.pipeline", "testing": "tensorpar.testing", "training": "tensorpar.training"}
+HEAVY = ("torch.distributed.checkpoint", "torch.distributed.tensor", "torch.distributed.fsdp")
+
+
+def test_the_core_loads_light_and_its_test_kit_imports_without_hypothesis(tmp_path):
+    """``import tensorpar`` loads the mesh, sharding and collectives, not the checkpoint store, the
+    launcher, offloading, FSDP2, pipelines, the test kit, nor torch's DCP and DTensor; each loads on
+    first use and is the module's own object. The pool and comparisons of ``tensorpar.testing`` need
+    neither ``hypothesis`` nor the layer package; the strategies say what they need."""
     (tmp_path / "hypothesis.py").write_text("raise ImportError('no hypothesis here')\n")
-    out = _python("""
-import sys
-import tensorpar, tensorpar.testing, tensorpar.training
+    out = _python(f"""
+import importlib, json, sys
+import tensorpar
+first_use = {ON_FIRST_USE!r}
+print(json.dumps(sorted(m for m in {{*first_use.values(), *{HEAVY!r}}} if m in sys.modules)))
+modules = {{name: importlib.import_module(module) for name, module in first_use.items()}}
+same = [name for name, module in modules.items() if getattr(tensorpar, name) in (module, getattr(module, name, None))]
+print(json.dumps([sorted(same), sorted(set(first_use) - set(dir(tensorpar)))]))
+import tensorpar.testing, tensorpar.training
 from tensorpar.testing import World, Worlds, assert_sharded_equivalent, run_script
 print("layers" in sys.modules, "hypothesis" in sys.modules)
 try:
@@ -127,5 +143,7 @@ try:
 except ImportError as e:
     print(e)
 """, tmp_path)
-    first, error = out.splitlines()
+    loaded, found, first, error = out.splitlines()
+    assert json.loads(loaded) == [], f"import tensorpar loaded {loaded}"
+    assert json.loads(found) == [sorted(ON_FIRST_USE), []]  # each the module's own, each in dir()
     assert first == "False False" and "no hypothesis here" in error and "pip install 'tensorpar[test]'" in error

@@ -5,8 +5,8 @@ record themselves with the active collective counters, and turn a backend failur
 error that names this rank. A CPU all-reduce among gloo ranks on one host goes through shared memory
 (:mod:`tensorpar.comm.shm`, through the channels the current mesh owns); elsewhere small ones are a point-to-point
 exchange and large ones gloo's ring. Inside a ``torch.compile`` graph every collective is a functional collective,
-and under ``CommDebugMode`` or the profiler an all-reduce takes the plain ``c10d`` route
-(:mod:`tensorpar.comm.traced`). gloo cannot all-gather tensors of unequal sizes, so uneven shards are padded to
+under a dispatch mode (``CommDebugMode``) every collective takes the plain ``c10d`` route, and under
+``torch.profiler`` each shows as a span ``tensorpar::<op>`` on the route it takes (:mod:`tensorpar.comm.traced`). gloo cannot all-gather tensors of unequal sizes, so uneven shards are padded to
 the largest and trimmed afterwards; counts exclude the padding.
 
 ``counters``, when given, marks the call as backward work for the collective counters captured by the matching
@@ -53,9 +53,15 @@ class CollectiveError(RuntimeError):
 
 
 @contextlib.contextmanager
-def _tagged(op: str, x: torch.Tensor, group: ProcessGroup) -> Iterator[None]:
+def _tagged(op: str, x: torch.Tensor, group: ProcessGroup, *, waiting: bool = False) -> Iterator[None]:
+    """Around a collective's start (or, ``waiting``, its wait): a backend failure becomes a
+    :class:`CollectiveError` naming this rank, and the profiler records the span ``tensorpar::<op>``
+    (``tensorpar::<op>.wait``) whatever route the collective takes."""
+    span = (torch.profiler.record_function(f"tensorpar::{op}{'.wait' if waiting else ''}") if traced.profiling()
+            else contextlib.nullcontext())
     try:
-        yield
+        with span:
+            yield
     except RuntimeError as e:
         raise CollectiveError(
             f"rank {dist.get_rank()}: {op} of a {tuple(x.shape)} {x.dtype} tensor over a group of "
@@ -114,7 +120,9 @@ class PendingAllReduce:
         self._tensor, self._group, self._work, self._exchange = tensor, group, work, exchange
 
     def wait(self) -> torch.Tensor:
-        with _tagged("all_reduce", self._tensor, self._group):
+        if self._work is None and self._exchange is None:
+            return self._tensor  # nothing in flight (one rank)
+        with _tagged("all_reduce", self._tensor, self._group, waiting=True):
             if self._work is not None:
                 self._work.wait()
             if self._exchange is not None:
@@ -158,7 +166,7 @@ def start_all_reduce_(x: torch.Tensor, group: ProcessGroup,
     if counted:
         record("all_reduce", x.dtype, x.numel(), n, counters)
     with _tagged("all_reduce", x, group):
-        if not x.is_cuda and dist.get_backend(group) == "gloo" and not traced.observed():
+        if not x.is_cuda and dist.get_backend(group) == "gloo" and not traced.dispatch_watched():
             mesh = current_mesh_or_none()  # its channels: ranks on one host reduce through shared memory
             started = shm_routes.start_all_reduce(mesh.channels, group, x, reduce_op) if mesh is not None else None
             if started is not None:
@@ -196,7 +204,7 @@ class Pending:
         self._buffers = buffers  # alive until the collective that reads or writes them is done
 
     def wait(self) -> torch.Tensor:
-        with _tagged(self._what, self._x, self._group):
+        with _tagged(self._what, self._x, self._group, waiting=True):
             self._work is None or self._work.wait()
         return self._finish()
 
@@ -206,7 +214,7 @@ def _start_flat(what: str, op: Any, out: torch.Tensor, send: torch.Tensor, x: to
     """Run (or, with ``async_op``, start) a flat collective of ``send`` into ``out``; its work or ``None``.
     CPU ranks of a gloo group on one host go through shared memory (a round, finished by ``wait()``)."""
     mesh = current_mesh_or_none()
-    if not send.is_cuda and dist.get_backend(group) == "gloo" and not traced.observed() and mesh is not None:
+    if not send.is_cuda and dist.get_backend(group) == "gloo" and not traced.dispatch_watched() and mesh is not None:
         start = shm_routes.start_all_gather if what == "all_gather" else shm_routes.start_reduce_scatter
         with _tagged(what, x, group):
             started = start(mesh.channels, group, out, send)
