@@ -8,8 +8,9 @@ PY     := $(VENV)/bin/python
 TORCH  := $(VENV)/.torch
 DEMO   := $(VENV)/.installed-demo
 TEST   := $(VENV)/.installed-test
+LINT   := $(VENV)/.installed-lint
 
-.PHONY: test test-torch demo bench gpu-check clean
+.PHONY: test test-torch lint demo bench gpu-check clean
 
 $(TORCH):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,8 +29,18 @@ $(TEST): $(TORCH) pyproject.toml Makefile
 	$(PY) -m pip install -e ".[test,hf,train,plot,tensorboard]"
 	touch $@
 
+$(LINT): $(TEST)
+	$(PY) -m pip install -e ".[lint]"
+	touch $@
+
 test: $(TEST)
 	$(PY) -m pytest -q
+
+# ruff and mypy, configured in pyproject.toml (the paths they check, the rules, the pinned versions).
+# mypy sees the test extras too: hypothesis, numpy and safetensors carry their own types.
+lint: $(LINT)
+	$(PY) -m ruff check
+	$(PY) -m mypy
 
 demo: $(DEMO)
 	$(PY) examples/train_gpt.py --overwrite
