@@ -19,10 +19,11 @@ import math
 from typing import Any
 
 import torch
-from results import machine, write_section
 
 import tensorpar
 from layers import GPT, GPTConfig
+from results import machine, write_section
+
 
 def traffic_shapes(t: int) -> list[tuple[int, int]]:
     """(tp, T) of the traffic table: even at tp 2 and 4, uneven at tp 2, 3 and 4."""

@@ -46,10 +46,9 @@ import accounting
 import activation_memory
 import checkpoint_bench
 import peers
-from results import machine, write_section
-
 import tensorpar
 from layers import Block, GPTConfig
+from results import machine, write_section
 from tensorpar.comm.collectives import start_all_reduce_
 from tensorpar.testing import World
 

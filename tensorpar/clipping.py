@@ -36,6 +36,7 @@ from .full import local_part, placements
 from .mesh import group_rank_size, tp_group
 from .sharding import Shard
 
+
 def _replicas(x: DTensor, name: str) -> int:
     """How many ranks of ``x``'s mesh hold each element of it (1 when every dim is sharded)."""
     copies = 1

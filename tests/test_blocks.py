@@ -5,13 +5,13 @@ Each sharded module is loaded with the reference's weights and compared with
 gradient, in float64, float32 and bfloat16, at tp 1-4.
 """
 
-import reference_gpt as ref
 import torch
-from gpt_cases import gpt_configs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import reference_gpt as ref
 import tensorpar
+from gpt_cases import gpt_configs
 from layers import Block, ColumnParallelLinear, CopyToTP, GPTConfig, ParallelMLP, ParallelSelfAttention
 from tensorpar.testing import TOLERANCES, assert_all_close, assert_sharded_equivalent
 from tensorpar.testing.strategies import dtypes, tp_sizes

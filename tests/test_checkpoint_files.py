@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 
 import torch
-from checkpoint_cases import bitwise_equal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from checkpoint_cases import bitwise_equal
 from tensorpar import checkpoint
 from tensorpar.checkpoint.reader import Reader
 from tensorpar.checkpoint.tensors import write_file

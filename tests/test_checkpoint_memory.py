@@ -13,13 +13,13 @@ and without FSDP2 and loaded into a fresh model and optimizer: every tensor bitw
 import io
 
 import torch
-from checkpoint_cases import bitwise_equal, raw_bytes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 import tensorpar
+from checkpoint_cases import bitwise_equal, raw_bytes
 from layers import ColumnParallelLinear, RowParallelLinear
 from tensorpar import checkpoint
 from tensorpar.checkpoint.reader import Reader

@@ -13,11 +13,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_cases import (Mixed, bitwise_equal, blocked, dead_pid, everything, killed_save, mixed_trained, picture,
-                              trained)
-from checkpoint_damages import DAMAGES, RANK1, SHARD, WTE, edit_meta, scalar
 
 import tensorpar
+from checkpoint_cases import (
+    Mixed,
+    bitwise_equal,
+    blocked,
+    dead_pid,
+    everything,
+    killed_save,
+    mixed_trained,
+    picture,
+    trained,
+)
+from checkpoint_damages import DAMAGES, RANK1, SHARD, WTE, edit_meta, scalar
 from tensorpar import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,11 +4,11 @@ gradients are the unsharded model's clipped ones."""
 
 import pytest
 import torch
-from gpt_cases import batch, gpt_configs, twins
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tensorpar
+from gpt_cases import batch, gpt_configs, twins
 from layers import ColumnParallelLinear, RowParallelLinear
 from tensorpar.testing import assert_all_close
 from tensorpar.testing.strategies import tp_sizes

@@ -19,11 +19,11 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from gpt_cases import batch, gpt_configs, twins
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tensorpar
+from gpt_cases import batch, gpt_configs, twins
 from tensorpar.testing import assert_all_close
 from tensorpar.testing.strategies import tp_sizes
 

@@ -148,9 +148,8 @@ def test_train_gpt_reports_the_hardware_and_exports_to_hugging_face(worlds, monk
     tokens/s, MFU, peak memory, device and dtype; --export-hf writes a GPT-2 directory whose logits
     are those of the final checkpoint's weights (the script's default: no biases)."""
     transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
-    from reference_gpt import RefConfig, RefGPT
-
     from layers import GPTConfig
+    from reference_gpt import RefConfig, RefGPT
     from tensorpar import checkpoint
     from tensorpar.training.hardware import model_flops_per_token
 

@@ -9,7 +9,6 @@ and no ``/dev/shm`` entry is left.
 
 import contextlib
 import dataclasses
-import json
 import os
 import signal
 import subprocess

@@ -15,15 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from gpt_cases import batch, gpt_configs
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference_gpt import RefConfig, RefGPT
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 import tensorpar
+from gpt_cases import batch, gpt_configs
 from layers import GPT, GPTConfig
+from reference_gpt import RefConfig, RefGPT
 from tensorpar import checkpoint
 from tensorpar.testing import assert_all_close
 

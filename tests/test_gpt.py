@@ -9,11 +9,11 @@ every parameter gradient (gathered) and the parameters after 3 AdamW steps.
 import hashlib
 
 import torch
-from gpt_cases import batch, gpt_configs, key_bias_drift, note_errors, twins
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tensorpar
+from gpt_cases import batch, gpt_configs, key_bias_drift, note_errors, twins
 from layers import GPT, GPTConfig
 from tensorpar.testing import TOLERANCES, assert_all_close
 from tensorpar.testing.strategies import tp_sizes

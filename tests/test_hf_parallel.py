@@ -16,14 +16,13 @@ from collections import Counter
 
 import pytest
 import torch
-from hf_cases import batch, build
+import transformers  # noqa: F401  (the hf extra: make test installs it, so a missing one fails)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tensorpar
+from hf_cases import batch, build
 from tensorpar.testing import TOLERANCES, assert_all_close
-
-import transformers  # noqa: F401,E402  (the hf extra: make test installs it, so a missing one fails)
 
 ARCHS = ("gpt2", "llama", "mistral", "qwen2")
 WORST: dict[str, float] = {}  # worst relative error per dtype over this module's examples

@@ -5,11 +5,11 @@ import copy
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import DenseMLP
 from torch import nn
 
 import tensorpar
 from layers import ColumnParallelLinear, RowParallelLinear, parallelize
+from reference import DenseMLP
 from tensorpar import Shard
 from tensorpar.testing import TOLERANCES, assert_close, assert_sharded_equivalent
 from tensorpar.testing.strategies import batch_shapes, dtypes, features, tp_sizes

@@ -11,9 +11,9 @@ import copy
 
 import pytest
 import torch
-from offload_cases import ADAMW, LRS, MasterAdamW, groups, train
 from torch import nn
 
+from offload_cases import ADAMW, LRS, MasterAdamW, groups, train
 from tensorpar import OffloadedOptimizer
 from tensorpar.testing import rel_error
 

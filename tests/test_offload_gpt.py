@@ -4,12 +4,12 @@ ZeroRedundancyOptimizer too), and DTensor parameters refused by name."""
 
 import pytest
 import torch
-from gpt_cases import batch, twins
-from offload_cases import ADAMW, LRS, groups, train
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import tensorpar
+from gpt_cases import batch, twins
+from offload_cases import ADAMW, LRS, groups, train
 from tensorpar import OffloadedOptimizer, checkpoint
 from tensorpar.full import placements, unshard
 from tensorpar.testing import assert_all_close

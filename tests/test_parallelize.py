@@ -6,12 +6,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import DenseMLP
 from torch import nn
 
 import tensorpar
 import tensorpar.testing
 from layers import ColumnParallelLinear, HeadRow, QKVColumn, RowParallelLinear, parallelize
+from reference import DenseMLP
 from tensorpar.testing import assert_sharded_equivalent
 from tensorpar.testing.strategies import tp_sizes
 

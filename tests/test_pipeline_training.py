@@ -10,9 +10,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_training import SMALL, assert_same_trajectory, compare_states, metrics, run_training
 
 from tensorpar import checkpoint
+from test_training import SMALL, assert_same_trajectory, compare_states, metrics, run_training
 
 PIPELINED = dict(microbatches=2)
 pytestmark = pytest.mark.slow  # runs in `make test`; `-m "not slow"` leaves these whole-script runs out

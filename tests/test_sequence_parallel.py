@@ -16,18 +16,18 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
-from gpt_cases import batch, gpt_configs, note_errors, twins
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_gpt import train_twins
 
 import tensorpar
+from gpt_cases import batch, gpt_configs, note_errors, twins
 from layers import ColumnParallelLinear, ParallelMLP, RowParallelLinear
 from layers.sequence import SequenceParallelLayerNorm
 from tensorpar.comm import linear as comm_linear
 from tensorpar.comm import shm
 from tensorpar.testing import TOLERANCES, assert_all_close
 from tensorpar.testing.strategies import tp_sizes
+from test_gpt import train_twins
 
 
 @st.composite

@@ -5,21 +5,20 @@ eval mode without touching training, and the TensorBoard log equal to metrics.js
 
 import json
 import runpy
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference_gpt import RefConfig, RefGPT
-from test_train_cli import write_tokens
-from test_training import SCRIPT, SMALL, flags, metrics
 
 import tensorpar
+from reference_gpt import RefConfig, RefGPT
 from tensorpar import checkpoint
 from tensorpar.testing import run_script
 from tensorpar.training import ByteData, TokenData, default_corpus, open_splits
+from test_train_cli import write_tokens
+from test_training import SCRIPT, SMALL, flags, metrics
 
 
 @settings(max_examples=20)

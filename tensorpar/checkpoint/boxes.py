@@ -94,7 +94,7 @@ def locate(value: torch.Tensor, placement: Shard | None, group: ProcessGroup | N
         shared = (start, length) in everyone and n > 1
         if pieces and a < b and pieces[-1][1] + pieces[-1][2] == start + a - at and pieces[-1][3] == shared:
             pieces[-1] = (*pieces[-1][:2], pieces[-1][2] + b - a, shared)  # runs on from the last one: one box
-        elif a < b or not pieces and a == b == lo:
+        elif a < b or (not pieces and a == b == lo):
             pieces.append((a - lo, start + a - at, b - a, shared))
         at += length
     assert at == full[dim], (full, placement, n, rank)

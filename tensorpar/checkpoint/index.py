@@ -24,8 +24,13 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from .manifest import HEX64, CheckpointError
 from .meta import MAX_WORLD

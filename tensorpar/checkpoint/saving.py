@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..lifeline import launcher_gone
 from ..mesh import Mesh
@@ -53,7 +53,6 @@ from .manifest import CheckpointError, canonical_sha256, write_manifest
 from .meta import FORMAT, NAME, as_json, config_dict, dirname, shard_file, shard_files, step_of, whole
 from .planner import BoxSavePlanner
 from .storage import ShardWriter
-
 
 _SHOWN = 4  # the names of non-finite tensors an error lists
 

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup
 
+from ..mesh import group_rank_size
 from . import traced
 from .collectives import start_all_gather_along
 from .counter import active_counters
-from ..mesh import group_rank_size
 from .sequence import SEQ_DIM, _check_tokens, _tp, sequence_sizes
 
 
