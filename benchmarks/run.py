@@ -143,7 +143,7 @@ def all_reduce_bandwidth(numel: int, repeats: int, ours: bool) -> float:
 
 
 def slowest_rank(per_rank: list[list[float]]) -> list[float]:
-    return [max(ts) for ts in zip(*per_rank)]  # a step ends when its slower rank does
+    return [max(ts) for ts in zip(*per_rank, strict=True)]  # a step ends when its slower rank does
 
 
 def measure(pool: World, rounds: int, libs: list[str]) -> dict[str, Any]:

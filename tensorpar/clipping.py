@@ -40,7 +40,7 @@ from .sharding import Shard
 def _replicas(x: DTensor, name: str) -> int:
     """How many ranks of ``x``'s mesh hold each element of it (1 when every dim is sharded)."""
     copies = 1
-    for placement, size in zip(x.placements, x.device_mesh.shape):
+    for placement, size in zip(x.placements, x.device_mesh.shape, strict=True):
         if placement.is_partial():
             raise ValueError(f"{name}: its gradient is a DTensor with a pending reduction ({placement}) "
                              f"over a mesh of shape {tuple(x.device_mesh.shape)}: reduce it before taking norms")
@@ -89,7 +89,7 @@ def grad_norm(model: nn.Module, group: ProcessGroup | None = None, *, pp_group: 
     meshes = [mesh for mesh in sums if mesh is not None]
     totals = _summed(torch.stack([sums[None], *(sums[m] for m in meshes)]), group)  # one over tp
     total = totals[0]
-    for mesh, part in zip(meshes, totals[1:]):
+    for mesh, part in zip(meshes, totals[1:], strict=True):
         for dim in range(mesh.ndim):  # sharded pieces (and 1/size of each replica) summed over the mesh
             part = _summed(part, mesh.get_group(dim))
         total = total + part

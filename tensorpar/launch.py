@@ -66,7 +66,7 @@ def error_payload(error: BaseException) -> tuple[bytes | None, str, str]:
     try:
         blob: bytes | None = pickle.dumps(error)
         pickle.loads(blob)
-    except Exception:
+    except Exception:  # noqa: BLE001 - whatever stops it pickling or unpickling: the text and traceback go
         blob = None
     text = f"{type(error).__name__}: {error}"
     return blob, text, "".join(traceback.format_exception(type(error), error, error.__traceback__))

@@ -91,7 +91,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         labels = [item[0] if isinstance(item, tuple) else f"param_groups[{index}]['params'][{j}]"
                   for j, item in enumerate(items)]
         seen = set(self._masters)
-        for p, label in zip(tensors, labels):
+        for p, label in zip(tensors, labels, strict=True):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"{label} is a {type(p).__name__}, not a tensor")
             if isinstance(p, DTensor):
@@ -124,7 +124,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self.defaults = dict(self._inner.defaults)
         else:
             self._inner.add_param_group(twin)
-        self._masters.update(zip(tensors, masters))
+        self._masters.update(zip(tensors, masters, strict=True))
         hyper = {k: v for k, v in self._inner.param_groups[-1].items() if k != "params"}
         super().add_param_group(hyper | {k: v for k, v in param_group.items() if k in ("params", "param_names")})
         self._link(tensors)
@@ -180,7 +180,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         inner = self._wrapped()
-        for group, twin in zip(self.param_groups, inner.param_groups):
+        for group, twin in zip(self.param_groups, inner.param_groups, strict=True):
             twin.update({k: v for k, v in group.items() if k not in ("params", "param_names")})
         live = [p for p in self._params() if p.grad is not None]
         for p in live:
@@ -215,7 +215,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         theirs = [len(g["params"]) for g in saved]
         if ours != theirs:
             raise ValueError(f"the state dict's groups hold {theirs} parameters, this optimizer's {ours}")
-        params = dict(zip((i for g in saved for i in g["params"]), self._params()))
+        params = dict(zip((i for g in saved for i in g["params"]), self._params(), strict=True))
         for key, fields in state_dict["state"].items():
             master = fields.get("master") if key in params else None
             if master is not None and tuple(master.shape) != tuple(params[key].shape):
@@ -241,7 +241,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 self._adopt(p, fields)
             else:
                 self._masters[p].copy_(p.detach())
-        for group, twin in zip(self.param_groups, inner.param_groups):
+        for group, twin in zip(self.param_groups, inner.param_groups, strict=True):
             group.update({k: v for k, v in twin.items() if k != "params"})
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)

@@ -80,11 +80,11 @@ def check_linears(n_in, outs, used, seed):
     with tensorpar.count_collectives() as counts:
         shared = CopyToTP()(x_ours)
         ys = [s(shared) for s in sharded]
-        full = [tensorpar.gather_from_tp(y, -1, o) for y, o in zip(ys, outs)]
+        full = [tensorpar.gather_from_tp(y, -1, o) for y, o in zip(ys, outs, strict=True)]
         sum(f.pow(2).sum() * (i + 1) for i, f in enumerate(full) if used[i]).backward()
     sum(d(x_dense).pow(2).sum() * (i + 1) for i, d in enumerate(dense) if used[i]).backward()
     pairs = {"input grad": (x_ours.grad, x_dense.grad)}
-    for i, (s, d) in enumerate(zip(sharded, dense)):
+    for i, (s, d) in enumerate(zip(sharded, dense, strict=True)):
         grads = tensorpar.full_grads(s)
         if used[i]:
             pairs |= {f"{i} {k}": (grads[k], p.grad) for k, p in d.named_parameters()}

@@ -53,7 +53,7 @@ def refused_load(root, damage, **options):
     try:
         checkpoint.load(out, target, target_optimizer, **options)
         kind, message = "no error", ""
-    except Exception as e:  # the test checks the type
+    except Exception as e:  # noqa: BLE001 - the test checks the type
         kind, message = type(e).__name__, str(e)
     torch.distributed.barrier()
     return kind, message, bitwise_equal(before, picture(target, target_optimizer, root))
@@ -91,7 +91,7 @@ def export_of_forged_sizes(root):
         try:
             checkpoint.export_state_dict(path)
             raised.append(("no error", ""))
-        except Exception as e:  # the test checks the type
+        except Exception as e:  # noqa: BLE001 - the test checks the type
             raised.append((type(e).__name__, str(e)))
     return raised
 
@@ -170,7 +170,7 @@ def test_a_save_killed_at_any_point_leaves_a_valid_checkpoint_behind_latest(worl
     complete checkpoint, old or new, and the next save removes every leftover of the killed one."""
     rows = worlds[1].run(crash_points, str(tmp_path), step)[0]
     assert len(rows) >= 6, rows  # renames in, aside and out, the pointer, deletions: each a point to die at
-    for n, reached, which, aside, left, after in rows:
+    for n, reached, which, _aside, left, after in rows:
         assert (reached, which) in [(5, ["old"]), (step, ["new"])], (n, reached, which)
         assert after == 7 and left in (["step-000005"], [f"step-{step:06d}"]), (n, left)  # no leftover
     if step == 5:  # killed between moving the old copy aside and the new one in: latest led to the aside copy

@@ -162,4 +162,4 @@ def test_tp_streams_differ_per_rank_and_leave_the_default_alone(worlds, tp, seed
         assert not torch.equal(first, second), "the stream did not advance"
         assert all(not torch.equal(first, other) for other in firsts[rank + 1:]), "two ranks drew the same"
     again = worlds[tp].run(stream_draws, seed, "cpu")
-    assert all(torch.equal(a[0], b[0]) for a, b in zip(results, again)), "same seed, different draws"
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(results, again, strict=True)), "same seed, different draws"

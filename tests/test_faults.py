@@ -245,7 +245,7 @@ def disagreeing_all_reduce(case):
 def test_ranks_that_disagree_on_a_shared_memory_all_reduce_all_raise_the_same_error(worlds, case):
     results = worlds[2].run(disagreeing_all_reduce, case)
     assert all(error is not None for error, _, _ in results), f"a rank returned without error: {results}"
-    errors, times = zip(*(error.rsplit(" [after ", 1) for error, _, _ in results))
+    errors, times = zip(*(error.rsplit(" [after ", 1) for error, _, _ in results), strict=True)
     assert errors[0].startswith("rank 0: ") and errors[1].startswith("rank 1: ")
     # each names its own call, then the same words on every rank
     assert errors[0].split(" failed: ", 1)[1] == errors[1].split(" failed: ", 1)[1]

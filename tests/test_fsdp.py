@@ -207,7 +207,7 @@ def test_fsdp_training_follows_the_tp1_trajectory(worlds, reference_run, tmp_pat
 
 
 def test_bad_arguments_get_clear_errors(capsys):
-    with pytest.raises(TypeError, match="expects an nn.Module, got str"):
+    with pytest.raises(TypeError, match=r"expects an nn\.Module, got str"):
         tensorpar.fully_shard_dp("model")
     model = nn.Sequential(nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"modules\[1\] \(Linear\) is not a submodule of the model"):

@@ -37,7 +37,7 @@ def train_twins(cfg, b, t, dtype, seed, steps=3, sequence_parallel=False):
     for step in range(steps):
         if step:  # the first step uses the gradients compared above
             idx2, targets2 = batch(cfg, b, t, seed + step)
-            for m, opt in zip((model, ref), opts):
+            for m, opt in zip((model, ref), opts, strict=True):
                 opt.zero_grad()
                 m(idx2, targets2).backward()
         for opt in opts:

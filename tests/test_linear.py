@@ -45,7 +45,7 @@ def sized_for(draw, dtype):
     """
     if dtype != torch.bfloat16:
         return draw(batch_shapes()), 1
-    return (draw(st.integers(16, 24)),) + draw(batch_shapes(max_dims=1)), 8
+    return (draw(st.integers(16, 24)), *draw(batch_shapes(max_dims=1))), 8
 
 
 @st.composite
@@ -95,7 +95,7 @@ def check_optimizer_steps(d, hidden, optimizer, seed):
     make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
             "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)}[optimizer]
     opt_dense, opt_sharded = make(dense.parameters()), make(sharded.parameters())
-    for step in range(3):
+    for _step in range(3):
         x = torch.randn(4, 3, d, dtype=torch.float64)
         for model, opt in ((dense, opt_dense), (sharded, opt_sharded)):
             opt.zero_grad()

@@ -148,7 +148,7 @@ def routes_agree(h, t, seed):
             shared = isinstance(route.channels.get(mesh.tp_group), shm.SharedMemoryChannel)
             assert shared == (route is mesh), "the routes were not the ones meant"
     names = ["output", "input grad", "fc1 weight grad", "fc1 bias grad", "fc2 weight grad", "fc2 bias grad"]
-    return max(assert_all_close({n: pair for n, pair in zip(names, zip(*results))}).values())
+    return max(assert_all_close(dict(zip(names, zip(*results, strict=True), strict=True))).values())
 
 
 @settings(max_examples=3)

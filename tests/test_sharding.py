@@ -116,7 +116,7 @@ def test_unequal_blocks_and_a_replicated_tail_join_back(groups, g, d, kv_replica
     for r, got in enumerate(shards):
         lo, n = partition_bounds(units, parts, r)
         starts = [0, q, q + kv][:len(width)]
-        expected = [full[s + lo * w:s + (lo + n) * w] for s, w in zip(starts, width)]
+        expected = [full[s + lo * w:s + (lo + n) * w] for s, w in zip(starts, width, strict=True)]
         expected += [full[q:]] if kv_replicated else []
         assert torch.equal(got, torch.cat(expected)) and got.shape[0] == placement.sizes(parts)[r]
     assert torch.equal(join_shards(shards, placement), full)

@@ -57,7 +57,7 @@ def test_imports_have_no_cycles_and_flow_from_layers_to_tensorpar():
         stack.append(node)
         for dep in sorted(graph[node]):
             if state.get(dep) == "grey":
-                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(dep):] + [dep]))
+                raise AssertionError("import cycle: " + " -> ".join([*stack[stack.index(dep):], dep]))
             if dep not in state:
                 visit(dep)
         stack.pop()

@@ -52,7 +52,7 @@ def test_token_files_are_read_as_nanogpt_writes_them(tmp_path_factory, ids, step
     for rank in range(dp):
         got = mapped.batch(step, batch_size=2 * dp, block_size=block, dp=dp, dp_rank=rank)
         want = read.batch(step, batch_size=2 * dp, block_size=block, dp=dp, dp_rank=rank)
-        assert all(torch.equal(a, b) and a.dtype == torch.int64 for a, b in zip(got, want))
+        assert all(torch.equal(a, b) and a.dtype == torch.int64 for a, b in zip(got, want, strict=True))
     small = TokenData.from_bin(folder / "train.bin", vocab_size=max(ids))  # the largest id is out of range
     with pytest.raises(ValueError, match=f"^train.bin holds token id {max(ids)}, not below the vocabulary size"):
         small.check_ids("train.bin")
@@ -127,4 +127,4 @@ def test_tensorboard_logs_what_metrics_jsonl_holds(worlds, tmp_path):
                      ("val_loss", "val/loss"), ("peak_memory_mib", "train/peak_memory_mib")):
         want = [(r["step"], r[key]) for r in rows if key in r]
         assert [s for s, _ in logged[tag]] == [s for s, _ in want] and want, tag
-        assert all(abs(v - w) <= 1e-6 * abs(w) for (_, v), (_, w) in zip(logged[tag], want)), tag  # stored as float32
+        assert all(abs(v - w) <= 1e-6 * abs(w) for (_, v), (_, w) in zip(logged[tag], want, strict=True)), tag  # stored as float32

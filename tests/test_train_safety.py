@@ -59,7 +59,8 @@ def optimizer_steps(path):
     steps = set()
     for file in Path(path).glob("shard-*.safetensors"):
         with Reader(file) as reader:
-            steps |= {reader.read(k).item() for k in reader.keys() if k.startswith("optim.") and k.endswith(".step")}
+            steps |= {reader.read(k).item() for k in reader.keys()  # noqa: SIM118 - a Reader is no mapping
+                       if k.startswith("optim.") and k.endswith(".step")}
     return steps
 
 

@@ -88,7 +88,7 @@ def locate(value: torch.Tensor, placement: Shard | None, group: ProcessGroup | N
     dim = placement.dim % value.dim()
     pieces, lo, hi = [], offsets[dim], offsets[dim] + local.shape[dim]  # the chunk's rows of the tp shard
     at = 0  # where each piece starts in the tp shard
-    everyone = {p for p in placement.pieces(n, 0)}.intersection(*(placement.pieces(n, r) for r in range(1, n)))
+    everyone = set(placement.pieces(n, 0)).intersection(*(placement.pieces(n, r) for r in range(1, n)))
     for start, length in placement.pieces(n, rank):
         a, b = max(lo, at), min(hi, at + length)  # the piece's overlap with this rank's chunk
         shared = (start, length) in everyone and n > 1

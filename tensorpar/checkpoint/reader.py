@@ -124,7 +124,7 @@ class Reader:
 
     def _rows(self, key: str, first: int, count: int, out: torch.Tensor) -> None:
         """Read rows ``[first, first + count)`` of ``key`` (all of a 0-dim tensor) into contiguous ``out``."""
-        shape, dtype, offset = self._tensors[key]
+        shape, _dtype, offset = self._tensors[key]
         row = math.prod(shape[1:]) * out.element_size()
         assert self._file is not None and out.is_contiguous() and out.numel() * out.element_size() == count * row
         if not count * row:
@@ -141,13 +141,14 @@ class Reader:
         """Tensor ``key``, or its box ``key[index]`` (unit-step slices, one per dim); into ``out`` when given
         (of the box's shape and the tensor's dtype), which is returned."""
         shape, dtype = self.info(key)
-        box = [range(*s.indices(n)) for s, n in zip(index or (), shape)] + [range(n) for n in shape[len(index or ()):]]
-        if len(box) != len(shape) or any(r.step != 1 for r in box):
+        given = index or ()  # the dims after the index's are whole
+        box = [range(*s.indices(n)) for s, n in zip(given, shape, strict=False)] + [range(n) for n in shape[len(given):]]
+        if len(given) > len(shape) or any(r.step != 1 for r in box):
             raise self._fail(f"{key}: {index} is no box of shape {shape}")
         sizes = tuple(len(r) for r in box)
         if out is not None and (tuple(out.shape) != sizes or out.dtype != dtype):
             raise self._fail(f"{key}: cannot read {sizes} of {dtype} into {tuple(out.shape)} of {out.dtype}")
-        whole_rows = all(len(r) == n for r, n in zip(box[1:], shape[1:]))
+        whole_rows = all(len(r) == n for r, n in zip(box[1:], shape[1:], strict=True))
         first, count = (box[0].start, len(box[0])) if shape else (0, 1)
         if out is not None and whole_rows and out.is_contiguous():
             self._rows(key, first, count, out)  # straight into the target

@@ -94,7 +94,7 @@ def _fields(model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int
         names = grouped_names(model, optimizer)
         if mesh.pp > 1:  # each stage's parameters: every group names those of all stages
             names = merged_names(share({"names": names}, mesh), len(names))
-        fields["param_groups"] = [h | {"params": n} for h, n in zip(hyperparameters(optimizer), names)]
+        fields["param_groups"] = [h | {"params": n} for h, n in zip(hyperparameters(optimizer), names, strict=True)]
     return fields
 
 
@@ -129,7 +129,7 @@ def prepare(directory: str | Path, model: nn.Module, optimizer: torch.optim.Opti
                                       "of its async_save before saving again into the same directory")
             publish.recover(final.parent, NAME)
             tmp = publish.temporary(final.parent, final.name)
-    except Exception as e:  # every rank learns of it below, then every rank raises
+    except Exception as e:  # noqa: BLE001 - every rank learns of it below, then every rank raises
         error = e
     arguments = ({"step": step, "keep": keep, "extra's SHA-256": canonical_sha256(fields["extra"])[:16]}
                  if error is None else {})  # compared across ranks (once none failed)
@@ -155,7 +155,7 @@ def _publish(job: Job, reports: list[dict[str, Any]]) -> None:
     files = shard_files(job.mesh.world_size)
     entries = index.merge([r["chunks"] for r in reports])
     write_manifest(job.tmp, job.fields | {"tensors": index.to_json(entries)}, files,
-                   {name: r["file"] for name, r in zip(files, reports)})
+                   {name: r["file"] for name, r in zip(files, reports, strict=True)})
     _launcher_running(job.final, "is not published")
     publish.publish(job.tmp, job.final)
     _launcher_running(job.final, "is published, but older checkpoints are not pruned")
@@ -182,7 +182,7 @@ def finish(job: Job, written: dict[str, Any] | None, error: BaseException | None
                 outcome = f"rank {failed[0][0]}: {failed[0][1]}"
             else:
                 _publish(job, reports)
-        except Exception as e:  # a crash (a BaseException) leaves the directory to the next save's recover()
+        except Exception as e:  # noqa: BLE001 - a crash (a BaseException) leaves the directory to the next save's recover()
             error, outcome = e, f"rank 0: {described(e)}"
         if outcome is not None and os.path.lexists(job.tmp):
             publish.remove(job.tmp)
@@ -219,7 +219,7 @@ class PendingSave:
     def _run(self) -> None:
         try:
             self._result = write(self._job)
-        except BaseException as e:  # reported by wait()
+        except BaseException as e:  # noqa: BLE001 - reported by wait()
             self._error = e
         finally:
             self._job.tensors = {}  # the staged copy is written: free it

@@ -77,7 +77,7 @@ def agree(what: str, group: ProcessGroup, fields: Mapping[str, int], problem: st
     found = [f"rank {r}: {p}" for r, p in problems.items() if p]
     if not found and all(row[:1 + width] == rows[0][:1 + width] for row in rows):
         return
-    views = "; ".join(f"rank {r}: " + (", ".join(f"{k}={_shown(k, v)}" for k, v in zip(fields, call[1:]))
+    views = "; ".join(f"rank {r}: " + (", ".join(f"{k}={_shown(k, v)}" for k, v in zip(fields, call[1:], strict=True))
                                        if call[0] == mine[0] else f"{_shown('call', call[0])}")
                       for r, call in enumerate(calls))
     raise ValueError(f"{what}: the ranks' calls do not match ({views})" + "".join(f"; {f}" for f in found))

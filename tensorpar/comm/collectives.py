@@ -78,7 +78,8 @@ def _layout(x: torch.Tensor, dim: int, sizes: Sequence[int], n: int) -> tuple[di
     same fields on every rank, for :func:`~tensorpar.comm.checks.agree`), and what is wrong with it
     that every rank can tell."""
     fields = {"dtype": dtype_code(x.dtype), "before": 0, "along": 0, "after": 0}
-    fields |= {f"sizes[{r}]": s if isinstance(s, int) else -1 for r, s in zip(range(n), list(sizes) + [0] * n)}
+    padded = [*sizes, *[0] * n][:n]  # n fields on every rank, whatever the length of sizes
+    fields |= {f"sizes[{r}]": s if isinstance(s, int) else -1 for r, s in enumerate(padded)}
     if not -x.dim() <= dim < x.dim():
         return fields, f"dim {dim} is out of range for a {x.dim()}-d tensor"
     dim %= x.dim()

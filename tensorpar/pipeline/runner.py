@@ -178,7 +178,7 @@ class Pipeline:
             micro = torch.empty_strided(first.shape, first.stride(), dtype=inputs.dtype, device="meta")
             stage_class = _timed_stage_class()
             stages = []
-            for module, s in zip(self.modules, self.stage_ids):
+            for module, s in zip(self.modules, self.stage_ids, strict=True):
                 example_input, example_output = self._stage_shapes(s, micro)
                 # as torch's own inference marks them: gradients flow back through what stages pass on
                 example_input = _flowing(example_input, train and s > 0)

@@ -98,7 +98,7 @@ def _agree_on_sequence(what: str, labels: Sequence[str], group: ProcessGroup, de
     def digest(text: str) -> int:
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
 
-    rank, n = group_rank_size(group)
+    rank, _n = group_rank_size(group)
     everyone = exchange_ints([len(labels), digest("\n".join(labels))], group, device)
     if all(row == everyone[0] for row in everyone):
         return
@@ -255,13 +255,13 @@ def find_divergence(sharded: nn.Module, dense: nn.Module, *inputs: Any,
     with torch.enable_grad(), _recording(dense, names) as (dense_fwd, dense_bwd), \
             _recording(sharded, names) as (fwd, bwd):
         out_d, out_s = dense(*fresh()), sharded(*fresh())
-        _agree_on_sequence("forward passes", _labels(fwd) + ["|"] + _labels(dense_fwd), group, device)
+        _agree_on_sequence("forward passes", [*_labels(fwd), "|", *_labels(dense_fwd)], group, device)
         forward_items = _items("forward output", fwd, dense_fwd, sharded)
         classify(forward_items, group, rtol, device)
         forward = _first_in_order(forward_items, group)
         note = _backward(out_s, out_d, forward_items, loss_fn, target, seed, group)
         if note is None:
-            _agree_on_sequence("backward passes", _labels(bwd) + ["|"] + _labels(dense_bwd), group, device)
+            _agree_on_sequence("backward passes", [*_labels(bwd), "|", *_labels(dense_bwd)], group, device)
         else:
             notes.append(note)
             bwd.clear()

@@ -282,7 +282,7 @@ def _check_data(cfg: TrainConfig) -> int:
         raise ValueError(f"--vocab-size {cfg.vocab_size} is below 256, the number of byte values")
     vocab = cfg.vocab_size or VOCAB_SIZE
     splits = open_splits(cfg.data, seed=cfg.seed, val_fraction=cfg.val_fraction, vocab_size=vocab)
-    for name, split in zip(("train", "val"), splits):
+    for name, split in zip(("train", "val"), splits, strict=True):
         where = f"{cfg.data}/{name}.bin" if tokens else f"the {name} split of {cfg.data or 'the built-in corpus'}"
         if len(split) <= cfg.block_size:
             raise ValueError(f"{where} holds {len(split)} tokens, fewer than --block-size + 1 ({cfg.block_size + 1})")
