@@ -344,7 +344,8 @@ def test_a_state_holding_nan_or_inf_is_never_saved_and_the_newest_finite_checkpo
     assert unchanged and unchanged_too and kept == ["latest", "step-000004"]
     said = ("the checkpoint of step 3 would hold NaN or infinite values (in {}): not saved, and the checkpoints "
             "already in the directory are left as they are")
-    weight, moment = "model.transformer.wte.weight, model.lm_head.weight", "optim.state.transformer.wte.weight.exp_avg_sq"
+    weight = "model.transformer.wte.weight, model.lm_head.weight"
+    moment = "optim.state.transformer.wte.weight.exp_avg_sq"
     assert theirs[0] == "rank 1: " + said.format(weight)
     assert mine[0] == f"rank 1: {said.format(weight)} (so rank 0 did not save the checkpoint either)"
     assert mine[1] == "rank 0: " + said.format(moment)

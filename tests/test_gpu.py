@@ -18,7 +18,8 @@ def cuda_layer_checks(dtype):
     # bf16 needs enough elements for a norm-wise bound (see test_linear.sized_for)
     batch = (16, 3)
     results = [check_linear(kind, 48, 80, batch, dtype, True, option, seed, device="cuda")
-               for seed, (kind, option) in enumerate([("column", False), ("column", True), ("row", True), ("row", False)])]
+               for seed, (kind, option) in enumerate([("column", False), ("column", True), ("row", True),
+                                                      ("row", False)])]
     results.append(check_mlp(48, 200, batch, dtype, True, 7, device="cuda"))
     return max(max(r.values()) for r in results)
 

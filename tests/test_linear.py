@@ -21,7 +21,8 @@ def check_linear(kind, in_f, out_f, batch, dtype, bias, option, seed, device="cp
     x = torch.randn(*batch, in_f, dtype=dtype, device=device)
     if kind == "column":  # option: gather_output
         sharded = ColumnParallelLinear.from_linear(dense, gather_output=option)
-        return assert_sharded_equivalent(sharded, dense, x, output_shard=None if option else Shard(-1, out_f), seed=seed)
+        return assert_sharded_equivalent(sharded, dense, x, output_shard=None if option else Shard(-1, out_f),
+                                         seed=seed)
     sharded = RowParallelLinear.from_linear(dense, input_is_parallel=option)  # option: input_is_parallel
     return assert_sharded_equivalent(sharded, dense, x, input_shard=Shard(-1, in_f) if option else None, seed=seed)
 
@@ -146,7 +147,8 @@ def test_extra_repr_shows_global_and_local_sizes_and_rank(worlds):
 
 def check_parameter_names():
     column = ColumnParallelLinear(6, 4)
-    return [n for n, _ in column.named_parameters()], [n for n, _ in RowParallelLinear(4, 6, bias=False).named_parameters()]
+    row = RowParallelLinear(4, 6, bias=False)
+    return [n for n, _ in column.named_parameters()], [n for n, _ in row.named_parameters()]
 
 
 def test_parameter_names_are_those_of_nn_linear(worlds):

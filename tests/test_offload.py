@@ -179,5 +179,6 @@ def test_bfloat16_on_cuda_keeps_state_on_the_host():
     assert all(optimizer.master(p).is_pinned() for p in model.parameters())
     assert all(v.device.type == "cpu" for s in optimizer.state.values() for v in s.values())
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)) <= 2e-2
-    for (p, q), master in zip(zip(model.parameters(), ref.parameters(), strict=True), ref_optimizer.masters.values(), strict=True):
+    pairs = zip(model.parameters(), ref.parameters(), strict=True)
+    for (p, q), master in zip(pairs, ref_optimizer.masters.values(), strict=True):
         assert rel_error(p, q) <= 2e-2 and rel_error(optimizer.master(p), master) <= 2e-2

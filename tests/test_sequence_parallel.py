@@ -92,8 +92,10 @@ def sequence_mlp(h, t, b, seq_len_given, seed):
     full_dx = tensorpar.gather_sequence(shard.grad, t)
     grads1, grads2 = tensorpar.full_grads(fc1), tensorpar.full_grads(fc2)
     pairs = {"output": (full_y, ref), "input grad": (full_dx, x.grad),
-             "fc1 weight grad": (grads1["weight"], dense[0].weight.grad), "fc1 bias grad": (grads1["bias"], dense[0].bias.grad),
-             "fc2 weight grad": (grads2["weight"], dense[2].weight.grad), "fc2 bias grad": (fc2.bias.grad, dense[2].bias.grad)}
+             "fc1 weight grad": (grads1["weight"], dense[0].weight.grad),
+             "fc1 bias grad": (grads1["bias"], dense[0].bias.grad),
+             "fc2 weight grad": (grads2["weight"], dense[2].weight.grad),
+             "fc2 bias grad": (fc2.bias.grad, dense[2].bias.grad)}
     return max(assert_all_close(pairs, what="sequence-parallel MLP").values())
 
 

@@ -97,7 +97,8 @@ def test_shards_of_blocks_are_each_blocks_piece_and_join_back(blocks, units, uni
 
 
 def test_blocks_must_divide_the_size():
-    with pytest.raises(ValueError, match=r"size \(10\) is not a whole number of units of 3 \(blocks of units \(1, 1, 1\)\)"):
+    with pytest.raises(ValueError,
+                       match=r"size \(10\) is not a whole number of units of 3 \(blocks of units \(1, 1, 1\)\)"):
         Shard(0, 10, (1, 1, 1)).sizes(2)
 
 

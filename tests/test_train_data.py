@@ -127,4 +127,5 @@ def test_tensorboard_logs_what_metrics_jsonl_holds(worlds, tmp_path):
                      ("val_loss", "val/loss"), ("peak_memory_mib", "train/peak_memory_mib")):
         want = [(r["step"], r[key]) for r in rows if key in r]
         assert [s for s, _ in logged[tag]] == [s for s, _ in want] and want, tag
-        assert all(abs(v - w) <= 1e-6 * abs(w) for (_, v), (_, w) in zip(logged[tag], want, strict=True)), tag  # stored as float32
+        # stored as float32
+        assert all(abs(v - w) <= 1e-6 * abs(w) for (_, v), (_, w) in zip(logged[tag], want, strict=True)), tag

@@ -1,5 +1,5 @@
-"""Training with tensor x data parallelism: the same trajectory at every layout, checkpoints that resume (at any tp) to the same parameters, and clear errors
-for broken checkpoints.
+"""Training with tensor x data parallelism: the same trajectory at every layout, checkpoints that resume (at any
+tp) to the same parameters, and clear errors for broken checkpoints.
 
 The training script runs on the pool's ranks as torchrun would run it (``run_script``), and
 is judged by what it writes: ``metrics.jsonl`` and its checkpoints."""

@@ -101,7 +101,8 @@ def locate(value: torch.Tensor, placement: Shard | None, group: ProcessGroup | N
     pieces = [p for p in pieces if p[2]] or pieces[:1]  # a chunk that starts where a piece ends holds none of it
     full[dim] = placement.size
     offsets[dim] = pieces[0][1]
-    box = Box(tuple(offsets), tuple(local.shape), tuple(full), dim, tuple(pieces) if len(pieces) > 1 or pieces[0][3] else ())
+    box = Box(tuple(offsets), tuple(local.shape), tuple(full), dim,
+              tuple(pieces) if len(pieces) > 1 or pieces[0][3] else ())
     return local, box, split
 
 

@@ -67,7 +67,8 @@ def conform(saved: Any, current: Any, where: str) -> Any:
     many items where it has a tuple...), or a CheckpointError naming ``where``."""
     if isinstance(current, (list, tuple)):
         if isinstance(saved, list) and len(saved) == len(current):
-            return type(current)(conform(s, c, f"{where}[{i}]") for i, (s, c) in enumerate(zip(saved, current, strict=True)))
+            return type(current)(conform(s, c, f"{where}[{i}]")
+                                 for i, (s, c) in enumerate(zip(saved, current, strict=True)))
     elif current is None or isinstance(current, bool):  # flags, where None means "choose"
         if saved is None or isinstance(saved, bool):
             return saved
@@ -102,7 +103,8 @@ def check_groups(meta: Mapping[str, Any], where: Path, model: nn.Module,
         if held != set(names):
             lacks, others = sorted(set(names) - held), sorted(held - set(names))
             problems = [f"lacks {lacks[:3]}{'...' * (len(lacks) > 3)}"] * bool(lacks)
-            problems += [f"holds {others[:3]}{'...' * (len(others) > 3)}, which the optimizer puts in another group"] * bool(others)
+            problems += [f"holds {others[:3]}{'...' * (len(others) > 3)}, which the optimizer puts in another "
+                         "group"] * bool(others)
             raise CheckpointError(f"{where}: param_groups[{i}] {' and '.join(problems)} (its parameters, or their "
                                   "grouping, differ from the optimizer's)")
     groups, start = [], 0

@@ -90,7 +90,8 @@ def check_cover(name: str, entry: Entry, where: Path | str) -> None:
         for b in solid[i + 1:]:
             if dims and b.offsets[0] >= a.offsets[0] + a.sizes[0]:
                 break
-            if all(bo < ao + asz and ao < bo + bsz for ao, asz, bo, bsz in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True)):
+            if all(bo < ao + asz and ao < bo + bsz
+                   for ao, asz, bo, bsz in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True)):
                 raise CheckpointError(f"{where}: {name}: the chunks of ranks {a.rank} and {b.rank} overlap "
                                       f"(at {list(a.offsets)} and {list(b.offsets)})")
     volume = sum(math.prod(c.sizes) for c in entry.chunks)

@@ -142,7 +142,8 @@ class Reader:
         (of the box's shape and the tensor's dtype), which is returned."""
         shape, dtype = self.info(key)
         given = index or ()  # the dims after the index's are whole
-        box = [range(*s.indices(n)) for s, n in zip(given, shape, strict=False)] + [range(n) for n in shape[len(given):]]
+        box = [*(range(*s.indices(n)) for s, n in zip(given, shape, strict=False)),
+               *(range(n) for n in shape[len(given):])]
         if len(given) > len(shape) or any(r.step != 1 for r in box):
             raise self._fail(f"{key}: {index} is no box of shape {shape}")
         sizes = tuple(len(r) for r in box)

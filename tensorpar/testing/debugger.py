@@ -228,8 +228,8 @@ def find_divergence(sharded: nn.Module, dense: nn.Module, *inputs: Any,
     each call's output (one split along a dim across ranks is gathered), then each call's output
     and input gradients after backward of ``loss_fn(output[, target])`` (on the full output: a
     split one is gathered first), or by default of the output itself when it is a scalar and
-    else of a fixed random projection of it (drawn from ``seed``); then every parameter and parameter gradient (split ones by their
-    ``sharding()``). Norm-wise relative tolerance ``rtol``, by default per dtype
+    else of a fixed random projection of it (drawn from ``seed``); then every parameter and parameter
+    gradient (split ones by their ``sharding()``). Norm-wise relative tolerance ``rtol``, by default per dtype
     (:data:`~tensorpar.testing.TOLERANCES`). Both models' ``.grad`` are reset first and hold
     this backward's gradients after. Run it with dropout off (``model.eval()`` or ``p=0``).
 

@@ -26,7 +26,8 @@ from ..mesh import Mesh, init, shutdown, use_mesh
 from ..sendable import Packed, pack, unpack
 
 
-def _run_task(payload: tuple[Packed, int, int | None, int, bool], meshes: dict[tuple[int, int | None, int], Mesh]) -> Any:
+def _run_task(payload: tuple[Packed, int, int | None, int, bool],
+              meshes: dict[tuple[int, int | None, int], Mesh]) -> Any:
     """One task of a pool rank: the function and its arguments, run under the mesh they ask for (kept in
     ``meshes`` for the next task of that layout)."""
     packed, tp, dp, pp, with_mesh = payload
