@@ -115,7 +115,7 @@ def _size(group: ProcessGroup | None) -> int:
 
 def _summed(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """``x`` summed over ``group`` (``x`` itself on a group of one, or with no group)."""
-    return x if _size(group) == 1 else all_reduce_sum(x, group)
+    return x if group is None or _size(group) == 1 else all_reduce_sum(x, group)
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, group: ProcessGroup | None = None, *,
                     pp_group: ProcessGroup | None = None, exclude: Collection[str] = (),

@@ -182,17 +182,18 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         inner = self._wrapped()
         for group, twin in zip(self.param_groups, inner.param_groups, strict=True):
             twin.update({k: v for k, v in group.items() if k not in ("params", "param_names")})
-        live = [p for p in self._params() if p.grad is not None]
-        for p in live:
-            if p.grad.layout != torch.strided:
-                raise TypeError(f"a parameter of shape {tuple(p.shape)} has a {p.grad.layout} gradient: "
+        grads = {p: p.grad for p in self._params() if p.grad is not None}
+        live = list(grads)
+        for p, grad in grads.items():
+            if grad.layout != torch.strided:
+                raise TypeError(f"a parameter of shape {tuple(p.shape)} has a {grad.layout} gradient: "
                                 "OffloadedOptimizer moves dense gradients only")
         self._settle(live)
         for p in live:  # down: each gradient in its own dtype
             staging, grad = self._buffer(p)
             if not self.state.get(p):  # its first step: the master starts from the parameter as it is now
                 self._masters[p].copy_(p, non_blocking=True)
-            (grad if staging is None else staging).copy_(p.grad, non_blocking=True)
+            (grad if staging is None else staging).copy_(grads[p], non_blocking=True)
         self._wait(live)
         for p in live:
             staging, grad = self._buffers[p]

@@ -24,7 +24,7 @@ TILE = 256
 
 
 @torch.no_grad()
-def fill_tiled_(tensor: torch.Tensor, sample: Callable[[torch.Tensor, torch.Generator], None], *,
+def fill_tiled_(tensor: torch.Tensor, sample: Callable[[torch.Tensor, torch.Generator], object], *,
                 full_shape: Sequence[int] | None = None, offset: Sequence[int] | None = None,
                 dim: int = 0, pieces: Sequence[tuple[int, int]] | None = None) -> torch.Tensor:
     """Fill ``tensor``, the block at ``offset`` of a ``full_shape`` tensor, tile by tile.
@@ -57,7 +57,7 @@ def fill_tiled_(tensor: torch.Tensor, sample: Callable[[torch.Tensor, torch.Gene
     return tensor
 
 
-def _fill_box_(tensor: torch.Tensor, sample: Callable[[torch.Tensor, torch.Generator], None], base: int,
+def _fill_box_(tensor: torch.Tensor, sample: Callable[[torch.Tensor, torch.Generator], object], base: int,
                full_shape: tuple[int, ...], offset: tuple[int, ...]) -> None:
     """Fill ``tensor``, the box at ``offset`` of the full tensor, from the tiles of seed ``base``."""
     ranges = [range(o // TILE, (o + s - 1) // TILE + 1) for o, s in zip(offset, tensor.shape, strict=True)]

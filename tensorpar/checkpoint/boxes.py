@@ -86,7 +86,8 @@ def locate(value: torch.Tensor, placement: Shard | None, group: ProcessGroup | N
         return local, Box(tuple(offsets), tuple(local.shape), tuple(full)), split
     rank, n = group_rank_size(group)
     dim = placement.dim % value.dim()
-    pieces, lo, hi = [], offsets[dim], offsets[dim] + local.shape[dim]  # the chunk's rows of the tp shard
+    lo, hi = offsets[dim], offsets[dim] + local.shape[dim]  # the chunk's rows of the tp shard
+    pieces: list[tuple[int, int, int, bool]] = []
     at = 0  # where each piece starts in the tp shard
     everyone = set(placement.pieces(n, 0)).intersection(*(placement.pieces(n, r) for r in range(1, n)))
     for start, length in placement.pieces(n, rank):

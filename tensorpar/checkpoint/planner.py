@@ -66,7 +66,7 @@ class BoxSavePlanner(DefaultSavePlanner):
         return self.plan
 
     def lookup_object(self, index: MetadataIndex) -> torch.Tensor:
-        return self.views[index.fqn, tuple(index.offset)]
+        return self.views[index.fqn, tuple(index.offset or ())]
 
 
 class BoxLoadPlanner(DefaultLoadPlanner):
@@ -95,4 +95,4 @@ class BoxLoadPlanner(DefaultLoadPlanner):
         return LoadPlan(items)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        return self.views[index.fqn, tuple(index.offset)]
+        return self.views[index.fqn, tuple(index.offset or ())]

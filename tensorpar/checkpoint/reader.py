@@ -19,12 +19,13 @@ Example::
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import os
 import struct
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
@@ -40,7 +41,7 @@ class Reader:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._file: BinaryIO | None = None
+        self._file: io.BufferedIOBase | None = None
         self._tensors: dict[str, tuple[tuple[int, ...], torch.dtype, int]] = {}
 
     def _fail(self, what: str) -> CheckpointError:
@@ -156,5 +157,6 @@ class Reader:
             return out
         rows = torch.empty((count, *shape[1:]) if shape else (), dtype=dtype)
         self._rows(key, first, count, rows)
-        value = rows[(slice(None), *(slice(r.start, r.stop) for r in box[1:]))] if shape else rows
+        inner = (slice(None), *(slice(r.start, r.stop) for r in box[1:]))  # the box within its rows
+        value = rows[inner] if shape else rows
         return value if out is None else out.copy_(value)

@@ -210,7 +210,9 @@ class PendingSave:
     """
 
     def __init__(self, job: Job) -> None:
-        self._job, self._result, self._error = job, None, None
+        self._job = job
+        self._result: dict[str, Any] | None = None
+        self._error: BaseException | None = None
         self._path: Path | None = None
         self._failed: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="tensorpar-checkpoint", daemon=True)

@@ -85,7 +85,9 @@ def agree(what: str, group: ProcessGroup, fields: Mapping[str, int], problem: st
 
 def _shown(key: str, value: int) -> str:
     """A field of a call's description as the error shows it."""
-    names = {"dtype": DTYPES, "op": REDUCE_OPS, "call": CALLS}.get(key)
+    if key == "dtype":
+        return dtype_name(value)
+    names = {"op": REDUCE_OPS, "call": CALLS}.get(key)
     if names is None:
         return str(value)
-    return dtype_name(value) if key == "dtype" else names[value] if 0 <= value < len(names) else "another"
+    return names[value] if 0 <= value < len(names) else "another"

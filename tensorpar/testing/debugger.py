@@ -120,7 +120,8 @@ def _items(phase: str, sharded: list[Record], dense: list[Record], model: nn.Mod
     items = []
     for name, call, slots in sharded:
         module = model.get_submodule(name)
-        layout = module.sharding().values() if callable(getattr(module, "sharding", None)) else ()
+        sharding = getattr(module, "sharding", None)
+        layout = sharding().values() if callable(sharding) else ()
         hints = tuple(p for p in layout if isinstance(p, Shard) and len(p.pieces(1, 0)) > 1)  # fused ones
         b = getattr(module, "bias", None)
         bias = b.detach() if isinstance(b, torch.Tensor) and (f"{name}.bias" if name else "bias") not in split \
@@ -280,7 +281,8 @@ def find_divergence(sharded: nn.Module, dense: nn.Module, *inputs: Any,
     counted = {"forward output": forward_items, "backward gradient": backward_items, "parameter": values,
                "parameter gradient": grads}
     compared = {phase: sum(i.kind not in ("absent", "unmatched") for i in items) for phase, items in counted.items()}
-    firsts = [next((f for f in found if not f.downstream), None) for found in (forward, backward)]
-    report = DivergenceReport(group_rank_size(group)[1], *firsts, tuple(forward + backward + tensors), compared,
-                              tuple(notes))
+    first_forward, first_backward = (next((f for f in found if not f.downstream), None)
+                                     for found in (forward, backward))
+    report = DivergenceReport(group_rank_size(group)[1], first_forward, first_backward,
+                              tuple(forward + backward + tensors), compared, tuple(notes))
     return _from_rank_zero(report, group, device)
