@@ -19,10 +19,11 @@ import math
 from typing import Any
 
 import torch
-from results import machine, write_section
 
 import tensorpar
 from layers import GPT, GPTConfig
+from results import machine, write_section
+
 
 def traffic_shapes(t: int) -> list[tuple[int, int]]:
     """(tp, T) of the traffic table: even at tp 2 and 4, uneven at tp 2, 3 and 4."""
@@ -129,8 +130,8 @@ def main() -> None:
     args = parser.parse_args()
 
     comm = tensorpar.spawn(_spawned, 2, count_bytes, args.batch, args.tokens)[0]
-    rows = ["| what (tp=2, B=%d, T=%d, C=768, fp32) | collectives | bytes | Megatron's formula | ratio |" %
-            (args.batch, args.tokens), "|---|---:|---:|---:|---:|"]
+    rows = [f"| what (tp=2, B={args.batch}, T={args.tokens}, C=768, fp32) | collectives | bytes | Megatron's formula "
+            "| ratio |", "|---|---:|---:|---:|---:|"]
     for name, label in (("block", "one block, forward+backward"), ("whole", "2-layer GPT with loss")):
         n, got, formula = comm[name]
         rows.append(f"| {label} | {n} | {got} | {formula} | {got / formula:.3f} |")

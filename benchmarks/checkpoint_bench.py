@@ -19,6 +19,7 @@ anything is modified, so its peak should be about the shard, never the model.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import ctypes.util
 import math
@@ -52,10 +53,8 @@ def _status(field: str) -> int | None:
 
 def _reset_peak() -> None:
     """Return freed heap memory to the system (else new buffers reuse it unseen), then reset the peak."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current resident set

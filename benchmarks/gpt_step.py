@@ -37,14 +37,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gpu import timer
-from plain_gpt import PlainGPT
-from results import machine, write_section
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tensorpar
+from gpu import timer
 from layers import GPT, GPTConfig
+from plain_gpt import PlainGPT
+from results import machine, write_section
 from tensorpar.training.hardware import model_flops_per_token, peak_tflops
 
 #: (model shape, batch, sequence length) of each ``--size``.

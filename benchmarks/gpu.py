@@ -28,11 +28,11 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from results import machine, write_section
 from torch import nn
 
 import tensorpar
 from layers import Block, GPTConfig
+from results import machine, write_section
 
 TP_SIZES = (1, 2, 4, 8)
 

@@ -12,7 +12,6 @@ import time
 
 from checks import check_column
 from results import machine, write_section
-
 from tensorpar.testing import World
 
 

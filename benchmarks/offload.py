@@ -25,11 +25,10 @@ import statistics
 from collections.abc import Callable
 
 import torch
-from gpu import timer
 
 import tensorpar
+from gpu import timer
 from layers import GPT, GPTConfig
-
 
 #: (option, default on a GPU, default on CPU): GPT-2 small on a GPU, seconds on CPU
 SIZES = (("n-layer", 12, 2), ("n-embd", 768, 128), ("n-head", 12, 4), ("vocab-size", 50304, 256),

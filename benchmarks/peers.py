@@ -20,7 +20,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-import tensorpar
 from layers import ColumnParallelLinear, RowParallelLinear
 
 

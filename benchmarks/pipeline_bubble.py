@@ -87,7 +87,8 @@ def main() -> None:
     parser.add_argument("--gpt-pp", type=int, nargs="*", default=[2], help="pipeline sizes for the GPT stages")
     parser.add_argument("--write", action="store_true", help="record the table in benchmarks/RESULTS.md")
     args = parser.parse_args()
-    lines = ["| stages | kind | m | schedule | ideal (p-1)/(m+p-1) | idle fraction by stage | peak in-flight by stage |",
+    lines = ["| stages | kind | m | schedule | ideal (p-1)/(m+p-1) | idle fraction by stage "
+             "| peak in-flight by stage |",
              "|---:|---|---:|---|---:|---|---|"]
     print("\n".join(lines))
     for kind, sizes in (("timed", args.pp), ("GPT", args.gpt_pp)):

@@ -46,10 +46,9 @@ import accounting
 import activation_memory
 import checkpoint_bench
 import peers
-from results import machine, write_section
-
 import tensorpar
 from layers import Block, GPTConfig
+from results import machine, write_section
 from tensorpar.comm.collectives import start_all_reduce_
 from tensorpar.testing import World
 
@@ -144,13 +143,14 @@ def all_reduce_bandwidth(numel: int, repeats: int, ours: bool) -> float:
 
 
 def slowest_rank(per_rank: list[list[float]]) -> list[float]:
-    return [max(ts) for ts in zip(*per_rank)]  # a step ends when its slower rank does
+    return [max(ts) for ts in zip(*per_rank, strict=True)]  # a step ends when its slower rank does
 
 
 def measure(pool: World, rounds: int, libs: list[str]) -> dict[str, Any]:
     samples: dict[Any, list[float]] = {}
     local = {h: peers.dense(h) for h in SIZES} | {("tp1", h): peers.ours(h) for h in SIZES}
-    blocks = {compiled: gpt_block(BLOCK["n_embd"], BLOCK["n_head"], BLOCK["seq"], compiled) for compiled in (False, True)}
+    blocks = {compiled: gpt_block(BLOCK["n_embd"], BLOCK["n_head"], BLOCK["seq"], compiled)
+              for compiled in (False, True)}
     for r in range(rounds):
         for h, (tokens, steps) in SIZES.items():
             x = torch.randn(tokens, h, requires_grad=True)
@@ -251,7 +251,8 @@ def report(m: dict[Any, float], libs: list[str], missing: dict[str, str], bandwi
         "Saved activations per rank with and without activation checkpointing (largest rank; fp32, B=1, T=256, "
         "GPT-2 width, 4 layers):", "", activation_memory.table(saved, ACTIVATIONS, 1, 256), "",
         "One block's saved activations per rank with sequence parallelism, against the formula of "
-        "`activation_memory.block_formula` (B=1, T=256):", "", activation_memory.sequence_table(saved, ACTIVATIONS, 1, 256),
+        "`activation_memory.block_formula` (B=1, T=256):", "",
+        activation_memory.sequence_table(saved, ACTIVATIONS, 1, 256),
         "",
         "Distributed checkpoints: save and load of the model and its AdamW state, each rank its own shards "
         f"(GPT {checkpoint_bench.CONFIG}):", "", checkpoint_bench.table(checkpoints), "",

@@ -70,8 +70,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 import tensorpar
@@ -79,10 +79,29 @@ from layers import GPT, GPTConfig, PipelinedGPT
 from layers.hf import export_gpt2
 from tensorpar import checkpoint
 from tensorpar.random import mix_seed
-from tensorpar.training import (DTYPES, ByteData, Throughput, TokenData, TrainConfig, autocast_for, compute_dtype,
-                                cosine_lr, device_name, hardware_summary, hold, open_log, open_logger, open_splits,
-                                peak_memory_bytes, peak_memory_per_rank, plot, progress, reset_peak_memory,
-                                validation_loss, warn_if_gpus_unused)
+from tensorpar.training import (
+    DTYPES,
+    ByteData,
+    Throughput,
+    TokenData,
+    TrainConfig,
+    autocast_for,
+    compute_dtype,
+    cosine_lr,
+    device_name,
+    hardware_summary,
+    hold,
+    open_log,
+    open_logger,
+    open_splits,
+    peak_memory_bytes,
+    peak_memory_per_rank,
+    plot,
+    progress,
+    reset_peak_memory,
+    validation_loss,
+    warn_if_gpus_unused,
+)
 from tensorpar.training import parse_args as parse_training_args
 from tensorpar.training.hardware import model_flops_per_token, peak_tflops
 

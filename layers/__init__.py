@@ -1,9 +1,9 @@
 """Tensor-parallel ``nn.Module``s built on :mod:`tensorpar`."""
 
 from .attention import ParallelSelfAttention
-from .embedding import VocabParallelEmbedding
 from .block import Block
 from .config import GPTConfig
+from .embedding import VocabParallelEmbedding
 from .gpt import GPT
 from .hf_parallel import parallelize_hf
 from .linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -14,6 +14,6 @@ from .regions import CopyToTP, GatherSequence, ReduceFromTP, ReduceScatterSequen
 from .sequence import SequenceParallelLayerNorm, ShardedDropout
 
 __all__ = ["GPT", "STYLES", "Block", "ColumnParallelLinear", "CopyToTP", "GPTConfig", "GPTStage", "GatherSequence",
-           "HeadRow", "ParallelMLP", "PipelinedGPT",
-           "ParallelSelfAttention", "QKVColumn", "ReduceFromTP", "ReduceScatterSequence", "ReplicatedLinear", "RowParallelLinear",
-           "SequenceParallelLayerNorm", "ShardedDropout", "VocabParallelEmbedding", "parallelize", "parallelize_hf"]
+           "HeadRow", "ParallelMLP", "ParallelSelfAttention", "PipelinedGPT", "QKVColumn", "ReduceFromTP",
+           "ReduceScatterSequence", "ReplicatedLinear", "RowParallelLinear", "SequenceParallelLayerNorm",
+           "ShardedDropout", "VocabParallelEmbedding", "parallelize", "parallelize_hf"]

@@ -107,7 +107,7 @@ class GPT(nn.Module):
             self.transformer = nn.ModuleDict(dict(
                 wte=VocabParallelEmbedding(c.vocab_size, c.n_embd, reduce_output=False, group=group, **factory),
                 wpe=VocabParallelEmbedding(c.block_size, c.n_embd, reduce_output=False, group=group, **factory),
-                reduce=ReduceScatterSequence(group=group) if sp else ReduceFromTP(group=group),  # g (ḡ) over both lookups
+                reduce=ReduceScatterSequence(group=group) if sp else ReduceFromTP(group=group),  # g (ḡ): both lookups
                 drop=ShardedDropout(c.dropout, group=group) if sp else nn.Dropout(c.dropout),
                 h=nn.ModuleList([Block(c, group=group, **factory) for _ in range(c.n_layer)]),
                 ln_f=(SequenceParallelLayerNorm(c.n_embd, bias=c.bias, group=group, **factory) if sp

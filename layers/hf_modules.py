@@ -188,10 +188,7 @@ class ReplicatedHeadsLinear(ReplicatedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x).unflatten(-1, (-1, self.head_dim))  # (*, n_kv_heads, head_dim)
-        if self._contiguous:
-            y = y.narrow(-2, self.heads[0], len(self.heads))
-        else:
-            y = y[..., list(self.heads), :]
+        y = y.narrow(-2, self.heads[0], len(self.heads)) if self._contiguous else y[..., list(self.heads), :]
         return y.flatten(-2)  # (*, len(heads) * head_dim)
 
     def extra_repr(self) -> str:

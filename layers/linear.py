@@ -185,7 +185,8 @@ class ColumnParallelLinear(_ParallelLinear):
         tail = self.placement.replicated
         if tail and self.tp > 1:  # f on the replicated rows: their gradients summed over the group
             head = self.local_features - tail
-            (w, w_tail), (b, b_tail) = weight.split([head, tail]), (None, None) if bias is None else bias.split([head, tail])
+            w, w_tail = weight.split([head, tail])
+            b, b_tail = (None, None) if bias is None else bias.split([head, tail])
             w_tail, b_tail = summed_gradients([w_tail, b_tail], self.tp_group)
             weight = torch.cat([w, w_tail])  # (local out, in)
             bias = None if bias is None else torch.cat([b, b_tail])

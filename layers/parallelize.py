@@ -14,7 +14,6 @@ import functools
 from collections.abc import Callable, Mapping
 from dataclasses import KW_ONLY, dataclass
 from types import MappingProxyType
-from typing import Union
 
 from torch import nn
 from torch.distributed import ProcessGroup
@@ -100,7 +99,7 @@ class HeadRow:
 
 
 #: A plan value: a style name (a key of ``STYLES``), a head style, a class with ``from_linear``, or a converter.
-Style = Union[str, QKVColumn, HeadRow, type, Callable[[nn.Module], nn.Module]]
+Style = str | QKVColumn | HeadRow | type | Callable[[nn.Module], nn.Module]
 
 #: The named styles.
 STYLES: Mapping[str, type] = MappingProxyType(

@@ -125,7 +125,7 @@ class PipelinedGPT(nn.Module):
 
         def copies(name: str) -> list[torch.Tensor]:  # the head's copy takes the embedding's values
             found = [held[name]] if name in held else []
-            return found + [held[HEAD]] if name == EMBEDDING and self.copied_head else found
+            return [*found, held[HEAD]] if name == EMBEDDING and self.copied_head else found
 
         initialise_(config, [(name, copies(name)) for name in names], geometry)
         self._embedding_group = _embedding_group(mesh) if mesh.pp > 2 else mesh.pp_group if mesh.pp > 1 else None
@@ -253,7 +253,7 @@ def average_(grads: list[torch.Tensor], group: dist.ProcessGroup, bucket_bytes: 
                 flat = torch.cat([b.reshape(-1) for b in bucket])
                 dist.all_reduce(flat, group=group)
                 flat /= n
-                for b, part in zip(bucket, flat.split([b.numel() for b in bucket])):
+                for b, part in zip(bucket, flat.split([b.numel() for b in bucket]), strict=True):
                     b.copy_(part.view_as(b))
                 bucket = []
 

@@ -82,5 +82,5 @@ def summed_gradients(params: Iterable[torch.Tensor | None], group: ProcessGroup)
     if not present or tensorpar.group_rank_size(group)[1] == 1:
         return list(params)
     flat = tensorpar.copy_to_tp(torch.cat([p.reshape(-1) for p in present]), group)
-    views = iter(part.view_as(p) for part, p in zip(flat.split([p.numel() for p in present]), present))
+    views = iter(part.view_as(p) for part, p in zip(flat.split([p.numel() for p in present]), present, strict=True))
     return [None if p is None else next(views) for p in params]

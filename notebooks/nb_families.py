@@ -73,7 +73,7 @@ def init_params(p: Problem) -> torch.Tensor:
 
 def loss_at(theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor, p: Problem) -> torch.Tensor:
     """Mean cross-entropy of the MLP ``tanh(x W1^T + b1) W2^T + b2`` whose parameters ``theta`` holds."""
-    w1, b1, w2, b2 = (t.view(s) for t, s in zip(theta.split([math.prod(s) for s in p.shapes]), p.shapes))
+    w1, b1, w2, b2 = (t.view(s) for t, s in zip(theta.split([math.prod(s) for s in p.shapes]), p.shapes, strict=True))
     return F.cross_entropy(torch.tanh(x @ w1.T + b1) @ w2.T + b2, y)   # (batch, hidden) -> (batch, classes)
 
 

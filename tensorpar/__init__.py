@@ -34,11 +34,11 @@ from .comm import (
     copy_to_tp,
     count_collectives,
     gather_from_tp,
+    gather_sequence,
     reduce_from_tp,
     reduce_scatter,
-    row_parallel_linear,
-    gather_sequence,
     reduce_scatter_sequence,
+    row_parallel_linear,
     save_sequence_shard,
     scatter_sequence,
     scatter_to_tp,
@@ -87,7 +87,10 @@ _ON_FIRST_USE = (
 )
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr__ below
-    from . import checkpoint, pipeline, testing, training
+    from . import checkpoint
+    from . import pipeline as pipeline
+    from . import testing as testing
+    from . import training as training
     from .fsdp import fully_shard_dp
     from .launch import RankError, spawn
     from .offload import OffloadedOptimizer
@@ -126,6 +129,7 @@ __all__ = [
     "full_state_dict",
     "fully_shard_dp",
     "gather_from_tp",
+    "gather_sequence",
     "grad_norm",
     "group_rank_size",
     "init",
@@ -136,9 +140,8 @@ __all__ = [
     "partition_sizes",
     "reduce_from_tp",
     "reduce_scatter",
-    "row_parallel_linear",
-    "gather_sequence",
     "reduce_scatter_sequence",
+    "row_parallel_linear",
     "save_sequence_shard",
     "scatter_sequence",
     "scatter_to_tp",

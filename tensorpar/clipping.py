@@ -39,11 +39,10 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
-
 def _replicas(x: DTensor, name: str) -> int:
     """How many ranks of ``x``'s mesh hold each element of it (1 when every dim is sharded)."""
     copies = 1
-    for placement, size in zip(x.placements, x.device_mesh.shape):
+    for placement, size in zip(x.placements, x.device_mesh.shape, strict=True):
         if placement.is_partial():
             raise ValueError(f"{name}: its gradient is a DTensor with a pending reduction ({placement}) "
                              f"over a mesh of shape {tuple(x.device_mesh.shape)}: reduce it before taking norms")
@@ -92,7 +91,7 @@ def grad_norm(model: nn.Module, group: ProcessGroup | None = None, *, pp_group: 
     meshes = [mesh for mesh in sums if mesh is not None]
     totals = _summed(torch.stack([sums[None], *(sums[m] for m in meshes)]), group)  # one over tp
     total = totals[0]
-    for mesh, part in zip(meshes, totals[1:]):
+    for mesh, part in zip(meshes, totals[1:], strict=True):
         for dim in range(mesh.ndim):  # sharded pieces (and 1/size of each replica) summed over the mesh
             part = _summed(part, mesh.get_group(dim))
         total = total + part
@@ -118,7 +117,7 @@ def _size(group: ProcessGroup | None) -> int:
 
 def _summed(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """``x`` summed over ``group`` (``x`` itself on a group of one, or with no group)."""
-    return x if _size(group) == 1 else all_reduce_sum(x, group)
+    return x if group is None or _size(group) == 1 else all_reduce_sum(x, group)
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, group: ProcessGroup | None = None, *,
                     pp_group: ProcessGroup | None = None, exclude: Collection[str] = (),

@@ -129,7 +129,7 @@ def shard_geometry(model: nn.Module) -> dict[str, dict[str, Any]]:
         offset = [0] * p.dim()
         placement, group = where.get(name, (None, None))
         geometry[name] = {"full_shape": full_shape(p.shape, placement)}
-        if placement is not None:
+        if placement is not None and group is not None:  # placements() gives both or neither
             rank, n = group_rank_size(group)
             dim = placement.dim % p.dim()
             pieces = placement.pieces(n, rank)

@@ -63,10 +63,11 @@ class RankError(RuntimeError):
 
 def error_payload(error: BaseException) -> tuple[bytes | None, str, str]:
     """What a rank sends back for ``error``: the pickled exception if it pickles, its text, its traceback."""
+    blob: bytes | None
     try:
-        blob: bytes | None = pickle.dumps(error)
+        blob = pickle.dumps(error)
         pickle.loads(blob)
-    except Exception:
+    except Exception:  # noqa: BLE001 - whatever stops it pickling or unpickling: the text and traceback go
         blob = None
     text = f"{type(error).__name__}: {error}"
     return blob, text, "".join(traceback.format_exception(type(error), error, error.__traceback__))

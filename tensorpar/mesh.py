@@ -242,7 +242,8 @@ def _build_mesh(tp: int | None, dp: int | None, pp: int) -> Mesh:
                          if pp > 1 else f"tp ({tp}) does not divide the world size ({world})")
     dp = stage // tp if dp is None else dp
     if pp * dp * tp != world:
-        shape = f"pp ({pp}) x dp ({dp}) x tp ({tp}) = {pp * dp * tp}" if pp > 1 else f"tp ({tp}) x dp ({dp}) = {tp * dp}"
+        shape = (f"pp ({pp}) x dp ({dp}) x tp ({tp}) = {pp * dp * tp}" if pp > 1
+                 else f"tp ({tp}) x dp ({dp}) = {tp * dp}")
         raise ValueError(f"{shape} does not match the world size ({world})")
     on_gpu = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")

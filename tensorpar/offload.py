@@ -18,7 +18,6 @@ import torch
 
 from .full import is_dtensor
 
-
 #: What ``params`` may be: tensors, ``(name, tensor)`` pairs (``model.named_parameters()``), or groups.
 Params = Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterable[dict[str, Any]]
 
@@ -93,7 +92,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         labels = [item[0] if isinstance(item, tuple) else f"param_groups[{index}]['params'][{j}]"
                   for j, item in enumerate(items)]
         seen = set(self._masters)
-        for p, label in zip(tensors, labels):
+        for p, label in zip(tensors, labels, strict=True):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"{label} is a {type(p).__name__}, not a tensor")
             if is_dtensor(p):
@@ -126,7 +125,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self.defaults = dict(self._inner.defaults)
         else:
             self._inner.add_param_group(twin)
-        self._masters.update(zip(tensors, masters))
+        self._masters.update(zip(tensors, masters, strict=True))
         hyper = {k: v for k, v in self._inner.param_groups[-1].items() if k != "params"}
         super().add_param_group(hyper | {k: v for k, v in param_group.items() if k in ("params", "param_names")})
         self._link(tensors)
@@ -182,19 +181,20 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         inner = self._wrapped()
-        for group, twin in zip(self.param_groups, inner.param_groups):
+        for group, twin in zip(self.param_groups, inner.param_groups, strict=True):
             twin.update({k: v for k, v in group.items() if k not in ("params", "param_names")})
-        live = [p for p in self._params() if p.grad is not None]
-        for p in live:
-            if p.grad.layout != torch.strided:
-                raise TypeError(f"a parameter of shape {tuple(p.shape)} has a {p.grad.layout} gradient: "
+        grads = {p: p.grad for p in self._params() if p.grad is not None}
+        live = list(grads)
+        for p, grad in grads.items():
+            if grad.layout != torch.strided:
+                raise TypeError(f"a parameter of shape {tuple(p.shape)} has a {grad.layout} gradient: "
                                 "OffloadedOptimizer moves dense gradients only")
         self._settle(live)
         for p in live:  # down: each gradient in its own dtype
             staging, grad = self._buffer(p)
             if not self.state.get(p):  # its first step: the master starts from the parameter as it is now
                 self._masters[p].copy_(p, non_blocking=True)
-            (grad if staging is None else staging).copy_(p.grad, non_blocking=True)
+            (grad if staging is None else staging).copy_(grads[p], non_blocking=True)
         self._wait(live)
         for p in live:
             staging, grad = self._buffers[p]
@@ -217,7 +217,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         theirs = [len(g["params"]) for g in saved]
         if ours != theirs:
             raise ValueError(f"the state dict's groups hold {theirs} parameters, this optimizer's {ours}")
-        params = dict(zip((i for g in saved for i in g["params"]), self._params()))
+        params = dict(zip((i for g in saved for i in g["params"]), self._params(), strict=True))
         for key, fields in state_dict["state"].items():
             master = fields.get("master") if key in params else None
             if master is not None and tuple(master.shape) != tuple(params[key].shape):
@@ -243,7 +243,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 self._adopt(p, fields)
             else:
                 self._masters[p].copy_(p.detach())
-        for group, twin in zip(self.param_groups, inner.param_groups):
+        for group, twin in zip(self.param_groups, inner.param_groups, strict=True):
             group.update({k: v for k, v in twin.items() if k != "params"})
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
+from typing import TypedDict
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -58,6 +59,14 @@ def _set_state(device: torch.device, state: torch.Tensor) -> None:
         torch.cuda.set_rng_state(state, device)
     else:
         torch.set_rng_state(state)
+
+
+class TrackerState(TypedDict):
+    """An :class:`RNGStatesTracker`'s state, as a checkpoint holds it."""
+
+    rank: int
+    base: int | None
+    states: dict[str, torch.Tensor]
 
 
 class RNGStatesTracker:
@@ -112,15 +121,15 @@ class RNGStatesTracker:
             self._states[key] = _get_state(device)
             _set_state(device, outside)
 
-    def state_dict(self) -> dict[str, object]:
+    def state_dict(self) -> TrackerState:
         """The stream's state, for a checkpoint."""
         return {"rank": self.rank, "base": self._base, "states": {k: v.clone() for k, v in self._states.items()}}
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
+    def load_state_dict(self, state: TrackerState) -> None:
         if state["rank"] != self.rank:
             raise ValueError(f"RNG state of tp rank {state['rank']} cannot be loaded on tp rank {self.rank}")
-        self._base = state["base"]  # type: ignore[assignment]
-        self._states = {k: v.clone() for k, v in state["states"].items()}  # type: ignore[attr-defined]
+        self._base = state["base"]
+        self._states = {k: v.clone() for k, v in state["states"].items()}
 
 
 def _recompute_all(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
@@ -156,7 +165,7 @@ def recompute_contexts(*trackers: RNGStatesTracker) -> tuple[AbstractContextMana
     if torch.compiler.is_compiling():  # traced: the compiled graph recomputes; no Python runs again
         return create_selective_checkpoint_contexts(_recompute_all)
     unique = list({id(t): t for t in trackers}.values())
-    at_forward: list[dict[str, object]] = []
+    at_forward: list[TrackerState] = []
 
     @contextlib.contextmanager
     def forward() -> Iterator[None]:

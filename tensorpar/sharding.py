@@ -221,6 +221,6 @@ def join_shards(shards: Sequence[torch.Tensor], placement: Shard) -> torch.Tenso
     placed: dict[int, torch.Tensor] = {}  # full offset -> piece
     for r, local in enumerate(shards):
         pieces = placement.pieces(len(shards), r)
-        for (offset, _), piece in zip(pieces, local.split([n for _, n in pieces], placement.dim)):
+        for (offset, _), piece in zip(pieces, local.split([n for _, n in pieces], placement.dim), strict=True):
             placed.setdefault(offset, piece)
     return torch.cat([placed[offset] for offset in sorted(placed)], placement.dim)

@@ -24,7 +24,7 @@ TILE = 256
 
 
 @torch.no_grad()
-def fill_tiled_(tensor: torch.Tensor, sample: Callable[[torch.Tensor, torch.Generator], None], *,
+def fill_tiled_(tensor: torch.Tensor, sample: Callable[[torch.Tensor, torch.Generator], object], *,
                 full_shape: Sequence[int] | None = None, offset: Sequence[int] | None = None,
                 dim: int = 0, pieces: Sequence[tuple[int, int]] | None = None) -> torch.Tensor:
     """Fill ``tensor``, the block at ``offset`` of a ``full_shape`` tensor, tile by tile.
@@ -43,10 +43,10 @@ def fill_tiled_(tensor: torch.Tensor, sample: Callable[[torch.Tensor, torch.Gene
                              f"of a {tuple(tensor.shape)} block")
         dim %= tensor.dim()
         boxes = [(part, (*offset[:dim], start, *offset[dim + 1:]))
-                 for part, (start, _) in zip(tensor.split([n for _, n in pieces], dim), pieces)]
+                 for part, (start, _) in zip(tensor.split([n for _, n in pieces], dim), pieces, strict=True)]
     for part, at in boxes:
         if len(full_shape) != part.dim() or len(at) != part.dim() or any(
-            o < 0 or o + s > f for o, s, f in zip(at, part.shape, full_shape)
+            o < 0 or o + s > f for o, s, f in zip(at, part.shape, full_shape, strict=True)
         ):
             raise ValueError(f"a {tuple(part.shape)} block at offset {at} does not fit in {full_shape}")
     if tensor.is_meta:  # nothing to fill, and no draw: from_linear builds on meta first
@@ -57,20 +57,20 @@ def fill_tiled_(tensor: torch.Tensor, sample: Callable[[torch.Tensor, torch.Gene
     return tensor
 
 
-def _fill_box_(tensor: torch.Tensor, sample: Callable[[torch.Tensor, torch.Generator], None], base: int,
+def _fill_box_(tensor: torch.Tensor, sample: Callable[[torch.Tensor, torch.Generator], object], base: int,
                full_shape: tuple[int, ...], offset: tuple[int, ...]) -> None:
     """Fill ``tensor``, the box at ``offset`` of the full tensor, from the tiles of seed ``base``."""
-    ranges = [range(o // TILE, (o + s - 1) // TILE + 1) for o, s in zip(offset, tensor.shape)]
+    ranges = [range(o // TILE, (o + s - 1) // TILE + 1) for o, s in zip(offset, tensor.shape, strict=True)]
     for index in itertools.product(*ranges):
         lo = [i * TILE for i in index]
-        hi = [min(f, l + TILE) for f, l in zip(full_shape, lo)]
-        tile = torch.empty([h - l for h, l in zip(hi, lo)], dtype=tensor.dtype)
+        hi = [min(f, t + TILE) for f, t in zip(full_shape, lo, strict=True)]
+        tile = torch.empty([h - t for h, t in zip(hi, lo, strict=True)], dtype=tensor.dtype)
         sample(tile, torch.Generator().manual_seed(mix_seed(base, *index)))
         # overlap of this tile with the box, in full coordinates
-        start = [max(l, o) for l, o in zip(lo, offset)]
-        stop = [min(h, o + s) for h, o, s in zip(hi, offset, tensor.shape)]
-        src = tile[tuple(slice(a - l, b - l) for a, b, l in zip(start, stop, lo))]
-        tensor[tuple(slice(a - o, b - o) for a, b, o in zip(start, stop, offset))] = src
+        start = [max(t, o) for t, o in zip(lo, offset, strict=True)]
+        stop = [min(h, o + s) for h, o, s in zip(hi, offset, tensor.shape, strict=True)]
+        src = tile[tuple(slice(a - t, b - t) for a, b, t in zip(start, stop, lo, strict=True))]
+        tensor[tuple(slice(a - o, b - o) for a, b, o in zip(start, stop, offset, strict=True))] = src
 
 
 def uniform_(tensor: torch.Tensor, a: float, b: float, *, full_shape: Sequence[int] | None = None,

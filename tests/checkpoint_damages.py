@@ -221,7 +221,8 @@ DAMAGES = {
                                   f"1099511627776 bytes, more than its file {SHARD} ("]),
     "rng state of 2**40 bytes in a file listed larger": (in_meta(lambda m: huge_cuda_state(m, 2**41)),
                                                          ["meta.json: rng.rank0.cuda must be a generator state of at "
-                                                          "most ", " bytes (it is torch.uint8 of shape (1099511627776,))"]),
+                                                          "most ",
+                                                          " bytes (it is torch.uint8 of shape (1099511627776,))"]),
     "model config forged": (in_meta(lambda m: m["config"].update(n_embd=24)),
                             ["meta.json: config does not match the model's (n_embd: checkpoint 24, model 16)"]),
     "optimizer groups forged": (in_meta(lambda m: m["param_groups"][0]["params"].pop()),

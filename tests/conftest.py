@@ -3,9 +3,9 @@
 import os
 
 import pytest
-from gpt_cases import EXAMPLES, WORST
 from hypothesis import HealthCheck, Phase, settings
 
+from gpt_cases import EXAMPLES, WORST
 from tensorpar.testing import Worlds
 
 settings.register_profile("tensorpar", deadline=None, print_blob=True,

@@ -3,9 +3,9 @@ its plain twin with the same weights."""
 
 import torch
 from hypothesis import strategies as st
-from reference_gpt import RefConfig, RefGPT
 
 from layers import GPT, GPTConfig
+from reference_gpt import RefConfig, RefGPT
 
 # Worst relative error seen per dtype by the GPT equivalence tests (printed at the end of the run).
 WORST: dict[str, float] = {}

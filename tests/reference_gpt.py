@@ -67,10 +67,7 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(c.dropout)
 
     def forward(self, x):
-        if self.swiglu:
-            h = F.silu(self.c_gate(x)) * self.c_fc(x)
-        else:
-            h = F.gelu(self.c_fc(x), approximate="tanh")
+        h = F.silu(self.c_gate(x)) * self.c_fc(x) if self.swiglu else F.gelu(self.c_fc(x), approximate="tanh")
         return self.dropout(self.c_proj(h))
 
 
@@ -102,7 +99,7 @@ class RefGPT(nn.Module):
         self.transformer.wte.weight = self.lm_head.weight  # tied
 
     def forward(self, idx, targets=None):
-        B, T = idx.shape
+        _B, T = idx.shape
         pos = torch.arange(T, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:

@@ -19,15 +19,15 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from gpt_cases import batch, gpt_configs, twins
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_dropout import recording, replaying
 
 import tensorpar
+from gpt_cases import batch, gpt_configs, twins
 from layers import GPT, GPTConfig
 from tensorpar.testing import assert_all_close
 from tensorpar.testing.strategies import tp_sizes
+from test_dropout import recording, replaying
 
 P = 0.3
 
@@ -78,7 +78,7 @@ def same(a, b):
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     return a == b
 
 

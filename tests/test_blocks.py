@@ -5,13 +5,13 @@ Each sharded module is loaded with the reference's weights and compared with
 gradient, in float64, float32 and bfloat16, at tp 1-4.
 """
 
-import reference_gpt as ref
 import torch
-from gpt_cases import gpt_configs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import reference_gpt as ref
 import tensorpar
+from gpt_cases import gpt_configs
 from layers import Block, ColumnParallelLinear, CopyToTP, GPTConfig, ParallelMLP, ParallelSelfAttention
 from tensorpar.testing import TOLERANCES, assert_all_close, assert_sharded_equivalent
 from tensorpar.testing.strategies import dtypes, tp_sizes
@@ -80,11 +80,11 @@ def check_linears(n_in, outs, used, seed):
     with tensorpar.count_collectives() as counts:
         shared = CopyToTP()(x_ours)
         ys = [s(shared) for s in sharded]
-        full = [tensorpar.gather_from_tp(y, -1, o) for y, o in zip(ys, outs)]
+        full = [tensorpar.gather_from_tp(y, -1, o) for y, o in zip(ys, outs, strict=True)]
         sum(f.pow(2).sum() * (i + 1) for i, f in enumerate(full) if used[i]).backward()
     sum(d(x_dense).pow(2).sum() * (i + 1) for i, d in enumerate(dense) if used[i]).backward()
     pairs = {"input grad": (x_ours.grad, x_dense.grad)}
-    for i, (s, d) in enumerate(zip(sharded, dense)):
+    for i, (s, d) in enumerate(zip(sharded, dense, strict=True)):
         grads = tensorpar.full_grads(s)
         if used[i]:
             pairs |= {f"{i} {k}": (grads[k], p.grad) for k, p in d.named_parameters()}

@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 
 import torch
-from checkpoint_cases import bitwise_equal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from checkpoint_cases import bitwise_equal
 from tensorpar import checkpoint
 from tensorpar.checkpoint.reader import Reader
 from tensorpar.checkpoint.tensors import write_file
@@ -62,7 +62,7 @@ def test_the_reader_reads_any_box_as_slicing_does(tmp_path_factory, shape, dtype
     path = tmp_path_factory.mktemp("reader") / "f.safetensors"
     write_file(path, {"t": tensor, "s": torch.arange(3)})
     starts = [data.draw(st.integers(0, n)) for n in shape]
-    box = tuple(slice(a, data.draw(st.integers(a, n))) for a, n in zip(starts, shape))
+    box = tuple(slice(a, data.draw(st.integers(a, n))) for a, n in zip(starts, shape, strict=True))
     expected = tensor[box].contiguous()
     strided = torch.zeros(tuple(reversed(expected.shape)), dtype=dtype).permute(tuple(reversed(range(len(shape)))))
     with Reader(path) as f, safetensors.safe_open(str(path), framework="pt") as theirs:
@@ -85,7 +85,7 @@ def test_a_damaged_file_is_a_checkpoint_error_never_another(tmp_path_factory, da
     path.write_bytes(raw[:data.draw(st.integers(0, len(raw)))])
     try:
         with Reader(path) as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 - a Reader lists its keys; it is no mapping to iterate
                 f.read(key)
     except checkpoint.CheckpointError:
         pass

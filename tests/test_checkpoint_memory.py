@@ -13,13 +13,13 @@ and without FSDP2 and loaded into a fresh model and optimizer: every tensor bitw
 import io
 
 import torch
-from checkpoint_cases import bitwise_equal, raw_bytes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 import tensorpar
+from checkpoint_cases import bitwise_equal, raw_bytes
 from layers import ColumnParallelLinear, RowParallelLinear
 from tensorpar import checkpoint
 from tensorpar.checkpoint.reader import Reader
@@ -38,9 +38,11 @@ def strided_tensors():
     """Tensors of every kind of stride, each of which ``.contiguous()`` copies into a temporary."""
     g = torch.Generator().manual_seed(0)
     base = torch.randn(40, 30, generator=g)
-    return {"transposed": base.t(), "sliced": base[3:17, 5:26:2], "expanded": torch.randn(1, 30, generator=g).expand(20, 30),
+    return {"transposed": base.t(), "sliced": base[3:17, 5:26:2],
+            "expanded": torch.randn(1, 30, generator=g).expand(20, 30),
             "channels_last": torch.randn(2, 3, 4, 5, generator=g).contiguous(memory_format=torch.channels_last),
-            "bf16": base.to(torch.bfloat16).t()[::2], "int64": (torch.arange(60, dtype=torch.int64) << 40).view(6, 10).t(),
+            "bf16": base.to(torch.bfloat16).t()[::2],
+            "int64": (torch.arange(60, dtype=torch.int64) << 40).view(6, 10).t(),
             "bool": (base > 0).t(), "uint8": torch.randint(0, 256, (50, 70), dtype=torch.uint8, generator=g).t(),
             "scalar": torch.tensor(3.5), "empty": torch.empty(0, 3).t()}
 

@@ -13,11 +13,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_cases import (Mixed, bitwise_equal, blocked, dead_pid, everything, killed_save, mixed_trained, picture,
-                              trained)
-from checkpoint_damages import DAMAGES, RANK1, SHARD, WTE, edit_meta, scalar
 
 import tensorpar
+from checkpoint_cases import (
+    Mixed,
+    bitwise_equal,
+    blocked,
+    dead_pid,
+    everything,
+    killed_save,
+    mixed_trained,
+    picture,
+    trained,
+)
+from checkpoint_damages import DAMAGES, RANK1, SHARD, WTE, edit_meta, scalar
 from tensorpar import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +53,7 @@ def refused_load(root, damage, **options):
     try:
         checkpoint.load(out, target, target_optimizer, **options)
         kind, message = "no error", ""
-    except Exception as e:  # the test checks the type
+    except Exception as e:  # noqa: BLE001 - the test checks the type
         kind, message = type(e).__name__, str(e)
     torch.distributed.barrier()
     return kind, message, bitwise_equal(before, picture(target, target_optimizer, root))
@@ -82,7 +91,7 @@ def export_of_forged_sizes(root):
         try:
             checkpoint.export_state_dict(path)
             raised.append(("no error", ""))
-        except Exception as e:  # the test checks the type
+        except Exception as e:  # noqa: BLE001 - the test checks the type
             raised.append((type(e).__name__, str(e)))
     return raised
 
@@ -161,7 +170,7 @@ def test_a_save_killed_at_any_point_leaves_a_valid_checkpoint_behind_latest(worl
     complete checkpoint, old or new, and the next save removes every leftover of the killed one."""
     rows = worlds[1].run(crash_points, str(tmp_path), step)[0]
     assert len(rows) >= 6, rows  # renames in, aside and out, the pointer, deletions: each a point to die at
-    for n, reached, which, aside, left, after in rows:
+    for n, reached, which, _aside, left, after in rows:
         assert (reached, which) in [(5, ["old"]), (step, ["new"])], (n, reached, which)
         assert after == 7 and left in (["step-000005"], [f"step-{step:06d}"]), (n, left)  # no leftover
     if step == 5:  # killed between moving the old copy aside and the new one in: latest led to the aside copy
@@ -335,7 +344,8 @@ def test_a_state_holding_nan_or_inf_is_never_saved_and_the_newest_finite_checkpo
     assert unchanged and unchanged_too and kept == ["latest", "step-000004"]
     said = ("the checkpoint of step 3 would hold NaN or infinite values (in {}): not saved, and the checkpoints "
             "already in the directory are left as they are")
-    weight, moment = "model.transformer.wte.weight, model.lm_head.weight", "optim.state.transformer.wte.weight.exp_avg_sq"
+    weight = "model.transformer.wte.weight, model.lm_head.weight"
+    moment = "optim.state.transformer.wte.weight.exp_avg_sq"
     assert theirs[0] == "rank 1: " + said.format(weight)
     assert mine[0] == f"rank 1: {said.format(weight)} (so rank 0 did not save the checkpoint either)"
     assert mine[1] == "rank 0: " + said.format(moment)

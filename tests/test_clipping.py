@@ -4,11 +4,11 @@ gradients are the unsharded model's clipped ones."""
 
 import pytest
 import torch
-from gpt_cases import batch, gpt_configs, twins
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tensorpar
+from gpt_cases import batch, gpt_configs, twins
 from layers import ColumnParallelLinear, RowParallelLinear
 from tensorpar.testing import assert_all_close
 from tensorpar.testing.strategies import tp_sizes
@@ -50,7 +50,7 @@ def mixed_dtype_clipping(seed):
     full = {k: torch.randn(v.shape, generator=generator).to(v.dtype)
             for k, v in tensorpar.full_state_dict(model).items()}
     tensorpar.load_full_state_dict(holder, full)  # this rank's shard (or copy) of each full gradient
-    for p, grad in zip(model.parameters(), holder.parameters()):
+    for p, grad in zip(model.parameters(), holder.parameters(), strict=True):
         p.grad = grad.detach().clone()
     expected = torch.linalg.vector_norm(torch.stack([g.double().norm() for g in full.values()]))
     norm = tensorpar.clip_grad_norm_(model, expected.item() / 2)

@@ -66,7 +66,8 @@ def check_collective(op, full_shape, dim, seed):
             y = fn(x, dim)
         y.backward(gs[rank])
 
-    total = lambda ts: torch.stack(ts).sum(0)
+    def total(ts):
+        return torch.stack(ts).sum(0)
     expected_y, expected_dx = {
         "copy_to_tp": lambda: (xs[rank], total(gs)),
         "reduce_from_tp": lambda: (total(xs), gs[rank]),

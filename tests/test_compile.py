@@ -14,16 +14,16 @@ import collections
 import pytest
 import torch
 import torch._inductor.config
-from gpt_cases import batch, gpt_configs, twins
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_blocks import sharded_twin
-from test_fsdp import run_training, train_here
 
 import tensorpar
+from gpt_cases import batch, gpt_configs, twins
 from layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tensorpar.testing import TOLERANCES, assert_all_close, assert_sharded_equivalent
 from tensorpar.testing.strategies import batch_shapes, features, tp_sizes
+from test_blocks import sharded_twin
+from test_fsdp import run_training, train_here
 
 FLOATS = st.sampled_from([torch.float64, torch.float32])
 #: the functional collectives in a graph, by the name ``count_collectives`` gives them

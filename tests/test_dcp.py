@@ -14,16 +14,16 @@ from pathlib import Path
 import safetensors.torch
 import torch
 import torch.distributed.checkpoint as dcp
-from checkpoint_cases import BLOCKED, bitwise_equal, blocked
-from gpt_cases import batch, gpt_configs
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference_gpt import RefConfig, RefGPT
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import tensorpar
+from checkpoint_cases import BLOCKED, bitwise_equal, blocked
+from gpt_cases import batch, gpt_configs
 from layers import GPT, GPTConfig
+from reference_gpt import RefConfig, RefGPT
 from tensorpar import checkpoint
 from tensorpar.checkpoint.boxes import locate
 from tensorpar.full import placements, unshard

@@ -11,10 +11,10 @@ import os
 
 import pytest
 import torch
-from checkpoint_cases import bitwise_equal
-from gpt_cases import batch
 
 import tensorpar
+from checkpoint_cases import bitwise_equal
+from gpt_cases import batch
 from layers import GPT, GPTConfig
 from tensorpar import checkpoint
 

@@ -9,12 +9,12 @@ from collections import OrderedDict
 import pytest
 import torch
 import torch.nn.functional as F
-from gpt_cases import batch, twins
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 import tensorpar
+from gpt_cases import batch, twins
 from layers import ColumnParallelLinear, RowParallelLinear, parallelize
 from tensorpar.testing import find_divergence
 from tensorpar.testing.strategies import tp_sizes

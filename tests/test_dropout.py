@@ -19,11 +19,11 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from gpt_cases import batch, gpt_configs, twins
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tensorpar
+from gpt_cases import batch, gpt_configs, twins
 from tensorpar.testing import assert_all_close
 from tensorpar.testing.strategies import tp_sizes
 
@@ -162,4 +162,4 @@ def test_tp_streams_differ_per_rank_and_leave_the_default_alone(worlds, tp, seed
         assert not torch.equal(first, second), "the stream did not advance"
         assert all(not torch.equal(first, other) for other in firsts[rank + 1:]), "two ranks drew the same"
     again = worlds[tp].run(stream_draws, seed, "cpu")
-    assert all(torch.equal(a[0], b[0]) for a, b in zip(results, again)), "same seed, different draws"
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(results, again, strict=True)), "same seed, different draws"

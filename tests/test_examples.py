@@ -72,8 +72,8 @@ def line_starting(stdout: str, prefix: str) -> str:
 
 
 def test_swap_linear_matches_the_dense_model_with_a_shard_of_its_memory(worlds, monkeypatch):
-    out = run_example_on_pool(worlds, monkeypatch, "swap_linear.py", "--tp", 2, "--vocab", 37, "--d", 16, "--hidden", 45, "--layers", 1,
-                      "--batch", 2, "--seq", 5)
+    out = run_example_on_pool(worlds, monkeypatch, "swap_linear.py", "--tp", 2, "--vocab", 37, "--d", 16,
+                              "--hidden", 45, "--layers", 1, "--batch", 2, "--seq", 5)
     assert "OK: the parallelized model matches the dense one at tp=2" in line_starting(out, "OK")
     # the memory table: one row per rank, the embedding and fc1 split unevenly (37 = 19 + 18, 45 = 23 + 22)
     rows = [line for line in out.splitlines() if line.split()[:1] in (["0"], ["1"])]
@@ -117,8 +117,9 @@ def save_tiny_gpt2(path: Path, *, tokenizer: bool = False) -> Any:
 def test_hf_gpt2_greedy_generation_equals_hugging_face(worlds, monkeypatch, tmp_path):
     hf = save_tiny_gpt2(tmp_path)
     new = 8
-    out = run_example_on_pool(worlds, monkeypatch, "hf_gpt2_generate.py", "--model-dir", tmp_path, "--tp", 2, "--prompt-ids",
-                      ",".join(map(str, PROMPT_IDS)), "--max-new-tokens", new, "--temperature", 0)
+    out = run_example_on_pool(worlds, monkeypatch, "hf_gpt2_generate.py", "--model-dir", tmp_path, "--tp", 2,
+                              "--prompt-ids", ",".join(map(str, PROMPT_IDS)), "--max-new-tokens", new,
+                              "--temperature", 0)
     assert line_starting(out, "OK") == f"OK: all 2 ranks generated the same {new} new tokens"
     tokens = ast.literal_eval(line_starting(out, "tokens: ").removeprefix("tokens: "))
 
@@ -132,8 +133,9 @@ def test_hf_gpt2_greedy_generation_equals_hugging_face(worlds, monkeypatch, tmp_
 
 def test_hf_gpt2_samples_text_with_a_tokenizer(worlds, monkeypatch, tmp_path):
     save_tiny_gpt2(tmp_path, tokenizer=True)
-    out = run_example_on_pool(worlds, monkeypatch, "hf_gpt2_generate.py", "--model-dir", tmp_path, "--tp", 2, "--prompt", "hello, world",
-                      "--max-new-tokens", 5, "--temperature", 0.8, "--top-k", 10, "--seed", 3)
+    out = run_example_on_pool(worlds, monkeypatch, "hf_gpt2_generate.py", "--model-dir", tmp_path, "--tp", 2,
+                              "--prompt", "hello, world", "--max-new-tokens", 5, "--temperature", 0.8, "--top-k", 10,
+                              "--seed", 3)
     assert line_starting(out, "OK") == "OK: all 2 ranks generated the same 5 new tokens"
     prompt_ids = ast.literal_eval(line_starting(out, "prompt ids: ").removeprefix("prompt ids: "))
     assert prompt_ids == [TOKENS.index(c if c != " " else "Ġ") for c in "hello, world"]
@@ -148,9 +150,8 @@ def test_train_gpt_reports_the_hardware_and_exports_to_hugging_face(worlds, monk
     tokens/s, MFU, peak memory, device and dtype; --export-hf writes a GPT-2 directory whose logits
     are those of the final checkpoint's weights (the script's default: no biases)."""
     transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
-    from reference_gpt import RefConfig, RefGPT
-
     from layers import GPTConfig
+    from reference_gpt import RefConfig, RefGPT
     from tensorpar import checkpoint
     from tensorpar.training.hardware import model_flops_per_token
 

@@ -9,7 +9,6 @@ and no ``/dev/shm`` entry is left.
 
 import contextlib
 import dataclasses
-import json
 import os
 import signal
 import subprocess
@@ -152,8 +151,9 @@ def test_ranks_stop_when_a_pool_or_torchrun_launcher_is_killed(tmp_path, launche
     cmd = {"pool": [sys.executable, "-c", _POOL, str(log)],
            "torchrun": [torchrun, "--standalone", "--nproc-per-node=2", str(tmp_path / "job.py"), str(log)]}[launcher]
     (tmp_path / "job.py").write_text(_TORCHRUN)
-    took = _kill_launcher(cmd, TESTS if launcher == "pool" else tmp_path, lambda: len({line.split()[0] for line in log.read_text().splitlines()}) == 2
-                          if log.exists() else False, lambda: _lines(log))
+    took = _kill_launcher(cmd, TESTS if launcher == "pool" else tmp_path,
+                          lambda: log.exists() and len({line.split()[0] for line in log.read_text().splitlines()}) == 2,
+                          lambda: _lines(log))
     print(f"{launcher} launcher killed by SIGKILL: every rank gone after {took:.2f} s")
 
 
@@ -246,7 +246,7 @@ def disagreeing_all_reduce(case):
 def test_ranks_that_disagree_on_a_shared_memory_all_reduce_all_raise_the_same_error(worlds, case):
     results = worlds[2].run(disagreeing_all_reduce, case)
     assert all(error is not None for error, _, _ in results), f"a rank returned without error: {results}"
-    errors, times = zip(*(error.rsplit(" [after ", 1) for error, _, _ in results))
+    errors, times = zip(*(error.rsplit(" [after ", 1) for error, _, _ in results), strict=True)
     assert errors[0].startswith("rank 0: ") and errors[1].startswith("rank 1: ")
     # each names its own call, then the same words on every rank
     assert errors[0].split(" failed: ", 1)[1] == errors[1].split(" failed: ", 1)[1]
@@ -312,8 +312,10 @@ def test_after_a_shared_memory_failure_every_later_disagreement_is_still_an_erro
     assert after0 == after1 == [3.0, 3.0, 3.0]
     assert errors0[0] == errors1[0] == ("all-reduce: the ranks' calls do not match (rank 0: numel=3, dtype=float32, "
                                         "op=sum; rank 1: numel=3, dtype=float32, op=max)")
-    assert errors0[1].startswith("all-gather: the ranks' calls do not match (") and "rank 1: reduce-scatter" in errors0[1]
-    assert errors1[1].startswith("reduce-scatter: the ranks' calls do not match (") and "rank 0: all-gather" in errors1[1]
+    assert errors0[1].startswith("all-gather: the ranks' calls do not match (")
+    assert "rank 1: reduce-scatter" in errors0[1]
+    assert errors1[1].startswith("reduce-scatter: the ranks' calls do not match (")
+    assert "rank 0: all-gather" in errors1[1]
     assert "rank 1: all-gather" in errors0[2] and "rank 0: all-reduce" in errors1[2]
 
 

@@ -15,15 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from gpt_cases import batch, gpt_configs
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference_gpt import RefConfig, RefGPT
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 import tensorpar
+from gpt_cases import batch, gpt_configs
 from layers import GPT, GPTConfig
+from reference_gpt import RefConfig, RefGPT
 from tensorpar import checkpoint
 from tensorpar.testing import assert_all_close
 
@@ -207,7 +207,7 @@ def test_fsdp_training_follows_the_tp1_trajectory(worlds, reference_run, tmp_pat
 
 
 def test_bad_arguments_get_clear_errors(capsys):
-    with pytest.raises(TypeError, match="expects an nn.Module, got str"):
+    with pytest.raises(TypeError, match=r"expects an nn\.Module, got str"):
         tensorpar.fully_shard_dp("model")
     model = nn.Sequential(nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"modules\[1\] \(Linear\) is not a submodule of the model"):

@@ -9,11 +9,11 @@ every parameter gradient (gathered) and the parameters after 3 AdamW steps.
 import hashlib
 
 import torch
-from gpt_cases import batch, gpt_configs, key_bias_drift, note_errors, twins
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tensorpar
+from gpt_cases import batch, gpt_configs, key_bias_drift, note_errors, twins
 from layers import GPT, GPTConfig
 from tensorpar.testing import TOLERANCES, assert_all_close
 from tensorpar.testing.strategies import tp_sizes
@@ -37,7 +37,7 @@ def train_twins(cfg, b, t, dtype, seed, steps=3, sequence_parallel=False):
     for step in range(steps):
         if step:  # the first step uses the gradients compared above
             idx2, targets2 = batch(cfg, b, t, seed + step)
-            for m, opt in zip((model, ref), opts):
+            for m, opt in zip((model, ref), opts, strict=True):
                 opt.zero_grad()
                 m(idx2, targets2).backward()
         for opt in opts:

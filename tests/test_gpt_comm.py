@@ -17,11 +17,11 @@ sums its weight and bias gradients in one all-reduce of C (or 2C) elements.
 from collections import Counter
 
 import torch
-from gpt_cases import batch, gpt_configs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tensorpar
+from gpt_cases import batch, gpt_configs
 from layers import GPT, GPTConfig
 from tensorpar.testing.strategies import tp_sizes
 

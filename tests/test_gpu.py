@@ -5,10 +5,10 @@ Skipped where no CUDA device is present; everything they check also runs on CPU 
 
 import pytest
 import torch
-from test_linear import check_linear, check_mlp
 
 import tensorpar
 from tensorpar.testing import TOLERANCES
+from test_linear import check_linear, check_mlp
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 
@@ -18,7 +18,8 @@ def cuda_layer_checks(dtype):
     # bf16 needs enough elements for a norm-wise bound (see test_linear.sized_for)
     batch = (16, 3)
     results = [check_linear(kind, 48, 80, batch, dtype, True, option, seed, device="cuda")
-               for seed, (kind, option) in enumerate([("column", False), ("column", True), ("row", True), ("row", False)])]
+               for seed, (kind, option) in enumerate([("column", False), ("column", True), ("row", True),
+                                                      ("row", False)])]
     results.append(check_mlp(48, 200, batch, dtype, True, 7, device="cuda"))
     return max(max(r.values()) for r in results)
 
@@ -36,10 +37,9 @@ def test_layers_on_cuda_tensors_with_gloo_at_world_size_2(dtype):
 def cuda_gpt_checks(dtype):
     """A Block against its plain twin on CUDA, a GPT's loss against the reference's, and the tp streams."""
     from gpt_cases import batch, twins
+    from tensorpar.testing import assert_sharded_equivalent
     from test_blocks import sharded_twin
     from test_dropout import stream_draws
-
-    from tensorpar.testing import assert_sharded_equivalent
 
     mesh = tensorpar.init()
     cfg = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, vocab_size=97, block_size=32, bias=True, mlp="swiglu")

@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import DenseMLP
 
 import tensorpar
 from layers import ColumnParallelLinear, RowParallelLinear
+from reference import DenseMLP
 from tensorpar.testing import World, assert_sharded_equivalent
 from tensorpar.testing.strategies import tp_sizes
 

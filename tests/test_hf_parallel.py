@@ -16,14 +16,13 @@ from collections import Counter
 
 import pytest
 import torch
-from hf_cases import batch, build
+import transformers  # noqa: F401  (the hf extra: make test installs it, so a missing one fails)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tensorpar
+from hf_cases import batch, build
 from tensorpar.testing import TOLERANCES, assert_all_close
-
-import transformers  # noqa: F401,E402  (the hf extra: make test installs it, so a missing one fails)
 
 ARCHS = ("gpt2", "llama", "mistral", "qwen2")
 WORST: dict[str, float] = {}  # worst relative error per dtype over this module's examples
@@ -129,7 +128,7 @@ def test_matches_the_dense_model(worlds, arch, tp, data):
     spec = data.draw(hf_specs(arch, tp, dtype))
     b, t, seed = data.draw(st.integers(1, 2)), data.draw(st.integers(3, 8)), data.draw(st.integers(0, 2**31))
     results = worlds[tp].run(train_hf, arch, spec, dtype, b, t, seed)
-    for errors, tied, loss_dtype in results:
+    for errors, tied, _loss_dtype in results:
         assert tied == (arch == "gpt2" or spec["tie_word_embeddings"])
         worst = max(errors.values())
         name = str(dtype).removeprefix("torch.")

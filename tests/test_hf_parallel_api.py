@@ -3,14 +3,12 @@ that load back, and the sharded GPT-2 ``Conv1D``'s tp-invariant initialisation."
 
 import hashlib
 
-import pytest
 import torch
-from hf_cases import build
+import transformers  # the hf extra: make test installs it, so a missing one fails
 
 import tensorpar
+from hf_cases import build
 from tensorpar.sharding import Shard
-
-import transformers  # noqa: F401,E402  (the hf extra: make test installs it, so a missing one fails)
 
 LLAMA = dict(vocab_size=19, attn="eager", num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
              hidden_size=8, intermediate_size=6)
@@ -19,8 +17,6 @@ GPT2 = dict(vocab_size=19, attn="eager", n_layer=1, n_head=4, n_embd=8, n_positi
 
 def refusals():
     """Each refusal on every rank alike (tp=3), before any collective; returns ``type: message``s."""
-    import transformers
-
     from layers import parallelize_hf
 
     def attempt(make):

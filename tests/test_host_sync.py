@@ -14,10 +14,10 @@ import collections
 
 import pytest
 import torch
-from gpt_cases import batch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tensorpar
+from gpt_cases import batch
 from layers import GPT, GPTConfig
 
 #: the ops that read a device value back to the host, or whose output's size depends on one

@@ -13,6 +13,7 @@ import sys
 import time
 import types
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,7 +74,7 @@ def _listening(inodes=None):
     """(file, local address, port) of the listening TCP sockets (those with ``inodes``, or all)."""
     found = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in open(table).readlines()[1:]:
+        for line in Path(table).read_text().splitlines()[1:]:
             fields = line.split()
             if fields[3] == "0A" and (inodes is None or fields[9] in inodes):  # 0A: LISTEN
                 address, port = fields[1].split(":")

@@ -5,11 +5,11 @@ import copy
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import DenseMLP
 from torch import nn
 
 import tensorpar
 from layers import ColumnParallelLinear, RowParallelLinear, parallelize
+from reference import DenseMLP
 from tensorpar import Shard
 from tensorpar.testing import TOLERANCES, assert_close, assert_sharded_equivalent
 from tensorpar.testing.strategies import batch_shapes, dtypes, features, tp_sizes
@@ -21,7 +21,8 @@ def check_linear(kind, in_f, out_f, batch, dtype, bias, option, seed, device="cp
     x = torch.randn(*batch, in_f, dtype=dtype, device=device)
     if kind == "column":  # option: gather_output
         sharded = ColumnParallelLinear.from_linear(dense, gather_output=option)
-        return assert_sharded_equivalent(sharded, dense, x, output_shard=None if option else Shard(-1, out_f), seed=seed)
+        return assert_sharded_equivalent(sharded, dense, x, output_shard=None if option else Shard(-1, out_f),
+                                         seed=seed)
     sharded = RowParallelLinear.from_linear(dense, input_is_parallel=option)  # option: input_is_parallel
     return assert_sharded_equivalent(sharded, dense, x, input_shard=Shard(-1, in_f) if option else None, seed=seed)
 
@@ -45,7 +46,7 @@ def sized_for(draw, dtype):
     """
     if dtype != torch.bfloat16:
         return draw(batch_shapes()), 1
-    return (draw(st.integers(16, 24)),) + draw(batch_shapes(max_dims=1)), 8
+    return (draw(st.integers(16, 24)), *draw(batch_shapes(max_dims=1))), 8
 
 
 @st.composite
@@ -95,7 +96,7 @@ def check_optimizer_steps(d, hidden, optimizer, seed):
     make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
             "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)}[optimizer]
     opt_dense, opt_sharded = make(dense.parameters()), make(sharded.parameters())
-    for step in range(3):
+    for _step in range(3):
         x = torch.randn(4, 3, d, dtype=torch.float64)
         for model, opt in ((dense, opt_dense), (sharded, opt_sharded)):
             opt.zero_grad()
@@ -146,7 +147,8 @@ def test_extra_repr_shows_global_and_local_sizes_and_rank(worlds):
 
 def check_parameter_names():
     column = ColumnParallelLinear(6, 4)
-    return [n for n, _ in column.named_parameters()], [n for n, _ in RowParallelLinear(4, 6, bias=False).named_parameters()]
+    row = RowParallelLinear(4, 6, bias=False)
+    return [n for n, _ in column.named_parameters()], [n for n, _ in row.named_parameters()]
 
 
 def test_parameter_names_are_those_of_nn_linear(worlds):

@@ -9,12 +9,12 @@ like any replicated weight inside the tensor-parallel region).
 """
 
 import torch
-from gpt_cases import batch, gpt_configs, twins
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 import tensorpar
+from gpt_cases import batch, gpt_configs, twins
 from layers import ColumnParallelLinear, ReplicatedLinear
 from tensorpar.testing import assert_all_close
 from tensorpar.testing.strategies import tp_sizes
@@ -47,7 +47,7 @@ def test_every_submodule_of_the_gpt_runs_once_per_forward(worlds, tp, data):
     for names, with_loss, without in worlds[tp].run(count_hook_calls, cfg, data.draw(st.integers(0, 2**31))):
         assert "transformer.h.0.attn.c_attn" in names and "transformer.h.0.attn.copy_in" in names
         for calls in (with_loss, without):
-            assert calls == {name: 1 for name in names}, {n: calls.get(n, 0) for n in names if calls.get(n) != 1}
+            assert calls == dict.fromkeys(names, 1), {n: calls.get(n, 0) for n in names if calls.get(n) != 1}
 
 
 class LowRank(nn.Module):

@@ -5,15 +5,15 @@ round here, no gloo all-reduce); and the layers stay equal to their plain twins 
 
 import pytest
 import torch
-from gpt_cases import gpt_configs
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_blocks import sharded_twin
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tensorpar
+from gpt_cases import gpt_configs
 from tensorpar.testing import TOLERANCES, assert_sharded_equivalent
+from test_blocks import sharded_twin
 
 ALL_REDUCES = ("allreduce", "all_reduce")
 

@@ -11,9 +11,9 @@ import copy
 
 import pytest
 import torch
-from offload_cases import ADAMW, LRS, MasterAdamW, groups, train
 from torch import nn
 
+from offload_cases import ADAMW, LRS, MasterAdamW, groups, train
 from tensorpar import OffloadedOptimizer
 from tensorpar.testing import rel_error
 
@@ -56,7 +56,7 @@ def test_a_module_follows_torch_adamw_bitwise_with_its_state_on_the_host(dtype):
     ref_optimizer = torch.optim.AdamW(groups(ref.parameters()), lr=LRS[0], **ADAMW)
     spare = model.spare.detach().clone()
     assert train(model, optimizer, 5, net_loss) == train(ref, ref_optimizer, 5, net_loss)
-    pairs = list(zip(model.parameters(), ref.parameters()))
+    pairs = list(zip(model.parameters(), ref.parameters(), strict=True))
     assert all(torch.equal(p, q) for p, q in pairs) and torch.equal(model.spare, spare)
     assert model.spare not in optimizer.state and equal_states(optimizer, ref_optimizer, pairs)
     assert [(g["weight_decay"], g["lr"]) for g in optimizer.param_groups] == [(0.1, LRS[4]), (0.0, LRS[4])]
@@ -83,9 +83,9 @@ def test_bfloat16_parameters_step_from_float32_masters():
     ref_optimizer = MasterAdamW(ref)
     masters = list(ref_optimizer.masters.values())
     assert train(model, optimizer, 5, net_loss) == train(ref, ref_optimizer, 5, net_loss)
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
-    assert all(torch.equal(optimizer.master(p), m) for p, m in zip(model.parameters(), masters))
-    assert equal_states(optimizer, ref_optimizer.inner, list(zip(model.parameters(), masters)))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+    assert all(torch.equal(optimizer.master(p), m) for p, m in zip(model.parameters(), masters, strict=True))
+    assert equal_states(optimizer, ref_optimizer.inner, list(zip(model.parameters(), masters, strict=True)))
     assert all(v.dtype == torch.float32 for s in optimizer.state.values() for k, v in s.items() if k != "step")
     every = sum(p.numel() for p in model.parameters())
     assert optimizer.bytes_moved_per_step() == 2 * 2 * every  # bfloat16 gradients down, parameters up
@@ -108,7 +108,7 @@ def test_state_dict_round_trips_and_resumes_bitwise():
         for field, value in resumed.state.get(p, {}).items():  # on the host, and not the given tensors
             assert value.device.type == "cpu" and all(value is not s[field] for s in saved["state"].values())
     assert train(other, resumed, 3, net_loss, first=2) == straight
-    assert all(torch.equal(p, q) for p, q in zip(other.parameters(), model.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(other.parameters(), model.parameters(), strict=True))
 
 
 def test_torch_adamw_state_loads_and_the_masters_start_from_the_parameters():
@@ -121,7 +121,7 @@ def test_torch_adamw_state_loads_and_the_masters_start_from_the_parameters():
     optimizer.load_state_dict(copy.deepcopy(ref_optimizer.state_dict()))
     assert all(torch.equal(optimizer.master(p), p) for p in model.parameters())
     assert train(model, optimizer, 3, net_loss, first=2) == train(ref, ref_optimizer, 3, net_loss, first=2)
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters(), strict=True))
 
 
 def test_bad_input_gets_clear_errors():
@@ -178,6 +178,7 @@ def test_bfloat16_on_cuda_keeps_state_on_the_host():
     assert all(p.is_cuda and p.dtype == torch.bfloat16 for p in model.parameters())
     assert all(optimizer.master(p).is_pinned() for p in model.parameters())
     assert all(v.device.type == "cpu" for s in optimizer.state.values() for v in s.values())
-    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 2e-2
-    for (p, q), master in zip(zip(model.parameters(), ref.parameters()), ref_optimizer.masters.values()):
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)) <= 2e-2
+    pairs = zip(model.parameters(), ref.parameters(), strict=True)
+    for (p, q), master in zip(pairs, ref_optimizer.masters.values(), strict=True):
         assert rel_error(p, q) <= 2e-2 and rel_error(optimizer.master(p), master) <= 2e-2

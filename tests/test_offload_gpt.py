@@ -4,12 +4,12 @@ ZeroRedundancyOptimizer too), and DTensor parameters refused by name."""
 
 import pytest
 import torch
-from gpt_cases import batch, twins
-from offload_cases import ADAMW, LRS, groups, train
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import tensorpar
+from gpt_cases import batch, twins
+from offload_cases import ADAMW, LRS, groups, train
 from tensorpar import OffloadedOptimizer, checkpoint
 from tensorpar.full import placements, unshard
 from tensorpar.testing import assert_all_close
@@ -41,12 +41,12 @@ def gpt_trajectories():
     twin = twins(GPT_CFG, torch.float32, 0)[1]
     losses = train(model, optimizer, 5, gpt_loss)
     same = train(twin, torch.optim.AdamW(groups(twin.parameters()), lr=LRS[0], **ADAMW), 5, gpt_loss) == losses
-    same &= all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+    same &= all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters(), strict=True))
     ref_losses = train(ref, torch.optim.AdamW(groups(ref.parameters()), lr=LRS[0], **ADAMW), 5, gpt_loss)
     full, expected = tensorpar.full_state_dict(model), ref.state_dict()
     norm = torch.cat([v.flatten() for v in expected.values()]).norm().item()
     errors = assert_all_close({k: (full[k], v, norm) for k, v in expected.items()}, rtol=1e-5)
-    return same, max(errors.values()), max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    return same, max(errors.values()), max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
 
 
 def test_the_sharded_gpt_follows_torch_adamw_at_tp_2(worlds):

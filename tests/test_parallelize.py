@@ -6,12 +6,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import DenseMLP
 from torch import nn
 
 import tensorpar
 import tensorpar.testing
 from layers import ColumnParallelLinear, HeadRow, QKVColumn, RowParallelLinear, parallelize
+from reference import DenseMLP
 from tensorpar.testing import assert_sharded_equivalent
 from tensorpar.testing.strategies import tp_sizes
 
@@ -124,7 +124,7 @@ class NanoAttention(nn.Module):
         self.n_head, self.n_embd = n_head, n_embd
 
     def forward(self, x):
-        B, T, C = x.size()
+        B, T, _C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         hs = self.n_embd // self.n_head
         q, k, v = (z.view(B, T, self.n_head, hs).transpose(1, 2) for z in (q, k, v))  # (B, nh, T, hs)

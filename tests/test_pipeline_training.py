@@ -10,9 +10,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_training import SMALL, assert_same_trajectory, compare_states, metrics, run_training
 
 from tensorpar import checkpoint
+from test_training import SMALL, assert_same_trajectory, compare_states, metrics, run_training
 
 PIPELINED = dict(microbatches=2)
 pytestmark = pytest.mark.slow  # runs in `make test`; `-m "not slow"` leaves these whole-script runs out
@@ -57,7 +57,7 @@ def test_a_pipelined_checkpoint_resumes_at_other_layouts(worlds, tmp_path):
         resumed = run_training(worlds, where, tp, pp=pp, **common, resume=True)
         rows = [json.loads(line) for line in (where / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == list(range(1, 9))
-        for r, s in zip(rows[4:], metrics(tmp_path / "straight")[4:]):
+        for r, s in zip(rows[4:], metrics(tmp_path / "straight")[4:], strict=True):
             assert abs(r["loss"] - s["loss"]) <= 1e-5 * s["loss"], f"tp={tp} pp={pp} step {r['step']}: loss differs"
         errors = compare_states(resumed["state"], straight["state"])
         assert max(errors.values()) <= 1e-5, f"tp={tp} pp={pp}: {max(errors.values())}"

@@ -16,18 +16,18 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
-from gpt_cases import batch, gpt_configs, note_errors, twins
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_gpt import train_twins
 
 import tensorpar
+from gpt_cases import batch, gpt_configs, note_errors, twins
 from layers import ColumnParallelLinear, ParallelMLP, RowParallelLinear
 from layers.sequence import SequenceParallelLayerNorm
 from tensorpar.comm import linear as comm_linear
 from tensorpar.comm import shm
 from tensorpar.testing import TOLERANCES, assert_all_close
 from tensorpar.testing.strategies import tp_sizes
+from test_gpt import train_twins
 
 
 @st.composite
@@ -92,8 +92,10 @@ def sequence_mlp(h, t, b, seq_len_given, seed):
     full_dx = tensorpar.gather_sequence(shard.grad, t)
     grads1, grads2 = tensorpar.full_grads(fc1), tensorpar.full_grads(fc2)
     pairs = {"output": (full_y, ref), "input grad": (full_dx, x.grad),
-             "fc1 weight grad": (grads1["weight"], dense[0].weight.grad), "fc1 bias grad": (grads1["bias"], dense[0].bias.grad),
-             "fc2 weight grad": (grads2["weight"], dense[2].weight.grad), "fc2 bias grad": (fc2.bias.grad, dense[2].bias.grad)}
+             "fc1 weight grad": (grads1["weight"], dense[0].weight.grad),
+             "fc1 bias grad": (grads1["bias"], dense[0].bias.grad),
+             "fc2 weight grad": (grads2["weight"], dense[2].weight.grad),
+             "fc2 bias grad": (fc2.bias.grad, dense[2].bias.grad)}
     return max(assert_all_close(pairs, what="sequence-parallel MLP").values())
 
 
@@ -148,7 +150,7 @@ def routes_agree(h, t, seed):
             shared = isinstance(route.channels.get(mesh.tp_group), shm.SharedMemoryChannel)
             assert shared == (route is mesh), "the routes were not the ones meant"
     names = ["output", "input grad", "fc1 weight grad", "fc1 bias grad", "fc2 weight grad", "fc2 bias grad"]
-    return max(assert_all_close({n: pair for n, pair in zip(names, zip(*results))}).values())
+    return max(assert_all_close(dict(zip(names, zip(*results, strict=True), strict=True))).values())
 
 
 @settings(max_examples=3)

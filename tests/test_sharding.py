@@ -97,7 +97,8 @@ def test_shards_of_blocks_are_each_blocks_piece_and_join_back(blocks, units, uni
 
 
 def test_blocks_must_divide_the_size():
-    with pytest.raises(ValueError, match=r"size \(10\) is not a whole number of units of 3 \(blocks of units \(1, 1, 1\)\)"):
+    with pytest.raises(ValueError,
+                       match=r"size \(10\) is not a whole number of units of 3 \(blocks of units \(1, 1, 1\)\)"):
         Shard(0, 10, (1, 1, 1)).sizes(2)
 
 
@@ -116,7 +117,7 @@ def test_unequal_blocks_and_a_replicated_tail_join_back(groups, g, d, kv_replica
     for r, got in enumerate(shards):
         lo, n = partition_bounds(units, parts, r)
         starts = [0, q, q + kv][:len(width)]
-        expected = [full[s + lo * w:s + (lo + n) * w] for s, w in zip(starts, width)]
+        expected = [full[s + lo * w:s + (lo + n) * w] for s, w in zip(starts, width, strict=True)]
         expected += [full[q:]] if kv_replicated else []
         assert torch.equal(got, torch.cat(expected)) and got.shape[0] == placement.sizes(parts)[r]
     assert torch.equal(join_shards(shards, placement), full)

@@ -58,7 +58,7 @@ def test_imports_have_no_cycles_and_flow_from_layers_to_tensorpar():
         stack.append(node)
         for dep in sorted(graph[node]):
             if state.get(dep) == "grey":
-                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(dep):] + [dep]))
+                raise AssertionError("import cycle: " + " -> ".join([*stack[stack.index(dep):], dep]))
             if dep not in state:
                 visit(dep)
         stack.pop()
@@ -85,8 +85,9 @@ def test_no_module_level_mutable_state():
             value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
             if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["__all__"]:
                 continue  # the export list, read by import machinery only
+            called = getattr(value.func, "id", getattr(value.func, "attr", "")) if isinstance(value, ast.Call) else ""
             mutable = isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)) or (
-                isinstance(value, ast.Call) and getattr(value.func, "id", getattr(value.func, "attr", "")) in MUTABLE_CALLS)
+                called in MUTABLE_CALLS)
             if mutable:
                 offenders.append(f"{name}:{node.lineno}")
     assert not offenders, f"module-level mutable values (use a context variable or an immutable type): {offenders}"

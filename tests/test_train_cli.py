@@ -77,7 +77,8 @@ def test_defaults_and_torchrun_world(monkeypatch):
 def test_bad_arguments_are_argument_errors(capsys, monkeypatch, tmp_path):
     text = tmp_path / "small.txt"
     text.write_bytes(b"x" * 200)  # 180 bytes to train on, 20 held out
-    assert refused(capsys, f"--data={tmp_path}/missing.txt") == f"--data {tmp_path}/missing.txt: no such file or directory"
+    missing = f"{tmp_path}/missing.txt"
+    assert refused(capsys, f"--data={missing}") == f"--data {missing}: no such file or directory"
     assert refused(capsys, f"--data={text}", "--block-size=32") == \
         f"the val split of {text} holds 20 tokens, fewer than --block-size + 1 (33)"
     assert refused(capsys, f"--data={text}", "--block-size=190") == \

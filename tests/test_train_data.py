@@ -5,21 +5,20 @@ eval mode without touching training, and the TensorBoard log equal to metrics.js
 
 import json
 import runpy
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference_gpt import RefConfig, RefGPT
-from test_train_cli import write_tokens
-from test_training import SCRIPT, SMALL, flags, metrics
 
 import tensorpar
+from reference_gpt import RefConfig, RefGPT
 from tensorpar import checkpoint
 from tensorpar.testing import run_script
 from tensorpar.training import ByteData, TokenData, default_corpus, open_splits
+from test_train_cli import write_tokens
+from test_training import SCRIPT, SMALL, flags, metrics
 
 
 @settings(max_examples=20)
@@ -53,7 +52,7 @@ def test_token_files_are_read_as_nanogpt_writes_them(tmp_path_factory, ids, step
     for rank in range(dp):
         got = mapped.batch(step, batch_size=2 * dp, block_size=block, dp=dp, dp_rank=rank)
         want = read.batch(step, batch_size=2 * dp, block_size=block, dp=dp, dp_rank=rank)
-        assert all(torch.equal(a, b) and a.dtype == torch.int64 for a, b in zip(got, want))
+        assert all(torch.equal(a, b) and a.dtype == torch.int64 for a, b in zip(got, want, strict=True))
     small = TokenData.from_bin(folder / "train.bin", vocab_size=max(ids))  # the largest id is out of range
     with pytest.raises(ValueError, match=f"^train.bin holds token id {max(ids)}, not below the vocabulary size"):
         small.check_ids("train.bin")
@@ -128,4 +127,5 @@ def test_tensorboard_logs_what_metrics_jsonl_holds(worlds, tmp_path):
                      ("val_loss", "val/loss"), ("peak_memory_mib", "train/peak_memory_mib")):
         want = [(r["step"], r[key]) for r in rows if key in r]
         assert [s for s, _ in logged[tag]] == [s for s, _ in want] and want, tag
-        assert all(abs(v - w) <= 1e-6 * abs(w) for (_, v), (_, w) in zip(logged[tag], want)), tag  # stored as float32
+        # stored as float32
+        assert all(abs(v - w) <= 1e-6 * abs(w) for (_, v), (_, w) in zip(logged[tag], want, strict=True)), tag

@@ -11,12 +11,18 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference_gpt import RefConfig, RefGPT
 
-from layers import GPTConfig
 import tensorpar
-from tensorpar.training import (Throughput, compute_dtype, cpu_fallback_warning, hardware_summary,
-                                peak_memory_bytes, warn_if_gpus_unused)
+from layers import GPTConfig
+from reference_gpt import RefConfig, RefGPT
+from tensorpar.training import (
+    Throughput,
+    compute_dtype,
+    cpu_fallback_warning,
+    hardware_summary,
+    peak_memory_bytes,
+    warn_if_gpus_unused,
+)
 from tensorpar.training.hardware import model_flops_per_token, peak_tflops
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"

@@ -6,7 +6,6 @@ metrics log cut short by a crash still resumes; a checkpoint directory is no --o
 The script runs on the pool's ranks as torchrun would run it, and as real processes where the test is
 about processes (two jobs, a killed holder)."""
 
-import json
 import os
 import runpy
 import shutil
@@ -18,13 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_training import ROOT, SCRIPT, SMALL, _workers, flags, metrics
 
 import tensorpar
 from tensorpar import checkpoint
 from tensorpar.checkpoint.reader import Reader
 from tensorpar.testing import run_script
 from tensorpar.training import plot
+from test_training import ROOT, SCRIPT, SMALL, _workers, flags, metrics
 
 #: learning rate at which SMALL diverges at tp=2 and pp=2 after a few steps (the gradient norm turns
 #: NaN at step 5), with checkpoints every 2 steps before it
@@ -60,7 +59,8 @@ def optimizer_steps(path):
     steps = set()
     for file in Path(path).glob("shard-*.safetensors"):
         with Reader(file) as reader:
-            steps |= {reader.read(k).item() for k in reader.keys() if k.startswith("optim.") and k.endswith(".step")}
+            steps |= {reader.read(k).item() for k in reader.keys()  # noqa: SIM118 - a Reader is no mapping
+                       if k.startswith("optim.") and k.endswith(".step")}
     return steps
 
 
@@ -94,7 +94,7 @@ def test_a_diverging_run_stops_or_skips_at_each_non_finite_step_and_keeps_its_ch
     for r in rows:
         assert r.get("skipped", False) == (not (finite(r["loss"]) and finite(r["grad_norm"]))), r
     taken = sum("skipped" not in r for r in rows)
-    assert 0 < taken and {7, 8} <= {r["step"] for r in rows if "skipped" in r}, "no step to skip here"
+    assert taken > 0 and {7, 8} <= {r["step"] for r in rows if "skipped" in r}, "no step to skip here"
     assert optimizer_steps(out / "step-000008") == optimizer_steps(out / "step-000006") == {taken}
     sixth, eighth = checkpoint.export_state_dict(out / "step-000006"), checkpoint.export_state_dict(out / "step-000008")
     assert all(torch.equal(sixth[k], v) for k, v in eighth.items())  # steps 7 and 8 skipped: nothing moved

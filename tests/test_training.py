@@ -1,5 +1,5 @@
-"""Training with tensor x data parallelism: the same trajectory at every layout, checkpoints that resume (at any tp) to the same parameters, and clear errors
-for broken checkpoints.
+"""Training with tensor x data parallelism: the same trajectory at every layout, checkpoints that resume (at any
+tp) to the same parameters, and clear errors for broken checkpoints.
 
 The training script runs on the pool's ranks as torchrun would run it (``run_script``), and
 is judged by what it writes: ``metrics.jsonl`` and its checkpoints."""
@@ -104,7 +104,7 @@ def test_resume_reaches_the_uninterrupted_parameters_at_any_tp(worlds, tmp_path,
         assert lines[:4] == logged and [r["step"] for r in rows] == list(range(1, 9)), \
             f"tp={tp} dp={dp} did not resume after step 4"  # steps 1-4 kept as logged (timings included), not re-run
         same = (tp, dp, extra) == (2, 1, {})
-        for r, s in zip(rows, metrics(tmp_path / "straight")):
+        for r, s in zip(rows, metrics(tmp_path / "straight"), strict=True):
             for key in ("loss", "val_loss", "grad_norm"):
                 assert (key in r) == (key in s) and abs(r.get(key, 0) - s.get(key, 0)) <= (
                     0.0 if same else 1e-5 * abs(s.get(key, 0))), f"tp={tp} dp={dp} step {r['step']}: {key} differs"

@@ -81,7 +81,7 @@ def test_cross_entropy_matches_f_cross_entropy(worlds, tp, data):
     vocab = data.draw(st.integers(max(tp, 2), 67) if dtype != torch.bfloat16 else st.integers(16, 67))
     shape = tuple(data.draw(st.lists(st.integers(1, 5), min_size=1, max_size=2)))
     if dtype == torch.bfloat16:  # enough positions for a norm-wise bound (see test_linear)
-        shape = (16,) + shape
+        shape = (16, *shape)
     args = (vocab, shape, dtype, data.draw(st.sampled_from([-100, -1, 0])),
             data.draw(st.sampled_from(["mean", "sum", "none"])),
             data.draw(st.sampled_from([1.0, 30.0, 1e4]) if dtype == torch.float64 else st.just(1.0)),

@@ -90,7 +90,7 @@ def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimiz
     written, error = None, None
     try:
         written = write(job)
-    except Exception as e:  # the other ranks learn of it in finish(), then every rank raises
+    except Exception as e:  # noqa: BLE001 - the other ranks learn of it in finish(), then every rank raises
         error = e
     return finish(job, written, error)
 

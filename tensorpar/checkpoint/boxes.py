@@ -86,22 +86,24 @@ def locate(value: torch.Tensor, placement: Shard | None, group: ProcessGroup | N
         return local, Box(tuple(offsets), tuple(local.shape), tuple(full)), split
     rank, n = group_rank_size(group)
     dim = placement.dim % value.dim()
-    pieces, lo, hi = [], offsets[dim], offsets[dim] + local.shape[dim]  # the chunk's rows of the tp shard
+    lo, hi = offsets[dim], offsets[dim] + local.shape[dim]  # the chunk's rows of the tp shard
+    pieces: list[tuple[int, int, int, bool]] = []
     at = 0  # where each piece starts in the tp shard
-    everyone = {p for p in placement.pieces(n, 0)}.intersection(*(placement.pieces(n, r) for r in range(1, n)))
+    everyone = set(placement.pieces(n, 0)).intersection(*(placement.pieces(n, r) for r in range(1, n)))
     for start, length in placement.pieces(n, rank):
         a, b = max(lo, at), min(hi, at + length)  # the piece's overlap with this rank's chunk
         shared = (start, length) in everyone and n > 1
         if pieces and a < b and pieces[-1][1] + pieces[-1][2] == start + a - at and pieces[-1][3] == shared:
             pieces[-1] = (*pieces[-1][:2], pieces[-1][2] + b - a, shared)  # runs on from the last one: one box
-        elif a < b or not pieces and a == b == lo:
+        elif a < b or (not pieces and a == b == lo):
             pieces.append((a - lo, start + a - at, b - a, shared))
         at += length
     assert at == full[dim], (full, placement, n, rank)
     pieces = [p for p in pieces if p[2]] or pieces[:1]  # a chunk that starts where a piece ends holds none of it
     full[dim] = placement.size
     offsets[dim] = pieces[0][1]
-    box = Box(tuple(offsets), tuple(local.shape), tuple(full), dim, tuple(pieces) if len(pieces) > 1 or pieces[0][3] else ())
+    box = Box(tuple(offsets), tuple(local.shape), tuple(full), dim,
+              tuple(pieces) if len(pieces) > 1 or pieces[0][3] else ())
     return local, box, split
 
 

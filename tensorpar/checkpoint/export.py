@@ -40,7 +40,7 @@ def _tensors(path: str | Path) -> Iterator[tuple[str, Entry, torch.Tensor]]:
                 f, key = opened[chunk.rank], chunk_key(name, entry, chunk)
                 if f.info(key) != (chunk.sizes, entry.dtype):
                     raise CheckpointError(f"{f.path}: {key} is not the chunk meta.json describes")
-                box = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
+                box = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes, strict=True))
                 f.read(key, out=full[box])
             yield name.removeprefix(MODEL), entry, full
 

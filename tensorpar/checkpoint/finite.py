@@ -30,5 +30,5 @@ def nonfinite(tensors: Mapping[str, torch.Tensor]) -> list[str]:
     for parts in flags.values():  # one read per device
         finite = torch.cat([f for _, f in parts]).tolist()
         names = [n for group, _ in parts for n in group]
-        bad.update(n for n, ok in zip(names, finite) if not ok)
+        bad.update(n for n, ok in zip(names, finite, strict=True) if not ok)
     return [name for name in tensors if name in bad]

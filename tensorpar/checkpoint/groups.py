@@ -35,7 +35,7 @@ def merged_names(rows: list[dict[str, Any]], n_groups: int) -> list[list[str]]:
                               f"({sorted({len(row['names']) for row in rows})})")
     merged: list[dict[str, None]] = [{} for _ in range(n_groups)]
     for row in rows:
-        for group, names in zip(merged, row["names"]):
+        for group, names in zip(merged, row["names"], strict=True):
             group.update(dict.fromkeys(names))
     return [list(group) for group in merged]
 
@@ -67,7 +67,8 @@ def conform(saved: Any, current: Any, where: str) -> Any:
     many items where it has a tuple...), or a CheckpointError naming ``where``."""
     if isinstance(current, (list, tuple)):
         if isinstance(saved, list) and len(saved) == len(current):
-            return type(current)(conform(s, c, f"{where}[{i}]") for i, (s, c) in enumerate(zip(saved, current)))
+            return type(current)(conform(s, c, f"{where}[{i}]")
+                                 for i, (s, c) in enumerate(zip(saved, current, strict=True)))
     elif current is None or isinstance(current, bool):  # flags, where None means "choose"
         if saved is None or isinstance(saved, bool):
             return saved
@@ -97,16 +98,17 @@ def check_groups(meta: Mapping[str, Any], where: Path, model: nn.Module,
     if len(saved) != len(ours):
         raise CheckpointError(f"{where}: param_groups lists {len(saved)} group{'s' * (len(saved) != 1)}, the optimizer "
                               f"has {len(ours)}")
-    for i, (group, names) in enumerate(zip(saved, ours)):
+    for i, (group, names) in enumerate(zip(saved, ours, strict=True)):
         held = set(group["params"]) & mine
         if held != set(names):
             lacks, others = sorted(set(names) - held), sorted(held - set(names))
             problems = [f"lacks {lacks[:3]}{'...' * (len(lacks) > 3)}"] * bool(lacks)
-            problems += [f"holds {others[:3]}{'...' * (len(others) > 3)}, which the optimizer puts in another group"] * bool(others)
+            problems += [f"holds {others[:3]}{'...' * (len(others) > 3)}, which the optimizer puts in another "
+                         "group"] * bool(others)
             raise CheckpointError(f"{where}: param_groups[{i}] {' and '.join(problems)} (its parameters, or their "
                                   "grouping, differ from the optimizer's)")
     groups, start = [], 0
-    for i, (group, current, names) in enumerate(zip(saved, optimizer.param_groups, ours)):
+    for i, (group, current, names) in enumerate(zip(saved, optimizer.param_groups, ours, strict=True)):
         keys, expected = set(group) - {"params"}, set(current) - {"params"}
         if keys != expected:
             problems = [f"lacks {sorted(expected - keys)}"] * bool(expected - keys)

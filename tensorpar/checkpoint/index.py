@@ -24,8 +24,13 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from .manifest import HEX64, CheckpointError
 from .meta import MAX_WORLD
@@ -77,7 +82,7 @@ def check_cover(name: str, entry: Entry, where: Path | str) -> None:
     """Raise unless the chunks of ``entry`` lie inside it, do not overlap and cover it exactly."""
     size, dims = entry.size, len(entry.size)
     for c in entry.chunks:
-        if any(o + s > n for o, s, n in zip(c.offsets, c.sizes, size)):
+        if any(o + s > n for o, s, n in zip(c.offsets, c.sizes, size, strict=True)):
             raise CheckpointError(f"{where}: {name}: chunk {list(c.offsets)} + {list(c.sizes)} of rank {c.rank} "
                                   f"lies outside its size {list(size)}")
     solid = sorted((c for c in entry.chunks if math.prod(c.sizes)), key=lambda c: c.offsets)
@@ -85,7 +90,8 @@ def check_cover(name: str, entry: Entry, where: Path | str) -> None:
         for b in solid[i + 1:]:
             if dims and b.offsets[0] >= a.offsets[0] + a.sizes[0]:
                 break
-            if all(bo < ao + asz and ao < bo + bsz for ao, asz, bo, bsz in zip(a.offsets, a.sizes, b.offsets, b.sizes)):
+            if all(bo < ao + asz and ao < bo + bsz
+                   for ao, asz, bo, bsz in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True)):
                 raise CheckpointError(f"{where}: {name}: the chunks of ranks {a.rank} and {b.rank} overlap "
                                       f"(at {list(a.offsets)} and {list(b.offsets)})")
     volume = sum(math.prod(c.sizes) for c in entry.chunks)

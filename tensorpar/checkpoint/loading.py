@@ -87,7 +87,7 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
                      planner=BoxLoadPlanner(boxes), no_dist=True)
         if states:
             rng.check_states(states, directory / files[mesh.rank])
-    except Exception as e:  # every rank learns of it below, then every rank raises
+    except Exception as e:  # noqa: BLE001 - every rank learns of it below, then every rank raises
         error = e
     settle(share({"error": described(error)}, mesh), error, mesh, "load the checkpoint")
     # everything is read and checked on every rank: only now is anything modified

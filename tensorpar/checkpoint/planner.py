@@ -22,10 +22,13 @@ from collections.abc import Mapping
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
-                                                   TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import (LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem,
-                                                  WriteItemType)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from .boxes import Box
@@ -63,7 +66,7 @@ class BoxSavePlanner(DefaultSavePlanner):
         return self.plan
 
     def lookup_object(self, index: MetadataIndex) -> torch.Tensor:
-        return self.views[index.fqn, tuple(index.offset)]
+        return self.views[index.fqn, tuple(index.offset or ())]
 
 
 class BoxLoadPlanner(DefaultLoadPlanner):
@@ -92,4 +95,4 @@ class BoxLoadPlanner(DefaultLoadPlanner):
         return LoadPlan(items)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        return self.views[index.fqn, tuple(index.offset)]
+        return self.views[index.fqn, tuple(index.offset or ())]

@@ -19,12 +19,13 @@ Example::
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import os
 import struct
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
@@ -40,7 +41,7 @@ class Reader:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._file: BinaryIO | None = None
+        self._file: io.BufferedIOBase | None = None
         self._tensors: dict[str, tuple[tuple[int, ...], torch.dtype, int]] = {}
 
     def _fail(self, what: str) -> CheckpointError:
@@ -124,7 +125,7 @@ class Reader:
 
     def _rows(self, key: str, first: int, count: int, out: torch.Tensor) -> None:
         """Read rows ``[first, first + count)`` of ``key`` (all of a 0-dim tensor) into contiguous ``out``."""
-        shape, dtype, offset = self._tensors[key]
+        shape, _dtype, offset = self._tensors[key]
         row = math.prod(shape[1:]) * out.element_size()
         assert self._file is not None and out.is_contiguous() and out.numel() * out.element_size() == count * row
         if not count * row:
@@ -141,18 +142,21 @@ class Reader:
         """Tensor ``key``, or its box ``key[index]`` (unit-step slices, one per dim); into ``out`` when given
         (of the box's shape and the tensor's dtype), which is returned."""
         shape, dtype = self.info(key)
-        box = [range(*s.indices(n)) for s, n in zip(index or (), shape)] + [range(n) for n in shape[len(index or ()):]]
-        if len(box) != len(shape) or any(r.step != 1 for r in box):
+        given = index or ()  # the dims after the index's are whole
+        box = [*(range(*s.indices(n)) for s, n in zip(given, shape, strict=False)),
+               *(range(n) for n in shape[len(given):])]
+        if len(given) > len(shape) or any(r.step != 1 for r in box):
             raise self._fail(f"{key}: {index} is no box of shape {shape}")
         sizes = tuple(len(r) for r in box)
         if out is not None and (tuple(out.shape) != sizes or out.dtype != dtype):
             raise self._fail(f"{key}: cannot read {sizes} of {dtype} into {tuple(out.shape)} of {out.dtype}")
-        whole_rows = all(len(r) == n for r, n in zip(box[1:], shape[1:]))
+        whole_rows = all(len(r) == n for r, n in zip(box[1:], shape[1:], strict=True))
         first, count = (box[0].start, len(box[0])) if shape else (0, 1)
         if out is not None and whole_rows and out.is_contiguous():
             self._rows(key, first, count, out)  # straight into the target
             return out
         rows = torch.empty((count, *shape[1:]) if shape else (), dtype=dtype)
         self._rows(key, first, count, rows)
-        value = rows[(slice(None), *(slice(r.start, r.stop) for r in box[1:]))] if shape else rows
+        inner = (slice(None), *(slice(r.start, r.stop) for r in box[1:]))  # the box within its rows
+        value = rows[inner] if shape else rows
         return value if out is None else out.copy_(value)

@@ -31,7 +31,7 @@ def pieces(mesh: Mesh) -> dict[str, torch.Tensor]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         mine["cuda"] = torch.cuda.get_rng_state()
     tracker = mesh.rng.state_dict()
-    mine |= {f"tp.{device}": state for device, state in tracker["states"].items()}  # type: ignore[union-attr]
+    mine |= {f"tp.{device}": state for device, state in tracker["states"].items()}
     if tracker["base"] is not None:
         mine["tp.base"] = torch.tensor([tracker["base"]], dtype=torch.int64)
     return {f"{RNG}rank{mesh.rank}.{k}": v for k, v in mine.items()}

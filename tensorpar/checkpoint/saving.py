@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..lifeline import launcher_gone
 from ..mesh import Mesh
@@ -53,7 +53,6 @@ from .manifest import CheckpointError, canonical_sha256, write_manifest
 from .meta import FORMAT, NAME, as_json, config_dict, dirname, shard_file, shard_files, step_of, whole
 from .planner import BoxSavePlanner
 from .storage import ShardWriter
-
 
 _SHOWN = 4  # the names of non-finite tensors an error lists
 
@@ -95,7 +94,7 @@ def _fields(model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int
         names = grouped_names(model, optimizer)
         if mesh.pp > 1:  # each stage's parameters: every group names those of all stages
             names = merged_names(share({"names": names}, mesh), len(names))
-        fields["param_groups"] = [h | {"params": n} for h, n in zip(hyperparameters(optimizer), names)]
+        fields["param_groups"] = [h | {"params": n} for h, n in zip(hyperparameters(optimizer), names, strict=True)]
     return fields
 
 
@@ -130,7 +129,7 @@ def prepare(directory: str | Path, model: nn.Module, optimizer: torch.optim.Opti
                                       "of its async_save before saving again into the same directory")
             publish.recover(final.parent, NAME)
             tmp = publish.temporary(final.parent, final.name)
-    except Exception as e:  # every rank learns of it below, then every rank raises
+    except Exception as e:  # noqa: BLE001 - every rank learns of it below, then every rank raises
         error = e
     arguments = ({"step": step, "keep": keep, "extra's SHA-256": canonical_sha256(fields["extra"])[:16]}
                  if error is None else {})  # compared across ranks (once none failed)
@@ -156,7 +155,7 @@ def _publish(job: Job, reports: list[dict[str, Any]]) -> None:
     files = shard_files(job.mesh.world_size)
     entries = index.merge([r["chunks"] for r in reports])
     write_manifest(job.tmp, job.fields | {"tensors": index.to_json(entries)}, files,
-                   {name: r["file"] for name, r in zip(files, reports)})
+                   {name: r["file"] for name, r in zip(files, reports, strict=True)})
     _launcher_running(job.final, "is not published")
     publish.publish(job.tmp, job.final)
     _launcher_running(job.final, "is published, but older checkpoints are not pruned")
@@ -183,7 +182,7 @@ def finish(job: Job, written: dict[str, Any] | None, error: BaseException | None
                 outcome = f"rank {failed[0][0]}: {failed[0][1]}"
             else:
                 _publish(job, reports)
-        except Exception as e:  # a crash (a BaseException) leaves the directory to the next save's recover()
+        except Exception as e:  # noqa: BLE001 - a crash (a BaseException) leaves the directory to the next save's recover()
             error, outcome = e, f"rank 0: {described(e)}"
         if outcome is not None and os.path.lexists(job.tmp):
             publish.remove(job.tmp)
@@ -211,7 +210,9 @@ class PendingSave:
     """
 
     def __init__(self, job: Job) -> None:
-        self._job, self._result, self._error = job, None, None
+        self._job = job
+        self._result: dict[str, Any] | None = None
+        self._error: BaseException | None = None
         self._path: Path | None = None
         self._failed: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="tensorpar-checkpoint", daemon=True)
@@ -220,7 +221,7 @@ class PendingSave:
     def _run(self) -> None:
         try:
             self._result = write(self._job)
-        except BaseException as e:  # reported by wait()
+        except BaseException as e:  # noqa: BLE001 - reported by wait()
             self._error = e
         finally:
             self._job.tensors = {}  # the staged copy is written: free it

@@ -18,8 +18,8 @@ Example::
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterator
-from typing import BinaryIO
 
 import torch
 
@@ -64,7 +64,7 @@ def blocks(tensor: torch.Tensor, *, block: int = BLOCK) -> Iterator[memoryview]:
         yield memoryview(data)[:n]
 
 
-def fill(file: BinaryIO, out: torch.Tensor, *, block: int = BLOCK) -> int:
+def fill(file: io.BufferedIOBase, out: torch.Tensor, *, block: int = BLOCK) -> int:
     """Read ``out``'s bytes (a contiguous tensor) from ``file`` at its position; return how many were
     read (fewer only where the file ends)."""
     assert out.is_contiguous()

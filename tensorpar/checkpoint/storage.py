@@ -90,7 +90,7 @@ class ShardWriter(StorageWriter):
             key = index.file_key(item.index.fqn, data.chunk.offsets, count[item.index.fqn] > 1)
             planned.append((key, data.chunk.sizes, data.properties.dtype))
         with FileWriter(self.path, planned) as f:
-            for item, (key, sizes, dtype) in zip(plan.items, planned):
+            for item, (key, sizes, dtype) in zip(plan.items, planned, strict=True):
                 f.write(key, planner.resolve_data(item))  # type: ignore[arg-type]
                 assert item.tensor_data is not None
                 name = item.index.fqn
@@ -190,7 +190,7 @@ class ShardReader(StorageReader):
             with Reader(self.directory / file) as f:
                 for item in items:
                     target = planner.resolve_tensor(item).detach()
-                    box = tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))
+                    box = tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths, strict=True))
                     name = item.storage_index.fqn
                     f.read(index.chunk_key(name, self.entries[name], self._where(item.storage_index)[1]), box,
                            out=target)

@@ -73,9 +73,10 @@ class FileWriter:
 
     def __init__(self, path: Path, entries: Sequence[tuple[str, Sequence[int], torch.dtype]]) -> None:
         self.path, self._planned = path, [(k, tuple(s), d) for k, s, d in entries]
-        self._hash, self._next, self.entry = hashlib.sha256(), 0, {}
+        self._hash, self._next = hashlib.sha256(), 0
+        self.entry: dict[str, Any] = {}
         self.digests: dict[str, str] = {}
-        self._file = open(path, "xb")  # never over an existing file
+        self._file = open(path, "xb")  # noqa: SIM115 - closed by close(); "xb": never over an existing file
         self._put(header(self._planned))
 
     def _put(self, data: bytes | memoryview) -> None:

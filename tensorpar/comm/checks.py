@@ -77,7 +77,7 @@ def agree(what: str, group: ProcessGroup, fields: Mapping[str, int], problem: st
     found = [f"rank {r}: {p}" for r, p in problems.items() if p]
     if not found and all(row[:1 + width] == rows[0][:1 + width] for row in rows):
         return
-    views = "; ".join(f"rank {r}: " + (", ".join(f"{k}={_shown(k, v)}" for k, v in zip(fields, call[1:]))
+    views = "; ".join(f"rank {r}: " + (", ".join(f"{k}={_shown(k, v)}" for k, v in zip(fields, call[1:], strict=True))
                                        if call[0] == mine[0] else f"{_shown('call', call[0])}")
                       for r, call in enumerate(calls))
     raise ValueError(f"{what}: the ranks' calls do not match ({views})" + "".join(f"; {f}" for f in found))
@@ -85,7 +85,9 @@ def agree(what: str, group: ProcessGroup, fields: Mapping[str, int], problem: st
 
 def _shown(key: str, value: int) -> str:
     """A field of a call's description as the error shows it."""
-    names = {"dtype": DTYPES, "op": REDUCE_OPS, "call": CALLS}.get(key)
+    if key == "dtype":
+        return dtype_name(value)
+    names = {"op": REDUCE_OPS, "call": CALLS}.get(key)
     if names is None:
         return str(value)
-    return dtype_name(value) if key == "dtype" else names[value] if 0 <= value < len(names) else "another"
+    return names[value] if 0 <= value < len(names) else "another"

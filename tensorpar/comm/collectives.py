@@ -6,8 +6,9 @@ error that names this rank. A CPU all-reduce among gloo ranks on one host goes t
 (:mod:`tensorpar.comm.shm`, through the channels the current mesh owns); elsewhere small ones are a point-to-point
 exchange and large ones gloo's ring. Inside a ``torch.compile`` graph every collective is a functional collective,
 under a dispatch mode (``CommDebugMode``) every collective takes the plain ``c10d`` route, and under
-``torch.profiler`` each shows as a span ``tensorpar::<op>`` on the route it takes (:mod:`tensorpar.comm.traced`). gloo cannot all-gather tensors of unequal sizes, so uneven shards are padded to
-the largest and trimmed afterwards; counts exclude the padding.
+``torch.profiler`` each shows as a span ``tensorpar::<op>`` on the route it takes (:mod:`tensorpar.comm.traced`).
+gloo cannot all-gather tensors of unequal sizes, so uneven shards are padded to the largest and trimmed afterwards;
+counts exclude the padding.
 
 ``counters``, when given, marks the call as backward work for the collective counters captured by the matching
 forward (see :mod:`tensorpar.comm.counter`).
@@ -84,7 +85,8 @@ def _layout(x: torch.Tensor, dim: int, sizes: Sequence[int], n: int) -> tuple[di
     same fields on every rank, for :func:`~tensorpar.comm.checks.agree`), and what is wrong with it
     that every rank can tell."""
     fields = {"dtype": dtype_code(x.dtype), "before": 0, "along": 0, "after": 0}
-    fields |= {f"sizes[{r}]": s if isinstance(s, int) else -1 for r, s in zip(range(n), list(sizes) + [0] * n)}
+    padded = [*sizes, *[0] * n][:n]  # n fields on every rank, whatever the length of sizes
+    fields |= {f"sizes[{r}]": s if isinstance(s, int) else -1 for r, s in enumerate(padded)}
     if not -x.dim() <= dim < x.dim():
         return fields, f"dim {dim} is out of range for a {x.dim()}-d tensor"
     dim %= x.dim()

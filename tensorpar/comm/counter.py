@@ -89,7 +89,7 @@ _active: contextvars.ContextVar[tuple[CollectiveCounter, ...]] = contextvars.Con
 def count_collectives() -> Iterator[CollectiveCounter]:
     """Count the collectives issued inside the block (nesting is allowed)."""
     counter = CollectiveCounter()
-    token = _active.set(_active.get() + (counter,))
+    token = _active.set((*_active.get(), counter))
     try:
         yield counter
     finally:

@@ -42,7 +42,8 @@ def row_chunks(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...
     no result. One chunk for an output under ``CHUNK_BYTES`` (the latency of one more round would
     cost more than it hides), in a traced graph (the compiler schedules there) and under a dispatch
     mode such as ``CommDebugMode`` (it counts Megatron's calls, one per layer: see :mod:`.traced`)."""
-    if x[..., :1].numel() * weight.shape[0] * x.element_size() < CHUNK_BYTES or traced.tracing() or traced.dispatch_watched():
+    small = x[..., :1].numel() * weight.shape[0] * x.element_size() < CHUNK_BYTES
+    if small or traced.tracing() or traced.dispatch_watched():
         return (weight,)
     return weight.split(-(-weight.shape[0] // ROW_CHUNKS))
 

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup
 
+from ..mesh import group_rank_size
 from . import traced
 from .collectives import start_all_gather_along
 from .counter import active_counters
-from ..mesh import group_rank_size
 from .sequence import SEQ_DIM, _check_tokens, _tp, sequence_sizes
 
 
@@ -32,7 +32,9 @@ class _Regather:
         self.group, self.counters = group, active_counters()
         self.sizes = sequence_sizes(full.shape[SEQ_DIM], group_rank_size(group)[1])
         self.offset, self.version = full.storage_offset(), local._version
-        self.users, self._left, self._task, self._full = 0, 0, None, None
+        self.users, self._left = 0, 0
+        self._task: int | None = None
+        self._full: torch.Tensor | None = None
 
     def full(self, local: Callable[[], torch.Tensor]) -> torch.Tensor:
         """The gathered tokens, gathered from ``local()`` where this backward pass has not yet."""

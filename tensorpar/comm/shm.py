@@ -183,7 +183,7 @@ class SharedMemoryChannel:
             self._wait_all(_DONE, self._seq - 1)  # everyone has finished reading the previous round's slots
             if fits:
                 self._slot(self.rank, x).copy_(x)
-            for word, value in zip((_NUMEL, _DTYPE, _OP), mine):
+            for word, value in zip((_NUMEL, _DTYPE, _OP), mine, strict=True):
                 self._words[self.rank * _STRIDE + word] = value
             self._words[self.rank * _STRIDE + _POSTED] = self._seq  # x86 keeps the writes above before this one
         except BaseException:
@@ -216,7 +216,7 @@ class SharedMemoryChannel:
             return
         self._words[self.rank * _STRIDE + _DONE] = self._seq  # peers may finish their own check
         ranks = "; ".join(f"rank {r}: {_describe(*v)}" + (f" in all-reduce #{p}" if p != self._seq else "")
-                          for r, (v, p) in enumerate(zip(views, posted)))
+                          for r, (v, p) in enumerate(zip(views, posted, strict=True)))
         what = ("all-reduce", "all-reduce", "all-gather", "reduce-scatter")[mine[2]]
         raise ChannelError(f"the ranks disagree on {what} #{self._seq} ({ranks})")
 

@@ -18,7 +18,7 @@ def stage_blocks(n_blocks: int, n_stages: int) -> list[range]:
     if n_blocks < n_stages:
         raise ValueError(f"n_layer ({n_blocks}) is smaller than the number of pipeline stages ({n_stages})")
     sizes = partition_sizes(n_blocks, n_stages, name="n_layer")
-    return [range(o, o + s) for o, s in zip(partition_offsets(n_blocks, n_stages, name="n_layer"), sizes)]
+    return [range(o, o + s) for o, s in zip(partition_offsets(n_blocks, n_stages, name="n_layer"), sizes, strict=True)]
 
 
 def rank_stages(pp_rank: int, pp: int, stages_per_rank: int = 1) -> list[int]:

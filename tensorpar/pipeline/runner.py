@@ -69,7 +69,7 @@ class StageTimes:
 def _timed_stage_class() -> type:
     from torch.distributed.pipelining import PipelineStage
 
-    class TimedStage(PipelineStage):  # type: ignore[misc]
+    class TimedStage(PipelineStage):
         """A ``PipelineStage`` that counts its compute time and in-flight micro-batches."""
 
         busy = 0.0
@@ -178,7 +178,7 @@ class Pipeline:
             micro = torch.empty_strided(first.shape, first.stride(), dtype=inputs.dtype, device="meta")
             stage_class = _timed_stage_class()
             stages = []
-            for module, s in zip(self.modules, self.stage_ids):
+            for module, s in zip(self.modules, self.stage_ids, strict=True):
                 example_input, example_output = self._stage_shapes(s, micro)
                 # as torch's own inference marks them: gradients flow back through what stages pass on
                 example_input = _flowing(example_input, train and s > 0)
@@ -186,8 +186,8 @@ class Pipeline:
                 stages.append(stage_class(module, s, self.n_stages, self.mesh.device, input_args=example_input,
                                           output_args=example_output, group=self.mesh.pp_group))
             cls = _schedule_class(self.schedule_name)
-            first = stages if self.schedule_name == "interleaved" else stages[0]
-            self._schedules[key] = (cls(first, self.microbatches, loss_fn=self._loss, scale_grads=False), stages)
+            scheduled = stages if self.schedule_name == "interleaved" else stages[0]
+            self._schedules[key] = (cls(scheduled, self.microbatches, loss_fn=self._loss, scale_grads=False), stages)
         return self._schedules[key]
 
     def _run(self, inputs: torch.Tensor, target: torch.Tensor, *, train: bool, loss_scale: float = 1.0) -> torch.Tensor:

@@ -73,7 +73,7 @@ def assert_sharded_equivalent(sharded: nn.Module, dense: nn.Module, x: torch.Ten
 
     y_full = unshard(y, output_shard, group) if output_shard else y.detach()
     dx = x_full.grad
-    if input_shard:  # each rank holds the gradient of its own slice only
+    if input_shard and dx is not None:  # each rank holds the gradient of its own slice only
         dx = unshard(shard(dx, input_shard, n, rank), input_shard, group)
     grads = full_grads(sharded)
     dense_grads = {k: p.grad for k, p in dense.named_parameters() if p.grad is not None}
@@ -84,7 +84,7 @@ def assert_sharded_equivalent(sharded: nn.Module, dense: nn.Module, x: torch.Ten
     # are zero in exact arithmetic (a key bias shifts a whole softmax row) and hold only round-off
     scale = torch.cat([g.detach().double().flatten().cpu() for g in dense_grads.values()]).norm().item() \
         if dense_grads else 0.0
-    pairs = {"output": (y_full, y_dense), "input grad": (dx, x_dense.grad)}
+    pairs: dict[str, tuple[Any, ...]] = {"output": (y_full, y_dense), "input grad": (dx, x_dense.grad)}
     pairs.update({f"grad {k}": (grads[k], dense_grads[k], scale) for k in sorted(dense_grads)})
     return assert_all_close(pairs, rtol=rtol, what=f"sharded module differs from its dense twin at tp={n}")
 

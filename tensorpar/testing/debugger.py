@@ -98,7 +98,7 @@ def _agree_on_sequence(what: str, labels: Sequence[str], group: ProcessGroup, de
     def digest(text: str) -> int:
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
 
-    rank, n = group_rank_size(group)
+    rank, _n = group_rank_size(group)
     everyone = exchange_ints([len(labels), digest("\n".join(labels))], group, device)
     if all(row == everyone[0] for row in everyone):
         return
@@ -120,7 +120,8 @@ def _items(phase: str, sharded: list[Record], dense: list[Record], model: nn.Mod
     items = []
     for name, call, slots in sharded:
         module = model.get_submodule(name)
-        layout = module.sharding().values() if callable(getattr(module, "sharding", None)) else ()
+        sharding = getattr(module, "sharding", None)
+        layout = sharding().values() if callable(sharding) else ()
         hints = tuple(p for p in layout if isinstance(p, Shard) and len(p.pieces(1, 0)) > 1)  # fused ones
         b = getattr(module, "bias", None)
         bias = b.detach() if isinstance(b, torch.Tensor) and (f"{name}.bias" if name else "bias") not in split \
@@ -228,8 +229,8 @@ def find_divergence(sharded: nn.Module, dense: nn.Module, *inputs: Any,
     each call's output (one split along a dim across ranks is gathered), then each call's output
     and input gradients after backward of ``loss_fn(output[, target])`` (on the full output: a
     split one is gathered first), or by default of the output itself when it is a scalar and
-    else of a fixed random projection of it (drawn from ``seed``); then every parameter and parameter gradient (split ones by their
-    ``sharding()``). Norm-wise relative tolerance ``rtol``, by default per dtype
+    else of a fixed random projection of it (drawn from ``seed``); then every parameter and parameter
+    gradient (split ones by their ``sharding()``). Norm-wise relative tolerance ``rtol``, by default per dtype
     (:data:`~tensorpar.testing.TOLERANCES`). Both models' ``.grad`` are reset first and hold
     this backward's gradients after. Run it with dropout off (``model.eval()`` or ``p=0``).
 
@@ -255,13 +256,13 @@ def find_divergence(sharded: nn.Module, dense: nn.Module, *inputs: Any,
     with torch.enable_grad(), _recording(dense, names) as (dense_fwd, dense_bwd), \
             _recording(sharded, names) as (fwd, bwd):
         out_d, out_s = dense(*fresh()), sharded(*fresh())
-        _agree_on_sequence("forward passes", _labels(fwd) + ["|"] + _labels(dense_fwd), group, device)
+        _agree_on_sequence("forward passes", [*_labels(fwd), "|", *_labels(dense_fwd)], group, device)
         forward_items = _items("forward output", fwd, dense_fwd, sharded)
         classify(forward_items, group, rtol, device)
         forward = _first_in_order(forward_items, group)
         note = _backward(out_s, out_d, forward_items, loss_fn, target, seed, group)
         if note is None:
-            _agree_on_sequence("backward passes", _labels(bwd) + ["|"] + _labels(dense_bwd), group, device)
+            _agree_on_sequence("backward passes", [*_labels(bwd), "|", *_labels(dense_bwd)], group, device)
         else:
             notes.append(note)
             bwd.clear()
@@ -280,7 +281,8 @@ def find_divergence(sharded: nn.Module, dense: nn.Module, *inputs: Any,
     counted = {"forward output": forward_items, "backward gradient": backward_items, "parameter": values,
                "parameter gradient": grads}
     compared = {phase: sum(i.kind not in ("absent", "unmatched") for i in items) for phase, items in counted.items()}
-    firsts = [next((f for f in found if not f.downstream), None) for found in (forward, backward)]
-    report = DivergenceReport(group_rank_size(group)[1], *firsts, tuple(forward + backward + tensors), compared,
-                              tuple(notes))
+    first_forward, first_backward = (next((f for f in found if not f.downstream), None)
+                                     for found in (forward, backward))
+    report = DivergenceReport(group_rank_size(group)[1], first_forward, first_backward,
+                              tuple(forward + backward + tensors), compared, tuple(notes))
     return _from_rank_zero(report, group, device)

@@ -101,10 +101,10 @@ class DivergenceReport:
     def from_json(cls, text: str) -> DivergenceReport:
         raw = json.loads(text)
 
-        def finding(f: dict[str, Any] | None) -> Finding | None:
-            if f is None:
-                return None
+        def finding(f: dict[str, Any]) -> Finding:
             return Finding(**(f | {k: tuple(f[k]) for k in ("ranks", "errors", "full_shape")}
                                | {"local_shapes": tuple(tuple(s) for s in f["local_shapes"])}))
-        return cls(raw["tp"], finding(raw["first_forward"]), finding(raw["first_backward"]),
+        forward, backward = raw["first_forward"], raw["first_backward"]
+        return cls(raw["tp"], None if forward is None else finding(forward),
+                   None if backward is None else finding(backward),
                    tuple(finding(f) for f in raw["findings"]), raw["compared"], tuple(raw["notes"]))

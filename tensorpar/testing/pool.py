@@ -9,6 +9,8 @@ importable (defined at the top level of a .py file), as for :func:`tensorpar.spa
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import multiprocessing.connection
 import os
 import pickle
@@ -21,7 +23,20 @@ from typing import Any
 
 from ..launch import LocalRanks, RankError, RanksTimedOut, reply
 from ..mesh import Mesh, init, shutdown, use_mesh
-from ..sendable import pack, unpack
+from ..sendable import Packed, pack, unpack
+
+
+def _run_task(payload: tuple[Packed, int, int | None, int, bool],
+              meshes: dict[tuple[int, int | None, int], Mesh]) -> Any:
+    """One task of a pool rank: the function and its arguments, run under the mesh they ask for (kept in
+    ``meshes`` for the next task of that layout)."""
+    packed, tp, dp, pp, with_mesh = payload
+    fn, args = unpack(packed)
+    mesh = None
+    if with_mesh:
+        mesh = meshes.get((tp, dp, pp)) or meshes.setdefault((tp, dp, pp), init(tp, dp, pp=pp))
+    with use_mesh(mesh):
+        return fn(*args)
 
 
 def _serve(conn: multiprocessing.connection.Connection) -> None:
@@ -35,16 +50,7 @@ def _serve(conn: multiprocessing.connection.Connection) -> None:
         if kind == "path":
             sys.path[:] = payload
             continue
-        packed, tp, dp, pp, with_mesh = payload
-
-        def task() -> Any:
-            fn, args = unpack(packed)
-            mesh = None
-            if with_mesh:
-                mesh = meshes.get((tp, dp, pp)) or meshes.setdefault((tp, dp, pp), init(tp, dp, pp=pp))
-            with use_mesh(mesh):
-                return fn(*args)
-        reply(conn, task)
+        reply(conn, functools.partial(_run_task, payload, meshes))
     shutdown(timedelta(seconds=10))
     _end()
 
@@ -124,10 +130,8 @@ class World:
     def close(self) -> None:
         """Stop the workers (killing any that do not stop in time)."""
         if self._ranks is not None:
-            try:
+            with contextlib.suppress(OSError):
                 self._ranks.send(("stop", None))
-            except OSError:
-                pass
             self._ranks.join(15)
             self._ranks = None
 
@@ -150,10 +154,8 @@ class Worlds(Mapping[int, World]):
     def close(self) -> None:
         for world in self._worlds.values():
             if world._ranks is not None:
-                try:
+                with contextlib.suppress(OSError):
                     world._ranks.send(("stop", None))  # all worlds stop at once
-                except OSError:
-                    pass
         for world in self._worlds.values():
             world.close()
 

@@ -2,15 +2,23 @@
 with deterministic per-step batches and a validation split, the LR schedule, the validation loss,
 the training script's command line, the device and dtype a run computes in and its speed (tokens/s,
 MFU, peak memory), the run's output directory (held by one run at a time), and the run's log,
-progress bar, loss curve and optional TensorBoard / Weights & Biases logger. Not part of the runtime core: ``import tensorpar`` does not
-import this package, and nothing in the core imports it; the example training script and the
-notebooks do.
+progress bar, loss curve and optional TensorBoard / Weights & Biases logger. Not part of the runtime
+core: ``import tensorpar`` does not import this package, and nothing in the core imports it; the
+example training script and the notebooks do.
 """
 
 from .cli import TrainConfig, build_parser, parse_args, resolve
 from .data import VOCAB_SIZE, ByteData, TokenData, default_corpus, open_splits
-from .device import (DTYPES, compute_dtype, cpu_fallback_warning, device_name, peak_memory_bytes,
-                     peak_memory_per_rank, reset_peak_memory, warn_if_gpus_unused)
+from .device import (
+    DTYPES,
+    compute_dtype,
+    cpu_fallback_warning,
+    device_name,
+    peak_memory_bytes,
+    peak_memory_per_rank,
+    reset_peak_memory,
+    warn_if_gpus_unused,
+)
 from .evaluate import autocast_for, validation_loss
 from .output import open_log, open_logger, plot, progress, read_log
 from .rundir import hold

@@ -231,6 +231,7 @@ def resolve(cfg: TrainConfig, *, parameters: Callable[[TrainConfig], int] | None
     metrics log to resume, the memory of this host or its GPUs (when ``parameters`` gives the model's
     parameter count for a config) and the logger's package (``ValueError``)."""
     dp = _world_dp(cfg)
+    assert cfg.microbatches is not None  # __post_init__ fills it in
     if cfg.vocab_size is not None and cfg.vocab_size < cfg.tp:
         raise ValueError(f"--vocab-size {cfg.vocab_size} is smaller than --tp {cfg.tp}")
     if cfg.batch_size % (dp * cfg.grad_accum * cfg.microbatches):
@@ -268,11 +269,11 @@ def _world_dp(cfg: TrainConfig) -> int:
 def _check_data(cfg: TrainConfig) -> int:
     """The vocabulary size, after checking that the data exists, has room for a block in each split
     and (small token files: all of them) holds ids below the vocabulary."""
-    tokens = cfg.data is not None and Path(cfg.data).is_dir()
     if cfg.data is not None and not Path(cfg.data).exists():
         raise ValueError(f"--data {cfg.data}: no such file or directory")
-    if tokens:
-        missing = [name for name in ("train.bin", "val.bin") if not (Path(cfg.data) / name).is_file()]
+    token_dir = Path(cfg.data) if cfg.data is not None and Path(cfg.data).is_dir() else None
+    if token_dir is not None:
+        missing = [name for name in ("train.bin", "val.bin") if not (token_dir / name).is_file()]
         if missing:
             raise ValueError(f"--data {cfg.data}: a directory of token data needs train.bin and val.bin; "
                              f"{' and '.join(missing)} missing")
@@ -282,8 +283,9 @@ def _check_data(cfg: TrainConfig) -> int:
         raise ValueError(f"--vocab-size {cfg.vocab_size} is below 256, the number of byte values")
     vocab = cfg.vocab_size or VOCAB_SIZE
     splits = open_splits(cfg.data, seed=cfg.seed, val_fraction=cfg.val_fraction, vocab_size=vocab)
-    for name, split in zip(("train", "val"), splits):
-        where = f"{cfg.data}/{name}.bin" if tokens else f"the {name} split of {cfg.data or 'the built-in corpus'}"
+    for name, split in zip(("train", "val"), splits, strict=True):
+        where = (f"{cfg.data}/{name}.bin" if token_dir is not None
+                 else f"the {name} split of {cfg.data or 'the built-in corpus'}")
         if len(split) <= cfg.block_size:
             raise ValueError(f"{where} holds {len(split)} tokens, fewer than --block-size + 1 ({cfg.block_size + 1})")
         if len(split) <= SCANNED_TOKENS:
@@ -323,6 +325,7 @@ def _check_memory(cfg: TrainConfig, parameters: int) -> None:
     """The model's weights, gradients and AdamW state fit where the ranks keep them: each rank's share
     (split over tp and pp; over dp too with --fsdp, the AdamW state with --zero) on its GPU when each
     local rank has one, else all local ranks' shares in this host's memory."""
+    assert cfg.dp is not None  # resolve() fills it in
     world = cfg.tp * cfg.dp * cfg.pp
     split = cfg.tp * cfg.pp * (cfg.dp if cfg.fsdp else 1)
     state_split = split * (cfg.dp if cfg.zero and not cfg.fsdp else 1)
