@@ -7,8 +7,10 @@ ranks so that shard sizes differ by at most one unit: the first
 shards are 3, 3, 2, 2 at offsets 0, 3, 6, 8. Nothing is padded, so a sharded
 computation sees exactly the elements the unsharded one does.
 
-Every shard offset in tensorpar comes from :func:`partition_bounds` (directly
-or through :meth:`Shard.bounds`); gathering shards back into a full tensor is
+Every shard size and offset in tensorpar comes from :func:`partition_sizes`
+(directly, through :func:`partition_bounds` and :class:`Shard`, or for the tokens
+of sequence parallelism, which may leave ranks none, through
+:func:`~tensorpar.comm.sequence.sequence_sizes`); gathering shards back into a full tensor is
 a collective and lives in :mod:`tensorpar.full`. Every size, count and unit
 is checked by :func:`check_int` (the modules built on this core use it too): a ``bool``
 is never taken for ``1``.
@@ -69,8 +71,11 @@ def check_ids(ids: torch.Tensor, limit: int, what: str, detail: str, *, allowed:
         raise ValueError(f"{what} {ids[~ok][0].item()} is out of range for {detail}") from None
 
 
-def partition_sizes(size: int, parts: int, *, unit: int = 1, name: str = "size") -> list[int]:
-    """Sizes of ``parts`` balanced shards of ``size`` elements, in whole units.
+def partition_sizes(size: int, parts: int, *, unit: int = 1, name: str = "size",
+                    allow_empty: bool = False) -> list[int]:
+    """Sizes of ``parts`` balanced shards of ``size`` elements, in whole units. Fewer units than
+    parts is an error, unless ``allow_empty`` (the tokens of sequence parallelism): the last shards
+    are then empty.
 
     Example::
 
@@ -78,6 +83,8 @@ def partition_sizes(size: int, parts: int, *, unit: int = 1, name: str = "size")
         [3, 3, 2, 2]
         >>> partition_sizes(12 * 64, 5, unit=64)  # 12 heads of 64 over 5 ranks
         [192, 192, 128, 128, 128]
+        >>> partition_sizes(2, 4, allow_empty=True)
+        [1, 1, 0, 0]
     """
     check_int(size, name)
     check_int(parts, "parts")
@@ -85,7 +92,7 @@ def partition_sizes(size: int, parts: int, *, unit: int = 1, name: str = "size")
     if size % unit:
         raise ValueError(f"{name} ({size}) is not a whole number of units of {unit}")
     units = size // unit
-    if units < parts:  # ``name`` counts units: "out_features", or "n_head" for heads
+    if units < parts and not allow_empty:  # ``name`` counts units: "out_features", or "n_head" for heads
         raise ValueError(f"{name} ({units}) is smaller than tp ({parts})")
     base, extra = divmod(units, parts)
     return [(base + (r < extra)) * unit for r in range(parts)]

@@ -42,7 +42,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from ..mesh import exchange_ints, group_rank_size, tp_group
-from ..sharding import check_int
+from ..sharding import check_int, partition_sizes
 from .collectives import start_all_gather_along, start_reduce_scatter_along
 from .counter import active_counters, record
 from .linear import _add_bias, _autocast, _check, _weight_grads, row_chunks
@@ -54,9 +54,7 @@ SEQ_DIM = -2  # tokens: (..., T, C)
 def sequence_sizes(seq_len: int, tp: int) -> list[int]:
     """Tokens per rank of the balanced split of ``seq_len`` tokens over ``tp`` ranks (larger shards
     first; ranks past ``seq_len`` hold none). ``sequence_sizes(17, 4) == [5, 4, 4, 4]``."""
-    check_int(seq_len, "sequence length")
-    base, extra = divmod(seq_len, tp)
-    return [base + (r < extra) for r in range(tp)]
+    return partition_sizes(seq_len, tp, name="sequence length", allow_empty=True)
 
 
 def sequence_length(x: torch.Tensor, seq_len: int | None, group: ProcessGroup | None = None) -> int:
