@@ -54,7 +54,7 @@ from tensorpar.sharding import check_int
 
 from .heads import head_layout
 from .linear import ColumnParallelLinear, RowParallelLinear, check_activation
-from .regions import CopyToTP, GatherSequence
+from .regions import RegionInput
 from .sequence import ShardedDropout, tp_stream
 
 
@@ -99,7 +99,7 @@ class ParallelSelfAttention(nn.Module):
         factory = dict(group=group, device=device, dtype=dtype)
 
         self.sequence_parallel = sequence_parallel
-        self.copy_in = GatherSequence(group=group) if sequence_parallel else CopyToTP(group=group)
+        self.copy_in = RegionInput(sequence_parallel=sequence_parallel, group=group)
         self.heads = heads = head_layout(n_head, n_kv_head, tp, rank)
         self.kv_replicated = heads.kv_replicated
         self.q_lo, self.local_heads = heads.query.start, len(heads.query)
@@ -132,14 +132,7 @@ class ParallelSelfAttention(nn.Module):
         check_activation(x, type(self).__name__)
         if x.dim() != 3 or x.shape[-1] != self.n_embd:
             raise ValueError(f"{type(self).__name__} expects (B, T, {self.n_embd}), got {tuple(x.shape)}")
-        saving: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-        if self.sequence_parallel:
-            seq_len = tensorpar.sequence_length(x, seq_len, self.tp_group)
-            shard, x = x, self.copy_in(x, seq_len)  # f̄: (B, T, C)
-            saving = tensorpar.save_sequence_shard(x, shard, self.tp_group)  # c_attn keeps (B, T_r, C)
-        else:
-            x = self.copy_in(x)  # f
-        with saving:
+        with self.copy_in.entered(x, seq_len) as x:  # f, or f̄ (B, T, C) whose (B, T_r, C) c_attn keeps
             qkv = self.c_attn(x)  # (B, T, (h + 2 * hk) * d): this rank's Q heads, then its K, then its V heads
         d, h, hk = self.head_dim, self.local_heads, self.held_kv_heads
         q, k, v = (rearrange(t, "b t (h d) -> b h t d", d=d) for t in qkv.split([h * d, hk * d, hk * d], -1))  # views
@@ -160,7 +153,7 @@ class ParallelSelfAttention(nn.Module):
             with _compiled_sdpa_kernel(q):
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)  # (B, h, T, d)
         y = self.c_proj(rearrange(y, "b h t d -> b t (h d)"))  # (B, T, C) summed over ranks, or (B, T_r, C)
-        return self.resid_dropout(y, seq_len) if self.sequence_parallel else self.resid_dropout(y)
+        return self.resid_dropout(y, x.shape[-2]) if self.sequence_parallel else self.resid_dropout(y)
 
     def extra_repr(self) -> str:
         return (f"n_embd={self.n_embd}, n_head={self.n_head}, n_kv_head={self.n_kv_head}, "
