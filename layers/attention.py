@@ -50,7 +50,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils import skip_init
 
 import tensorpar
-from tensorpar.sharding import check_int
+from tensorpar.checks import check_int
 
 from .heads import head_layout
 from .linear import ColumnParallelLinear, RowParallelLinear, check_activation

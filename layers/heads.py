@@ -22,7 +22,8 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
-from tensorpar.sharding import check_int, partition_bounds
+from tensorpar.checks import check_int
+from tensorpar.sharding import partition_bounds
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from tensorpar.sharding import check_int
+from tensorpar.checks import check_int
 
 from .linear import ColumnParallelLinear, RowParallelLinear, check_activation
 from .regions import RegionInput

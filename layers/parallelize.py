@@ -19,7 +19,8 @@ from typing import Union
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from tensorpar.sharding import check_int, partition_bounds
+from tensorpar.checks import check_int
+from tensorpar.sharding import partition_bounds
 
 from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear, RowParallelLinear

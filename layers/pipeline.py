@@ -30,9 +30,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import tensorpar
+from tensorpar.checks import check_int
 from tensorpar.full import local_part
 from tensorpar.pipeline import Pipeline, rank_stages, stage_blocks
-from tensorpar.sharding import check_int
 
 from .block import Block, run_blocks
 from .config import GPTConfig
