@@ -10,7 +10,7 @@ rows; attention runs locally on those heads, and the output projection
 (``copy_in``) enters the region and one ``g`` leaves it: one all-reduce of
 ``(B, T, C)`` forward, one backward.
 
-The partition, with ``g = n_head / n_kv_head`` query heads per KV head:
+The partition (:func:`~layers.heads.head_layout`), with ``g = n_head / n_kv_head`` query heads per KV head:
 
 * ``n_kv_head >= tp``: the unit is a query *group*, ``g`` query heads and the KV
   head they read, so ``c_attn`` is three blocks with ``n_kv_head`` units each,
@@ -50,10 +50,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils import skip_init
 
 import tensorpar
-from tensorpar.sharding import check_int, partition_bounds
+from tensorpar.checks import check_int
 
+from .heads import head_layout
 from .linear import ColumnParallelLinear, RowParallelLinear, check_activation
-from .regions import CopyToTP, GatherSequence
+from .regions import RegionInput
 from .sequence import ShardedDropout, tp_stream
 
 
@@ -98,24 +99,19 @@ class ParallelSelfAttention(nn.Module):
         factory = dict(group=group, device=device, dtype=dtype)
 
         self.sequence_parallel = sequence_parallel
-        self.copy_in = GatherSequence(group=group) if sequence_parallel else CopyToTP(group=group)
-        self.kv_replicated = n_kv_head < tp
+        self.copy_in = RegionInput(sequence_parallel=sequence_parallel, group=group)
+        self.heads = heads = head_layout(n_head, n_kv_head, tp, rank)
+        self.kv_replicated = heads.kv_replicated
+        self.q_lo, self.local_heads = heads.query.start, len(heads.query)
+        self.held_kv_heads = len(heads.kv_held)
+        # the held KV heads the local query heads read, from local index kv_lo
+        self.kv_lo, self.local_kv_heads = heads.kv_reads.start - heads.kv_held.start, len(heads.kv_reads)
+        # the held KV head each local query head reads; None where SDPA's grouping pairs them up
+        self._kv_index = None if heads.group_size else [kv - heads.kv_held.start for kv in heads.kv_read]
         if self.kv_replicated:  # query heads split alone; every rank holds all KV heads
-            q_unit, (self.q_lo, self.local_heads) = d, partition_bounds(n_head, tp, rank, name="n_head")
-            self.kv_lo, kv_hi = self.q_lo // g, (self.q_lo + self.local_heads - 1) // g + 1
-            self.local_kv_heads = kv_hi - self.kv_lo
-            self.held_kv_heads = n_kv_head
-            layout = dict(unit=d, replicated=2 * n_kv_head * d)
+            q_unit, layout = d, dict(unit=d, replicated=2 * n_kv_head * d)
         else:  # whole query groups per rank: a KV head and its g query heads stay together
-            kv_lo, self.local_kv_heads = partition_bounds(n_kv_head, tp, rank, name="n_kv_head")
-            q_unit, self.q_lo, self.local_heads = g * d, g * kv_lo, g * self.local_kv_heads
-            self.kv_lo, self.held_kv_heads = 0, self.local_kv_heads  # local indices: its own KV heads only
-            layout = dict(unit=(g * d, d, d))
-        # the held KV head each local query head reads, from kv_lo; None where SDPA's grouping does it
-        reads = [(self.q_lo + i) // g - self.q_lo // g for i in range(self.local_heads)]
-        per_kv = self.local_heads // self.local_kv_heads
-        self._kv_index = None if reads == [i // per_kv for i in range(self.local_heads)] else \
-            [self.kv_lo + r for r in reads]
+            q_unit, layout = g * d, dict(unit=(g * d, d, d))
         self.c_attn = skip_init(ColumnParallelLinear, n_embd, n_embd + 2 * n_kv_head * d, bias, copy_input=False,
                                 **layout, **factory)  # behind copy_in's f
         self.c_proj = skip_init(RowParallelLinear, n_embd, n_embd, bias, unit=q_unit,
@@ -136,14 +132,7 @@ class ParallelSelfAttention(nn.Module):
         check_activation(x, type(self).__name__)
         if x.dim() != 3 or x.shape[-1] != self.n_embd:
             raise ValueError(f"{type(self).__name__} expects (B, T, {self.n_embd}), got {tuple(x.shape)}")
-        saving: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-        if self.sequence_parallel:
-            seq_len = tensorpar.sequence_length(x, seq_len, self.tp_group)
-            shard, x = x, self.copy_in(x, seq_len)  # f̄: (B, T, C)
-            saving = tensorpar.save_sequence_shard(x, shard, self.tp_group)  # c_attn keeps (B, T_r, C)
-        else:
-            x = self.copy_in(x)  # f
-        with saving:
+        with self.copy_in.entered(x, seq_len) as x:  # f, or f̄ (B, T, C) whose (B, T_r, C) c_attn keeps
             qkv = self.c_attn(x)  # (B, T, (h + 2 * hk) * d): this rank's Q heads, then its K, then its V heads
         d, h, hk = self.head_dim, self.local_heads, self.held_kv_heads
         q, k, v = (rearrange(t, "b t (h d) -> b h t d", d=d) for t in qkv.split([h * d, hk * d, hk * d], -1))  # views
@@ -164,7 +153,7 @@ class ParallelSelfAttention(nn.Module):
             with _compiled_sdpa_kernel(q):
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)  # (B, h, T, d)
         y = self.c_proj(rearrange(y, "b h t d -> b t (h d)"))  # (B, T, C) summed over ranks, or (B, T_r, C)
-        return self.resid_dropout(y, seq_len) if self.sequence_parallel else self.resid_dropout(y)
+        return self.resid_dropout(y, x.shape[-2]) if self.sequence_parallel else self.resid_dropout(y)
 
     def extra_repr(self) -> str:
         return (f"n_embd={self.n_embd}, n_head={self.n_head}, n_kv_head={self.n_kv_head}, "

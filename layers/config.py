@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tensorpar.sharding import check_int
+from tensorpar.checks import check_int
 
 from .mlp import ACTIVATIONS
 

@@ -22,7 +22,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 import tensorpar
-from tensorpar.sharding import Shard, check_ids, check_int, partition_bounds
+from tensorpar.checks import check_ids, check_int
+from tensorpar.sharding import Shard, partition_bounds
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -28,8 +28,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 import tensorpar
+from tensorpar.checks import check_int
 from tensorpar.comm.collectives import broadcast_from_first_
-from tensorpar.sharding import check_int
 
 from . import hf
 from .block import Block, run_blocks

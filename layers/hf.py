@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tensorpar.mesh import collective_device
+
 _TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
@@ -203,8 +205,7 @@ def export_gpt2(model: nn.Module, directory: str | os.PathLike[str], *,
         except Exception as e:  # noqa: BLE001 - re-raised below, after the peers have been told
             failure = e
     del state
-    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in dist.get_backend() else None
-    ok = torch.tensor([failure is None], dtype=torch.int32, device=device)
+    ok = torch.tensor([failure is None], dtype=torch.int32, device=collective_device())
     dist.broadcast(ok, src=0)  # every rank learns whether rank 0 wrote the files
     if failure is not None:
         raise failure

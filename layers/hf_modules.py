@@ -29,7 +29,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 import tensorpar
-from tensorpar.sharding import Shard, check_int
+from tensorpar.checks import check_int
+from tensorpar.sharding import Shard
 
 from .embedding import VocabParallelEmbedding
 from .linear import ReplicatedLinear, check_activation

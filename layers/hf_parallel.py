@@ -37,7 +37,6 @@ rank returns its own heads), resizing the embeddings afterwards.
 
 from __future__ import annotations
 
-import collections
 import functools
 import inspect
 from collections.abc import Callable, Mapping
@@ -48,9 +47,9 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 import tensorpar
-from tensorpar.sharding import partition_bounds
 
 from .embedding import VocabParallelEmbedding
+from .heads import head_layout
 from .hf_modules import ColumnParallelConv1D, PaddedVocabParallelEmbedding, ReplicatedHeadsLinear, RowParallelConv1D
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .regions import CopyToTP
@@ -107,7 +106,7 @@ def _gpt2(model: nn.Module, config: Any, group: ProcessGroup, rank: int, tp: int
         raise ValueError("parallelize_hf does not support GPT-2 with add_cross_attention=True")
     n_head, inner = config.n_head, config.n_inner or 4 * config.n_embd
     _at_least_tp(tp, num_attention_heads=n_head, n_inner=inner)
-    heads = partition_bounds(n_head, tp, rank, name="num_attention_heads")[1]
+    heads = len(head_layout(n_head, n_head, tp, rank).query)
     for block in model.transformer.h:
         attn, mlp = block.attn, block.mlp
         d = attn.head_dim
@@ -139,26 +138,22 @@ def _llama(model: nn.Module, config: Any, group: ProcessGroup, rank: int, tp: in
 
 def _shard_attention(attn: nn.Module, n_head: int, n_kv: int, group: ProcessGroup, rank: int, tp: int) -> None:
     """Split Q/K/V/O by whole heads as :class:`~layers.attention.ParallelSelfAttention` does."""
-    d, g = attn.head_dim, n_head // n_kv
+    d, heads = attn.head_dim, head_layout(n_head, n_kv, tp, rank)
     column = dict(copy_input=False, group=group)  # behind copy_in's f
-    if n_kv >= tp:  # whole query groups per rank: a KV head and its g query heads
-        unit, groups = g * d, g
+    # local query heads per local KV head (eager's and sdpa's repeat_kv); 1 where they read unevenly
+    # (query heads 1-3 of groups of 2 read KV heads 0, 1, 1): then one KV head per query head
+    groups = heads.group_size or 1
+    if not heads.kv_replicated:  # whole query groups per rank: a KV head and its g query heads
+        unit = n_head // n_kv * d
         attn.k_proj = ColumnParallelLinear.from_linear(attn.k_proj, unit=d, **column)
         attn.v_proj = ColumnParallelLinear.from_linear(attn.v_proj, unit=d, **column)
     else:  # query heads alone; K and V whole, giving the KV heads this rank's query heads read
-        unit = d
-        lo, heads = partition_bounds(n_head, tp, rank, name="num_attention_heads")
-        kv_of_q = [(lo + i) // g for i in range(heads)]  # the KV head each local query head reads
-        readers = collections.Counter(kv_of_q)
-        if len(set(readers.values())) == 1:  # c readers each: those KV heads, repeated c times by the model
-            kv_heads, groups = sorted(readers), readers[kv_of_q[0]]
-        else:  # e.g. query heads 1-3 of groups of 2 (reading KV heads 0, 1, 1): one KV head per query head
-            kv_heads, groups = kv_of_q, 1
+        unit, kv_heads = d, list(heads.kv_reads if heads.group_size else heads.kv_read)
         attn.k_proj = ReplicatedHeadsLinear.from_linear(attn.k_proj, head_dim=d, heads=kv_heads, group=group)
         attn.v_proj = ReplicatedHeadsLinear.from_linear(attn.v_proj, head_dim=d, heads=kv_heads, group=group)
     attn.q_proj = ColumnParallelLinear.from_linear(attn.q_proj, unit=unit, **column)
     attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, unit=unit, group=group)
-    attn.num_key_value_groups = groups  # local query heads per local KV head (eager's and sdpa's repeat_kv)
+    attn.num_key_value_groups = groups
 
 
 def _enter_region(module: nn.Module, group: ProcessGroup) -> None:

@@ -12,18 +12,15 @@ reduce-scatters (``ḡ``), as in :mod:`layers.attention`.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-import tensorpar
-from tensorpar.sharding import check_int
+from tensorpar.checks import check_int
 
 from .linear import ColumnParallelLinear, RowParallelLinear, check_activation
-from .regions import CopyToTP, GatherSequence
+from .regions import RegionInput
 from .sequence import ShardedDropout
 
 ACTIVATIONS = ("gelu", "swiglu")
@@ -53,7 +50,7 @@ class ParallelMLP(nn.Module):
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         self.activation, self.sequence_parallel = activation, sequence_parallel
         factory = dict(group=group, device=device, dtype=dtype)
-        self.copy_in = GatherSequence(group=group) if sequence_parallel else CopyToTP(group=group)
+        self.copy_in = RegionInput(sequence_parallel=sequence_parallel, group=group)
         self.c_fc = ColumnParallelLinear(n_embd, hidden, bias, copy_input=False, **factory)
         gated = activation == "swiglu"
         self.c_gate = ColumnParallelLinear(n_embd, hidden, bias, copy_input=False, **factory) if gated else None
@@ -64,20 +61,14 @@ class ParallelMLP(nn.Module):
         """``(*, C)``, or with sequence parallelism this rank's tokens ``(..., T_r, C)`` of ``seq_len``
         (found with one small collective when not given)."""
         check_activation(x, type(self).__name__)
-        saving: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-        if self.sequence_parallel:
-            seq_len = tensorpar.sequence_length(x, seq_len, self.copy_in.tp_group)
-            shard, x = x, self.copy_in(x, seq_len)  # f̄: (..., T, C), shared by the up and gate projections
-            saving = tensorpar.save_sequence_shard(x, shard, self.copy_in.tp_group)  # they keep (..., T_r, C)
-        else:
-            x = self.copy_in(x)  # f, shared by the up and gate projections
-        with saving:
+        # f, or f̄ (..., T, C) whose (..., T_r, C) they keep: shared by the up and gate projections
+        with self.copy_in.entered(x, seq_len) as x:
             if self.c_gate is None:
                 h = F.gelu(self.c_fc(x), approximate="tanh")  # (*, H / tp)
             else:
                 h = F.silu(self.c_gate(x)) * self.c_fc(x)
         y = self.c_proj(h)  # (*, C) summed over ranks, or (..., T_r, C)
-        return self.dropout(y, seq_len) if self.sequence_parallel else self.dropout(y)
+        return self.dropout(y, x.shape[-2]) if self.sequence_parallel else self.dropout(y)
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}" + (", sequence_parallel=True" if self.sequence_parallel else "")

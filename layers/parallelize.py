@@ -18,7 +18,8 @@ from types import MappingProxyType
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from tensorpar.sharding import check_int, partition_bounds
+from tensorpar.checks import check_int
+from tensorpar.sharding import partition_bounds
 
 from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear, RowParallelLinear

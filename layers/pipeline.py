@@ -29,9 +29,9 @@ import torch.distributed as dist
 from torch import nn
 
 import tensorpar
+from tensorpar.checks import check_int
 from tensorpar.full import is_dtensor, local_part
 from tensorpar.pipeline import Pipeline, rank_stages, stage_blocks
-from tensorpar.sharding import check_int
 
 from .block import Block, run_blocks
 from .config import GPTConfig

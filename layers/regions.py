@@ -12,12 +12,16 @@ the token and position embeddings' partial lookups, added first and reduced once
 With sequence parallelism (:mod:`tensorpar.comm.sequence`) the same boundaries
 move tokens instead: :class:`GatherSequence` (``f̄``) all-gathers this rank's
 tokens into the region, :class:`ReduceScatterSequence` (``ḡ``) leaves it with
-this rank's tokens of the sum.
+this rank's tokens of the sum. :class:`RegionInput` is the entry of a region
+whose input several column maps share, either way: the module calls it
+whatever its layout, as torchtitan's ``PrepareModuleInput`` prepares a
+module's input.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -72,6 +76,49 @@ class ReduceScatterSequence(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return tensorpar.reduce_scatter_sequence(x, self.tp_group)
+
+
+class RegionInput(nn.Module):
+    """The entry of a tensor-parallel region whose input several column-parallel maps share
+    (attention's ``c_attn``, an MLP's up and gate projections, built with ``copy_input=False``).
+
+    ``forward(x)``: ``f`` on a replicated ``x`` (:class:`CopyToTP`); with
+    ``sequence_parallel=True``, ``f̄`` on this rank's tokens ``(..., T_r, C)``, all of
+    them ``(..., T, C)`` (:class:`GatherSequence`; ``forward(x, seq_len=T)`` names
+    the full length, else one small collective finds it). :meth:`entered` gives the
+    same input to the maps run inside its block, which with sequence parallelism
+    keep only this rank's tokens for backward (:func:`tensorpar.save_sequence_shard`).
+
+    Example::
+
+        with self.copy_in.entered(x, seq_len) as x:      # (B, T, C)
+            up, gate = self.c_fc(x), self.c_gate(x)
+    """
+
+    def __init__(self, *, sequence_parallel: bool = False, group: ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.tp_group = tensorpar.tp_group(group)
+        self.tp = tensorpar.group_rank_size(self.tp_group)[1]
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+        if self.sequence_parallel:
+            return tensorpar.gather_sequence(x, seq_len, self.tp_group)  # f̄: (..., T, C)
+        return x if self.tp == 1 else tensorpar.copy_to_tp(x, self.tp_group)  # f
+
+    @contextlib.contextmanager
+    def entered(self, x: torch.Tensor, seq_len: int | None = None) -> Iterator[torch.Tensor]:
+        """The region's input, ``self(x, seq_len)``, for the block's maps; with sequence parallelism what
+        they save of it for backward is kept as ``x``, this rank's tokens, and gathered again there."""
+        full = self(x, seq_len)
+        if not self.sequence_parallel:
+            yield full
+            return
+        with tensorpar.save_sequence_shard(full, x, self.tp_group):
+            yield full
+
+    def extra_repr(self) -> str:
+        return "sequence_parallel=True" if self.sequence_parallel else ""
 
 
 def summed_gradients(params: Iterable[torch.Tensor | None], group: ProcessGroup) -> list[torch.Tensor | None]:

@@ -22,9 +22,10 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
+from .checks import check_ids
 from .comm.collectives import start_all_reduce_
 from .mesh import group_rank_size, tp_group
-from .sharding import check_ids, partition_bounds
+from .sharding import partition_bounds
 
 REDUCTIONS = ("mean", "sum", "none")
 

@@ -13,12 +13,9 @@ and with 8 ranks at ``pp=2, dp=2, tp=2``: stages 0-3 and 4-7, dp groups [0, 2], 
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import contextvars
 import os
-import sys
-import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,9 +28,11 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import lifeline
+from .process_exit import DEFAULT_TIMEOUT, shutdown, shutdown_at_exit, wait_for_gloo_at_exit
 from .random import RNGStatesTracker
 
-DEFAULT_TIMEOUT = timedelta(minutes=10)
+__all__ = ["DEFAULT_TIMEOUT", "Mesh", "collective_device", "current_mesh", "current_mesh_or_none", "default_backend",
+           "exchange_ints", "group_rank_size", "init", "manual_seed", "shutdown", "tp_group", "use_mesh"]
 
 
 @dataclass(frozen=True)
@@ -92,70 +91,7 @@ def _init_process_group(backend: str | None, timeout: timedelta) -> None:
         if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: end with it
             lifeline.end_with_parent(dist.get_rank())
     # The group is ours: close it at exit (a gloo group left open can abort the interpreter's shutdown).
-    atexit.register(_shutdown_at_exit, timeout)
-
-
-def _shutdown_at_exit(timeout: timedelta) -> None:
-    # After an uncaught exception, exit at once: waiting in a barrier for peers that are
-    # blocked in a collective would only hide the failure from the launcher.
-    if getattr(sys, "last_value", None) is None:
-        shutdown(timeout)
-    wait_for_idle_gloo_workers()
-
-
-def wait_for_idle_gloo_workers(limit: float = 5.0) -> None:
-    """Let gloo's worker threads finish their last task before the interpreter shuts down.
-
-    A gloo process group runs its collectives on worker threads, which drop each
-    finished task afterwards. When the task held a tensor whose Python object
-    is already gone (a temporary of the caller), dropping it takes the GIL. The
-    groups, and so their threads, live as long as Python objects refer to them
-    (a mesh, a layer's ``tp_group``), which for a script's globals is until the
-    interpreter shuts down; a worker that the scheduler delays until then finds
-    the interpreter finalizing, is ended by CPython while in C++ code, and the
-    process aborts (``terminate called without an active exception``) after the
-    script has succeeded. So, at exit, the GIL is left free until every worker
-    has been seen asleep waiting for work three times in a row (Linux: the
-    threads' states in ``/proc``), or ``limit`` seconds have passed.
-    """
-    tasks = "/proc/self/task"
-    if not os.path.isdir(tasks):
-        return
-    deadline, quiet = time.monotonic() + limit, 0
-    while quiet < 3 and time.monotonic() < deadline:
-        time.sleep(0.002)  # the GIL is free meanwhile
-        quiet = quiet + 1 if all(state == "S" for state in _gloo_worker_states(tasks)) else 0
-
-
-def _gloo_worker_states(tasks: str) -> Iterator[str]:
-    for tid in os.listdir(tasks):
-        try:
-            with open(f"{tasks}/{tid}/comm") as f:
-                if f.read().strip() != "pt_gloo_runloop":
-                    continue
-            with open(f"{tasks}/{tid}/stat") as f:
-                yield f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:  # the thread has exited
-            continue
-
-
-def shutdown(timeout: timedelta = DEFAULT_TIMEOUT) -> None:
-    """Wait for every rank, then destroy the process group (a no-op when there is none).
-
-    Ranks that tear gloo down while a peer still uses it can abort; the barrier
-    first avoids that. If a peer is gone the barrier fails and the group is
-    left for the process exit to drop.
-    """
-    if not dist.is_initialized():
-        return
-    try:
-        if dist.get_backend() == "gloo":
-            dist.monitored_barrier(timeout=timeout)
-        else:
-            dist.barrier()
-    except RuntimeError:
-        return
-    dist.destroy_process_group()
+    shutdown_at_exit(timeout)
 
 
 def init(tp: int | None = None, dp: int | None = None, *, pp: int = 1, backend: str | None = None,
@@ -190,12 +126,11 @@ def init(tp: int | None = None, dp: int | None = None, *, pp: int = 1, backend: 
         mesh = _build_mesh(tp, dp, pp)
     except BaseException:
         if created:  # leave nothing half-initialised
-            atexit.unregister(_shutdown_at_exit)
+            shutdown_at_exit(None)
             dist.destroy_process_group()
         raise
     _current.set(mesh)
-    atexit.unregister(wait_for_idle_gloo_workers)  # once per process, whoever created the group
-    atexit.register(wait_for_idle_gloo_workers)
+    wait_for_gloo_at_exit()  # whoever created the group
     return mesh
 
 
@@ -213,13 +148,18 @@ def exchange_ints(row: list[int], group: ProcessGroup | None = None,
     return everyone.tolist()
 
 
+def collective_device(group: ProcessGroup | None = None) -> torch.device | None:
+    """Where ``group``'s collectives take their tensors: the current CUDA device for an NCCL group (the
+    default group when ``None``), else ``None`` (host memory)."""
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(group)) else None
+
+
 def _agree(tp: int | None, dp: int | None, pp: int, backend: str | None) -> None:
     """Compare ``init``'s arguments across the world (one small all-reduce); every rank raises alike."""
     if dist.get_world_size() == 1:
         return
-    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in dist.get_backend() else None
     everyone = exchange_ints([tp or 0, dp or 0, pp, _BACKENDS.index(backend) if backend in _BACKENDS else -1],
-                             device=device)
+                             device=collective_device())
     if all(row == everyone[0] for row in everyone):
         return
     views = [f"rank {r}: tp={t or None}, dp={d or None}, pp={p}, backend={_BACKENDS[b] if b >= 0 else 'other'!r}"
@@ -245,8 +185,7 @@ def _build_mesh(tp: int | None, dp: int | None, pp: int) -> Mesh:
         shape = (f"pp ({pp}) x dp ({dp}) x tp ({tp}) = {pp * dp * tp}" if pp > 1
                  else f"tp ({tp}) x dp ({dp}) = {tp * dp}")
         raise ValueError(f"{shape} does not match the world size ({world})")
-    on_gpu = dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    device = collective_device() or torch.device("cpu")
     grid = torch.arange(world).reshape(pp, dp, tp)
     device_mesh = DeviceMesh(device.type, grid, mesh_dim_names=("pp", "dp", "tp"))
     rank = dist.get_rank()

@@ -7,11 +7,12 @@ ranks so that shard sizes differ by at most one unit: the first
 shards are 3, 3, 2, 2 at offsets 0, 3, 6, 8. Nothing is padded, so a sharded
 computation sees exactly the elements the unsharded one does.
 
-Every shard offset in tensorpar comes from :func:`partition_bounds` (directly
-or through :meth:`Shard.bounds`); gathering shards back into a full tensor is
+Every shard size and offset in tensorpar comes from :func:`partition_sizes`
+(directly, through :func:`partition_bounds` and :class:`Shard`, or for the tokens
+of sequence parallelism, which may leave ranks none, through
+:func:`~tensorpar.comm.sequence.sequence_sizes`); gathering shards back into a full tensor is
 a collective and lives in :mod:`tensorpar.full`. Every size, count and unit
-is checked by :func:`check_int` (the modules built on this core use it too): a ``bool``
-is never taken for ``1``.
+is checked by :func:`~tensorpar.checks.check_int`: a ``bool`` is never taken for ``1``.
 """
 
 from __future__ import annotations
@@ -22,55 +23,14 @@ from dataclasses import dataclass
 
 import torch
 
-
-def check_int(value: object, name: str, *, minimum: int = 1, optional: bool = False) -> None:
-    """Raise unless ``value`` is an ``int`` of at least ``minimum`` (or ``None`` when ``optional``).
-
-    A ``bool`` is no size or count, though Python makes it an ``int``: ``True``
-    raises a ``TypeError``, as any other non-integer does; an integer below
-    ``minimum`` raises a ``ValueError``. The message names ``name`` and the value.
-
-    Example::
-
-        >>> check_int(0, "n_head")
-        Traceback (most recent call last):
-        ValueError: n_head must be a positive integer, got 0
-    """
-    if optional and value is None:
-        return
-    is_int = isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)
-    if is_int and value >= minimum:  # type: ignore[operator]
-        return
-    kind = {0: "a non-negative integer", 1: "a positive integer"}.get(minimum, f"an integer >= {minimum}")
-    if optional:
-        kind += " or None"
-    raise (ValueError if is_int else TypeError)(f"{name} must be {kind}, got {value!r}")
+from .checks import check_int
 
 
-def check_ids(ids: torch.Tensor, limit: int, what: str, detail: str, *, allowed: int | None = None) -> None:
-    """Assert that every id in ``ids`` is in ``[0, limit)`` (or equals ``allowed``), without a host sync.
-
-    The check is an assertion in the stream of ops (``torch._assert_async``), as ``nn.Embedding``'s
-    own: on a GPU a device-side assertion with the message ``"a {what} is out of range for {detail}"``,
-    raised by the next operation that waits for the device; in a ``torch.compile`` graph a part of the
-    graph. On the CPU it fails at once, and the ``ValueError`` it becomes names the first id out of
-    range: ``"{what} {id} is out of range for {detail}"``.
-    """
-    ok = (ids >= 0) & (ids < limit)  # (*)
-    if allowed is not None:
-        ok |= ids == allowed
-    message = f"a {what} is out of range for {detail}"
-    if torch.compiler.is_compiling() or ids.device.type != "cpu":
-        torch._assert_async(ok.all(), message)
-        return
-    try:
-        torch._assert_async(ok.all(), message)
-    except RuntimeError:  # only the failing path reads an id back
-        raise ValueError(f"{what} {ids[~ok][0].item()} is out of range for {detail}") from None
-
-
-def partition_sizes(size: int, parts: int, *, unit: int = 1, name: str = "size") -> list[int]:
-    """Sizes of ``parts`` balanced shards of ``size`` elements, in whole units.
+def partition_sizes(size: int, parts: int, *, unit: int = 1, name: str = "size",
+                    allow_empty: bool = False) -> list[int]:
+    """Sizes of ``parts`` balanced shards of ``size`` elements, in whole units. Fewer units than
+    parts is an error, unless ``allow_empty`` (the tokens of sequence parallelism): the last shards
+    are then empty.
 
     Example::
 
@@ -78,6 +38,8 @@ def partition_sizes(size: int, parts: int, *, unit: int = 1, name: str = "size")
         [3, 3, 2, 2]
         >>> partition_sizes(12 * 64, 5, unit=64)  # 12 heads of 64 over 5 ranks
         [192, 192, 128, 128, 128]
+        >>> partition_sizes(2, 4, allow_empty=True)
+        [1, 1, 0, 0]
     """
     check_int(size, name)
     check_int(parts, "parts")
@@ -85,7 +47,7 @@ def partition_sizes(size: int, parts: int, *, unit: int = 1, name: str = "size")
     if size % unit:
         raise ValueError(f"{name} ({size}) is not a whole number of units of {unit}")
     units = size // unit
-    if units < parts:  # ``name`` counts units: "out_features", or "n_head" for heads
+    if units < parts and not allow_empty:  # ``name`` counts units: "out_features", or "n_head" for heads
         raise ValueError(f"{name} ({units}) is smaller than tp ({parts})")
     base, extra = divmod(units, parts)
     return [(base + (r < extra)) * unit for r in range(parts)]

@@ -36,6 +36,33 @@ def test_clipping_uses_the_unsharded_gradient_norm(worlds, tp, data):
     assert max(worlds[tp].run(norm_twins, cfg, data.draw(st.integers(0, 2**31)))) <= 1e-6
 
 
+def clipping_on_both_sides_of_the_limit(cfg, seed):
+    """A limit above the gradient norm leaves every gradient as it is, bit for bit; one below scales
+    them to it, as ``torch.nn.utils.clip_grad_norm_`` scales the plain twin's."""
+    ref, model = twins(cfg, torch.float64, seed)
+    idx, targets = batch(cfg, 2, cfg["block_size"], seed)
+    model(idx, targets).backward()
+    ref(idx, targets).backward()
+    norm = torch.cat([p.grad.flatten() for p in ref.parameters()]).norm().item()
+    before = {k: p.grad.clone() for k, p in model.named_parameters()}
+    below = tensorpar.clip_grad_norm_(model, 2 * norm)
+    unchanged = [k for k, p in model.named_parameters() if torch.equal(p.grad, before[k])]
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), norm / 4)
+    above = tensorpar.clip_grad_norm_(model, norm / 4)
+    grads = tensorpar.full_grads(model)
+    clipped = torch.cat([p.grad.flatten() for p in ref.parameters()]).norm().item()
+    pairs = {"norm below the limit": (below.double(), torch.tensor(norm, dtype=torch.float64)),
+             "norm above the limit": (above.double(), expected)}
+    pairs |= {k: (grads[k], p.grad, clipped) for k, p in ref.named_parameters()}
+    return sorted(unchanged) == sorted(before), max(assert_all_close(pairs, rtol=1e-6).values()), clipped / norm
+
+
+def test_clipping_changes_nothing_below_the_limit_and_scales_to_it_above(worlds):
+    cfg = dict(n_layer=1, n_head=2, n_kv_head=1, n_embd=8, vocab_size=13, block_size=5, bias=True, mlp="gelu")
+    for unchanged, err, ratio in worlds[2].run(clipping_on_both_sides_of_the_limit, cfg, 7):
+        assert unchanged and err <= 1e-6 and abs(ratio - 0.25) <= 1e-6
+
+
 def mixed_dtype_layers():
     """A column-parallel layer in bfloat16, a row-parallel one in float64 and a replicated LayerNorm in
     float32: gradients that the norm takes in several buckets, at every tp."""

@@ -16,7 +16,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import tensorpar
@@ -102,6 +102,10 @@ def sequence_mlp(h, t, b, seq_len_given, seed):
 @settings(max_examples=10)
 @given(tp=tp_sizes(), h=st.integers(2, 9), t=st.integers(1, 11), b=st.integers(1, 2), given_len=st.booleans(),
        seed=st.integers(0, 2**31))
+@example(tp=4, h=3, t=7, b=1, given_len=False, seed=0)  # 7 tokens over 4 ranks: 2, 2, 2, 1
+@example(tp=3, h=4, t=2, b=2, given_len=True, seed=1)  # fewer tokens than ranks: 1, 1, 0
+@example(tp=4, h=2, t=1, b=1, given_len=False, seed=2)  # one token: 1, 0, 0, 0
+@example(tp=2, h=5, t=5, b=1, given_len=True, seed=3)  # 3, 2
 def test_sequence_parallel_linear_layers_match_nn_linear(worlds, tp, h, t, b, given_len, seed):
     assert max(worlds[tp].run(sequence_mlp, h, t, b, given_len, seed)) <= 1e-10
 

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tensorpar import Shard, partition_bounds, partition_offsets, partition_sizes, shard
+from tensorpar import Shard, partition_bounds, partition_offsets, partition_sizes, sequence_sizes, shard
 from tensorpar.sharding import join_shards
 
 
@@ -26,6 +26,9 @@ def test_partition_examples():
     assert partition_sizes(10, 4) == [3, 3, 2, 2]
     assert partition_sizes(12 * 64, 5, unit=64) == [192, 192, 128, 128, 128]
     assert partition_sizes(50257, 4) == [12565, 12564, 12564, 12564]
+    # the tokens of sequence parallelism: the same split, and ranks past the last token hold none
+    assert partition_sizes(2, 4, allow_empty=True) == [1, 1, 0, 0]
+    assert sequence_sizes(17, 4) == [5, 4, 4, 4] and sequence_sizes(3, 4) == [1, 1, 1, 0]
 
 
 @pytest.mark.parametrize("args, message", [

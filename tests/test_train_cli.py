@@ -210,3 +210,20 @@ def test_numbers_seeds_output_directories_and_model_sizes_are_checked_before_any
         f"train_gpt.py: error: the model (--vocab-size 1000000000, --n-layer 4, --n-embd 32) has {parameters:,} "
         f"parameters: their weights, gradients and AdamW state take {16 * parameters / 2**30:,.1f} GiB for "
         f"this host's 2 ranks, more than its {host / 2**30:,.1f} GiB of memory")
+
+
+def save_gpt(out, config):
+    from layers import GPT
+    tensorpar.checkpoint.save(out, GPT(GPTConfig(**config)), step=1)
+
+
+def test_resume_compares_the_fields_of_the_checkpoints_model_config(worlds, capsys, tmp_path):
+    """A resumed run must describe the checkpoint's model: every field of the config the checkpoint
+    holds that an option sets. Fields no option sets (grouped-query heads, the MLP kind) are not compared."""
+    config = dict(vocab_size=256, block_size=16, n_layer=1, n_head=4, n_kv_head=2, n_embd=16, bias=False, mlp="swiglu")
+    worlds[1].run(save_gpt, str(tmp_path), config)
+    same = [f"--out={tmp_path}", "--resume", "--tp=1", "--n-layer=1", "--n-head=4", "--n-embd=16", "--block-size=16"]
+    assert parse_args(same).resume == "must"
+    assert refused(capsys, *same, "--n-layer=2", "--n-embd=32", "--bias") == (
+        f"--resume: the checkpoint in {tmp_path} is of another model (--n-layer: checkpoint 1, now 2, --n-embd: "
+        "checkpoint 16, now 32, --bias: checkpoint False, now True)")

@@ -95,6 +95,15 @@ def test_cross_entropy_matches_f_cross_entropy(worlds, tp, data):
         assert dict(counts) == expected
 
 
+def test_cross_entropy_at_vocabularies_barely_above_tp(worlds):
+    """Vocabularies of tp, tp + 1 and 2 * tp - 1 entries: ranks of one entry each, one rank of two, and
+    one rank of one among ranks of two."""
+    for tp in (2, 3, 4):
+        for vocab in (tp, tp + 1, 2 * tp - 1):
+            for err, *_ in worlds[tp].run(check_cross_entropy, vocab, (2, 3), torch.float64, -100, "mean", 1.0, vocab):
+                assert err <= 1e-10, (tp, vocab)
+
+
 def check_stability():
     """Logits far beyond exp's range, in float32: finite, and equal to F.cross_entropy's."""
     torch.manual_seed(0)

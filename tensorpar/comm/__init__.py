@@ -7,7 +7,7 @@
   with their ``f`` and ``g``;
 * :mod:`~tensorpar.comm.sequence`: sequence parallelism, the same maps with the
   tokens split outside them (all-gather in, reduce-scatter out), overlapped;
-* :mod:`~tensorpar.comm.shard_saving`: a gathered activation kept for backward
+* :mod:`~tensorpar.comm.saved_tensor_hooks`: autograd's saved-tensor hooks that keep a gathered activation for backward
   as this rank's tokens;
 * :mod:`~tensorpar.comm.collectives`: the plain out-of-place collectives over
   uneven shards, and the choice of route for each all-reduce;
@@ -19,6 +19,7 @@ from .collectives import CollectiveError
 from .counter import CollectiveCounter, CollectiveRecord, count_collectives
 from .linear import column_parallel_linear, row_parallel_linear
 from .regions import all_gather, copy_to_tp, gather_from_tp, reduce_from_tp, reduce_scatter, scatter_to_tp
+from .saved_tensor_hooks import save_sequence_shard
 from .sequence import (
     gather_sequence,
     reduce_scatter_sequence,
@@ -28,7 +29,6 @@ from .sequence import (
     sequence_parallel_row_linear,
     sequence_sizes,
 )
-from .shard_saving import save_sequence_shard
 
 __all__ = [
     "CollectiveCounter",

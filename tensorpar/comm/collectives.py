@@ -34,9 +34,9 @@ from . import shm_routes, traced
 from .checks import REDUCE_OPS, agree, dtype_code, enabled
 from .counter import CollectiveCounter, record
 
-# torch >= 2.12 renamed the tensor-in/tensor-out collectives.
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch >= 2.12 renamed the tensor-in/tensor-out collectives: these names work on every torch (use them, not dist's).
+all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _flat_collective(op: Any, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> None:
@@ -264,7 +264,7 @@ def start_all_gather_along(x: torch.Tensor, dim: int, sizes: Sequence[int], grou
         buf = traced.all_gather_flat(send.view(-1), n, group).view(n, pre, big, post)
     else:
         buf = x3.new_empty(n, pre, big, post)
-        work = _start_flat("all_gather", _ALL_GATHER, buf, send, x, group, async_op)
+        work = _start_flat("all_gather", all_gather_into_tensor, buf, send, x, group, async_op)
 
     def finish() -> torch.Tensor:
         if all(s == big for s in sizes):  # contiguous: a view would be copied by whatever saves it
@@ -313,6 +313,6 @@ def start_reduce_scatter_along(x: torch.Tensor, dim: int, sizes: Sequence[int], 
         out = traced.reduce_scatter_flat(send.view(-1), n, group).view(pre, big, post)
     else:
         out = x3.new_empty(pre, big, post)
-        work = _start_flat("reduce_scatter", _REDUCE_SCATTER, out, send, x, group, async_op)
+        work = _start_flat("reduce_scatter", reduce_scatter_tensor, out, send, x, group, async_op)
     return Pending("reduce_scatter", x, group, work,
                    lambda: out[:, :sizes[rank]].reshape(*x.shape[:dim], sizes[rank], *x.shape[dim + 1:]), send, out)

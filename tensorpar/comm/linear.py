@@ -48,7 +48,7 @@ def row_chunks(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...
     return weight.split(-(-weight.shape[0] // ROW_CHUNKS))
 
 
-def _autocast(x: torch.Tensor, *tensors: torch.Tensor | None) -> list[Any]:
+def autocast_inputs(x: torch.Tensor, *tensors: torch.Tensor | None) -> list[Any]:
     """Cast as autocast would (a custom Function's body is not autocast)."""
     device = x.device.type
     if not torch.is_autocast_enabled(device):
@@ -59,15 +59,17 @@ def _autocast(x: torch.Tensor, *tensors: torch.Tensor | None) -> list[Any]:
             for t in (x, *tensors)]
 
 
-def _weight_grads(grad: torch.Tensor, x2: torch.Tensor, needs_weight: bool,
+def weight_grads(grad: torch.Tensor, x2: torch.Tensor, needs_weight: bool,
                   needs_bias: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A linear map's weight and bias gradients (those needed) from its output gradient ``grad``
+    ``(*, out)`` and its input ``x2`` ``(N, in)``."""
     g2 = grad.reshape(-1, grad.shape[-1])  # (N, out)
     grad_w = g2.t() @ x2 if needs_weight else None  # (out, in)
     grad_b = g2.sum(0) if needs_bias else None
     return grad_w, grad_b
 
 
-def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``y + bias``, into ``y`` (a buffer the caller owns) eagerly. In a traced graph a new tensor:
     compiled by torch 2.11, a Function whose forward returns a tensor it wrote in place gets zero
     gradients."""
@@ -83,7 +85,7 @@ class _ColumnParallelLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 group: ProcessGroup) -> torch.Tensor:
-        x, weight, bias = _autocast(x, weight, bias)
+        x, weight, bias = autocast_inputs(x, weight, bias)
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.counters, ctx.has_bias = group, active_counters(), bias is not None
         with torch.autocast(x.device.type, enabled=False):
@@ -96,7 +98,7 @@ class _ColumnParallelLinear(torch.autograd.Function):
         needs = ctx.needs_input_grad
         pending = start_all_reduce_(grad @ weight, ctx.group, ctx.counters) if needs[0] else None  # (*, in)
         # while the input gradient is summed
-        grad_w, grad_b = _weight_grads(grad, x.reshape(-1, x.shape[-1]), needs[1], ctx.has_bias and needs[2])
+        grad_w, grad_b = weight_grads(grad, x.reshape(-1, x.shape[-1]), needs[1], ctx.has_bias and needs[2])
         return (pending.wait() if pending else None), grad_w, grad_b, None
 
 
@@ -106,14 +108,14 @@ class _RowParallelLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 group: ProcessGroup) -> torch.Tensor:
-        x, weight, bias = _autocast(x, weight, bias)
+        x, weight, bias = autocast_inputs(x, weight, bias)
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         record("all_reduce", x.dtype, x[..., :1].numel() * weight.shape[0], group_rank_size(group)[1])
         with torch.autocast(x.device.type, enabled=False):  # each chunk summed while the next is computed
             y = torch.cat([p.wait() for p in [start_all_reduce_(F.linear(x, w), group, counted=False)
                                               for w in row_chunks(x, weight)]], -1)  # (*, out)
-        return _add_bias(y, bias)
+        return add_bias(y, bias)
 
     @staticmethod
     @once_differentiable
@@ -121,10 +123,10 @@ class _RowParallelLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         needs = ctx.needs_input_grad
         grad_x = grad @ weight if needs[0] else None  # (*, in / tp)
-        return (grad_x, *_weight_grads(grad, x.reshape(-1, x.shape[-1]), needs[1], ctx.has_bias and needs[2]), None)
+        return (grad_x, *weight_grads(grad, x.reshape(-1, x.shape[-1]), needs[1], ctx.has_bias and needs[2]), None)
 
 
-def _check(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+def check_linear_args(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     """A clear error, before any collective, for arguments ``F.linear`` would reject."""
     for what, t in (("x", x), ("weight", weight), ("bias", bias)):
         if not isinstance(t, torch.Tensor) and (t is not None or what != "bias"):
@@ -143,7 +145,7 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     Equal to ``F.linear(copy_to_tp(x), weight, bias)``; the backward all-reduce
     of the input gradient overlaps the weight-gradient computation.
     """
-    _check("column_parallel_linear", x, weight, bias)
+    check_linear_args("column_parallel_linear", x, weight, bias)
     group = tp_group(group)
     if group_rank_size(group)[1] == 1:
         return F.linear(x, weight, bias)
@@ -157,7 +159,7 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     Equal to ``reduce_from_tp(F.linear(x, weight)) + bias``: the output
     (*, out) is summed over the group, the bias added once.
     """
-    _check("row_parallel_linear", x, weight, bias)
+    check_linear_args("row_parallel_linear", x, weight, bias)
     group = tp_group(group)
     if group_rank_size(group)[1] == 1:
         return F.linear(x, weight, bias)

@@ -29,8 +29,9 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
+from ..checks import check_int
 from ..mesh import group_rank_size, tp_group
-from ..sharding import check_int, partition_sizes
+from ..sharding import partition_sizes
 from .collectives import all_gather_along, all_reduce_sum, reduce_scatter_along
 from .counter import active_counters
 
@@ -62,7 +63,7 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class _ScatterToTP(torch.autograd.Function):
+class ScatterToTP(torch.autograd.Function):
     """Keep this rank's slice forward; all-gather the gradient backward."""
 
     @staticmethod
@@ -92,7 +93,7 @@ class _GatherFromTP(torch.autograd.Function):
         return grad.narrow(ctx.dim, ctx.offset, ctx.size), None, None, None
 
 
-class _ReduceScatter(torch.autograd.Function):
+class ReduceScatter(torch.autograd.Function):
     """Reduce-scatter forward; all-gather of the gradient backward."""
 
     @staticmethod
@@ -106,7 +107,7 @@ class _ReduceScatter(torch.autograd.Function):
         return all_gather_along(grad, ctx.dim, ctx.sizes, ctx.group, ctx.counters), None, None, None
 
 
-class _AllGather(torch.autograd.Function):
+class AllGather(torch.autograd.Function):
     """All-gather forward; reduce-scatter of the gradient backward."""
 
     @staticmethod
@@ -174,7 +175,7 @@ def scatter_to_tp(x: torch.Tensor, dim: int = -1, group: ProcessGroup | None = N
     check_int(unit, "scatter_to_tp: unit")
     group, n = _group_and_size(group)
     sizes = _split(x, dim, n, unit)
-    return x if n == 1 else _ScatterToTP.apply(x, dim, sizes, group)
+    return x if n == 1 else ScatterToTP.apply(x, dim, sizes, group)
 
 
 def gather_from_tp(x: torch.Tensor, dim: int, size: int, group: ProcessGroup | None = None) -> torch.Tensor:
@@ -195,7 +196,7 @@ def reduce_scatter(x: torch.Tensor, dim: int = 0, group: ProcessGroup | None = N
     _check("reduce_scatter", x, dim)
     group, n = _group_and_size(group)
     sizes = _split(x, dim, n)
-    return x if n == 1 else _ReduceScatter.apply(x, dim, sizes, group)
+    return x if n == 1 else ReduceScatter.apply(x, dim, sizes, group)
 
 
 def all_gather(x: torch.Tensor, dim: int, size: int, group: ProcessGroup | None = None) -> torch.Tensor:
@@ -206,4 +207,4 @@ def all_gather(x: torch.Tensor, dim: int, size: int, group: ProcessGroup | None 
     _check("all_gather", x, dim)
     group, n = _group_and_size(group)
     sizes = _gathered("all_gather", x, dim, size, n)
-    return x if n == 1 else _AllGather.apply(x, dim, sizes, group)
+    return x if n == 1 else AllGather.apply(x, dim, sizes, group)

@@ -18,7 +18,7 @@ traffic is Megatron's; what a rank keeps for backward falls to ``1/tp``.
 The gathered input of a column layer is not kept: each rank keeps its own
 tokens and gathers them again in backward, as Megatron does (in the fused
 map, overlapped with the input-gradient matmul;
-:func:`~tensorpar.comm.shard_saving.save_sequence_shard` for a gather shared
+:func:`~tensorpar.comm.saved_tensor_hooks.save_sequence_shard` for a gather shared
 by several column maps): one all-gather per column region
 more in backward, for ``(tp - 1) / tp`` of its input's memory.
 
@@ -41,12 +41,13 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
+from ..checks import check_int
 from ..mesh import exchange_ints, group_rank_size, tp_group
-from ..sharding import check_int
+from ..sharding import partition_sizes
 from .collectives import start_all_gather_along, start_reduce_scatter_along
 from .counter import active_counters, record
-from .linear import _add_bias, _autocast, _check, _weight_grads, row_chunks
-from .regions import _AllGather, _ReduceScatter, _ScatterToTP
+from .linear import add_bias, autocast_inputs, check_linear_args, row_chunks, weight_grads
+from .regions import AllGather, ReduceScatter, ScatterToTP
 
 SEQ_DIM = -2  # tokens: (..., T, C)
 
@@ -54,9 +55,7 @@ SEQ_DIM = -2  # tokens: (..., T, C)
 def sequence_sizes(seq_len: int, tp: int) -> list[int]:
     """Tokens per rank of the balanced split of ``seq_len`` tokens over ``tp`` ranks (larger shards
     first; ranks past ``seq_len`` hold none). ``sequence_sizes(17, 4) == [5, 4, 4, 4]``."""
-    check_int(seq_len, "sequence length")
-    base, extra = divmod(seq_len, tp)
-    return [base + (r < extra) for r in range(tp)]
+    return partition_sizes(seq_len, tp, name="sequence length", allow_empty=True)
 
 
 def sequence_length(x: torch.Tensor, seq_len: int | None, group: ProcessGroup | None = None) -> int:
@@ -69,7 +68,7 @@ def sequence_length(x: torch.Tensor, seq_len: int | None, group: ProcessGroup | 
         check_int(seq_len, "seq_len")
         return seq_len
     group = tp_group(group)
-    _check_tokens("sequence_length", x)
+    check_tokens("sequence_length", x)
     if group_rank_size(group)[1] == 1:
         return x.shape[SEQ_DIM]
     held = [row[0] for row in exchange_ints([x.shape[SEQ_DIM]], group, x.device)]
@@ -79,7 +78,8 @@ def sequence_length(x: torch.Tensor, seq_len: int | None, group: ProcessGroup | 
     return sum(held)
 
 
-def _check_tokens(op: str, x: object) -> None:
+def check_tokens(op: str, x: object) -> None:
+    """Raise unless ``x`` is a tensor with tokens along dim -2."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op} expects a tensor, got {type(x).__name__}")
     if x.dim() < 2:
@@ -90,29 +90,29 @@ def gather_sequence(x: torch.Tensor, seq_len: int | None = None, group: ProcessG
     """``f̄``: every rank's tokens ``(..., T_r, C)`` concatenated, ``(..., T, C)``; backward
     reduce-scatters the gradient. ``seq_len``: as in :func:`sequence_length`. Under autocast the
     tokens are cast to its dtype first, as the column maps after the gather would."""
-    _check_tokens("gather_sequence", x)
-    group, _, n = _tp(group)
+    check_tokens("gather_sequence", x)
+    group, _, n = tp_group_rank_size(group)
     seq_len = sequence_length(x, seq_len, group)
     if n == 1:
         return x
-    x = _autocast(x)[0]  # the matmuls after it would cast it anyway: gather half the bytes
-    return _AllGather.apply(x, SEQ_DIM, sequence_sizes(seq_len, n), group)
+    x = autocast_inputs(x)[0]  # the matmuls after it would cast it anyway: gather half the bytes
+    return AllGather.apply(x, SEQ_DIM, sequence_sizes(seq_len, n), group)
 
 
 def reduce_scatter_sequence(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """``ḡ``: this rank's tokens of the sum of ``x`` ``(..., T, C)`` over the group, ``(..., T_r, C)``;
     backward all-gathers the gradient."""
-    _check_tokens("reduce_scatter_sequence", x)
-    group, _, n = _tp(group)
-    return x if n == 1 else _ReduceScatter.apply(x, SEQ_DIM, sequence_sizes(x.shape[SEQ_DIM], n), group)
+    check_tokens("reduce_scatter_sequence", x)
+    group, _, n = tp_group_rank_size(group)
+    return x if n == 1 else ReduceScatter.apply(x, SEQ_DIM, sequence_sizes(x.shape[SEQ_DIM], n), group)
 
 
 def scatter_sequence(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """This rank's tokens of a replicated ``x`` ``(..., T, C)``; backward all-gathers the gradient."""
-    _check_tokens("scatter_sequence", x)
-    group, _, n = _tp(group)
+    check_tokens("scatter_sequence", x)
+    group, _, n = tp_group_rank_size(group)
     sizes = sequence_sizes(x.shape[SEQ_DIM], n)
-    return x if n == 1 else _ScatterToTP.apply(x, SEQ_DIM, sizes, group)
+    return x if n == 1 else ScatterToTP.apply(x, SEQ_DIM, sizes, group)
 
 
 class _SequenceParallelColumnLinear(torch.autograd.Function):
@@ -121,7 +121,7 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int],
                 group: ProcessGroup) -> torch.Tensor:
-        x, weight, bias = _autocast(x, weight, bias)
+        x, weight, bias = autocast_inputs(x, weight, bias)
         rank = group_rank_size(group)[0]
         ctx.save_for_backward(x, weight)  # this rank's tokens only: gathered again in backward
         ctx.sizes, ctx.group, ctx.counters, ctx.has_bias = sizes, group, active_counters(), bias is not None
@@ -145,7 +145,7 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
         if needs[0]:  # the input gradient while the tokens arrive, then reduce-scattered
             scattering = start_reduce_scatter_along(grad @ weight, SEQ_DIM, sizes, group, counters)  # (..., T, in)
         full = gathering.wait() if gathering is not None else x.new_empty(0, x.shape[-1])
-        grad_w, grad_b = _weight_grads(grad, full.reshape(-1, x.shape[-1]), needs[1], ctx.has_bias and needs[2])
+        grad_w, grad_b = weight_grads(grad, full.reshape(-1, x.shape[-1]), needs[1], ctx.has_bias and needs[2])
         return (scattering.wait() if scattering else None), grad_w, grad_b, None, None
 
 
@@ -156,7 +156,7 @@ class _SequenceParallelRowLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int],
                 group: ProcessGroup) -> torch.Tensor:
-        x, weight, bias = _autocast(x, weight, bias)
+        x, weight, bias = autocast_inputs(x, weight, bias)
         ctx.save_for_backward(x, weight)
         ctx.sizes, ctx.group, ctx.counters, ctx.has_bias = sizes, group, active_counters(), bias is not None
         tokens, n = x[..., :1].numel(), len(sizes)  # (...) * T
@@ -166,7 +166,7 @@ class _SequenceParallelRowLinear(torch.autograd.Function):
             pending = [start_reduce_scatter_along(F.linear(x, w), SEQ_DIM, sizes, group, counted=False)
                        for w in row_chunks(x, weight)]  # (..., T, out / chunks) each, this rank's partial sums
             y = torch.cat([p.wait() for p in pending], -1)  # (..., T_r, out), summed over ranks
-        return _add_bias(y, bias)
+        return add_bias(y, bias)
 
     @staticmethod
     @once_differentiable
@@ -176,11 +176,12 @@ class _SequenceParallelRowLinear(torch.autograd.Function):
         full = start_all_gather_along(grad.contiguous(), SEQ_DIM, ctx.sizes, ctx.group, ctx.counters).wait()
         grad_x = full @ weight if needs[0] else None  # (..., T, in / tp)
         # every rank has every token's output gradient: the bias gradient is whole, the same on every rank
-        grad_w, grad_b = _weight_grads(full, x.reshape(-1, x.shape[-1]), needs[1], ctx.has_bias and needs[2])
+        grad_w, grad_b = weight_grads(full, x.reshape(-1, x.shape[-1]), needs[1], ctx.has_bias and needs[2])
         return grad_x, grad_w, grad_b, None, None
 
 
-def _tp(group: ProcessGroup | None) -> tuple[ProcessGroup, int, int]:
+def tp_group_rank_size(group: ProcessGroup | None) -> tuple[ProcessGroup, int, int]:
+    """The tp group (``group``, or the default mesh's) with this rank in it and its size."""
     group = tp_group(group)
     return (group, *group_rank_size(group))
 
@@ -193,9 +194,9 @@ def sequence_parallel_column_linear(x: torch.Tensor, weight: torch.Tensor, bias:
     Equal to ``F.linear(all_gather(x, -2, seq_len), weight, bias)``. ``seq_len`` is the full
     sequence length (found with one small collective when not given).
     """
-    _check("sequence_parallel_column_linear", x, weight, bias)
-    _check_tokens("sequence_parallel_column_linear", x)
-    group, _, n = _tp(group)
+    check_linear_args("sequence_parallel_column_linear", x, weight, bias)
+    check_tokens("sequence_parallel_column_linear", x)
+    group, _, n = tp_group_rank_size(group)
     seq_len = sequence_length(x, seq_len, group)
     if n == 1:
         return F.linear(x, weight, bias)
@@ -210,9 +211,9 @@ def sequence_parallel_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: to
 
     Equal to ``reduce_scatter(F.linear(x, weight), -2) + bias``.
     """
-    _check("sequence_parallel_row_linear", x, weight, bias)
-    _check_tokens("sequence_parallel_row_linear", x)
-    group, _, n = _tp(group)
+    check_linear_args("sequence_parallel_row_linear", x, weight, bias)
+    check_tokens("sequence_parallel_row_linear", x)
+    group, _, n = tp_group_rank_size(group)
     if n == 1:
         return F.linear(x, weight, bias)
     return _SequenceParallelRowLinear.apply(x, weight, bias, sequence_sizes(x.shape[SEQ_DIM], n), group)

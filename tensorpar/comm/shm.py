@@ -42,11 +42,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from ..procfs import process_state
 from .checks import dtype_code, dtype_name
 
 _STRIDE = 8  # int64 words per rank, one cache line: pid, posted, done, token (rank 0), numel, dtype, op
 _PID, _POSTED, _DONE, _TOKEN, _NUMEL, _DTYPE, _OP = range(7)
-_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX, "all_gather", "reduce_scatter")  # what a round does, by number
+OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX, "all_gather", "reduce_scatter")  # what a round does, by number
 _SPIN = 1e-3  # seconds of yielding before a waiting rank starts to sleep
 _NAP = 1e-3  # the longest sleep between two looks at the flags
 _LOOK = 0.1  # seconds between two checks that the peers are alive
@@ -70,17 +71,8 @@ def group_timeout(group: ProcessGroup) -> timedelta:
 
 
 def _describe(numel: int, dtype: int, op: int) -> str:
-    how = ("sum", "max", "all-gather", "reduce-scatter")[op] if 0 <= op < len(_OPS) else "another op"
+    how = ("sum", "max", "all-gather", "reduce-scatter")[op] if 0 <= op < len(OPS) else "another op"
     return f"{numel} {dtype_name(dtype)} elements ({how})"
-
-
-def _process_state(pid: int) -> str:
-    """``/proc``'s one-letter state of ``pid`` (``"X"`` when it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "X"
 
 
 class Round:
@@ -118,7 +110,7 @@ class SharedMemoryChannel:
     def verify(self) -> bool:
         """After every rank has mapped the segment: do they all see one memory and one another?"""
         self._pids = [self._words[r * _STRIDE + _PID] for r in range(self.size)]
-        return self._words[_TOKEN] == self._token and all(_process_state(p) != "X" for p in self._pids)
+        return self._words[_TOKEN] == self._token and all(process_state(p) != "X" for p in self._pids)
 
     def _slot(self, rank: int, x: torch.Tensor) -> torch.Tensor:
         start = rank * self.capacity
@@ -141,7 +133,7 @@ class SharedMemoryChannel:
                     look = now + _LOOK
 
     def _check_peers(self, waited: float) -> None:
-        states = {r: _process_state(pid) for r, pid in enumerate(self._pids) if r != self.rank}
+        states = {r: process_state(pid) for r, pid in enumerate(self._pids) if r != self.rank}
         for r, state in states.items():
             if state in "XZ":
                 raise ChannelError(f"rank {r} of the group (pid {self._pids[r]}) exited during a collective")
@@ -162,12 +154,12 @@ class SharedMemoryChannel:
                 total.add_(other) if op == dist.ReduceOp.SUM else torch.maximum(total, other, out=total)
             x.copy_(total)
 
-        return self.post(x, _OPS.index(op), reduce)
+        return self.post(x, OPS.index(op), reduce)
 
     def post(self, x: torch.Tensor, kind: int, read: Callable[[list[torch.Tensor]], None]) -> Round | None:
         """Start a round: put ``x`` (CPU, contiguous) in this rank's slot and say so. The returned round's
         ``wait()`` waits until every rank has posted the same kind of call (``kind``: an index of
-        ``_OPS``), then calls ``read`` on every rank's slot, in rank order. Work done in between overlaps the
+        ``OPS``), then calls ``read`` on every rank's slot, in rank order. Work done in between overlaps the
         wait for the peers. A round still open when the next is posted is finished first. ``None``
         when ``x`` is larger than the channel, which every rank then finds together."""
         if self.broken:

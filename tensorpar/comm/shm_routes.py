@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from .shm import _OPS, DEFAULT_CAPACITY, Round, SharedMemoryChannel, group_timeout, open_channel, supported
+from .shm import DEFAULT_CAPACITY, OPS, Round, SharedMemoryChannel, group_timeout, open_channel, supported
 
 
 def start_all_reduce(channels: MutableMapping[ProcessGroup, SharedMemoryChannel | None], group: ProcessGroup,
@@ -38,7 +38,7 @@ def start_all_gather(channels: MutableMapping[ProcessGroup, SharedMemoryChannel 
         for r, slot in enumerate(slots):
             out[r].copy_(slot)
 
-    return _through(channels, group, x, lambda channel: channel.post(x, _OPS.index("all_gather"), read))
+    return _through(channels, group, x, lambda channel: channel.post(x, OPS.index("all_gather"), read))
 
 
 def start_reduce_scatter(channels: MutableMapping[ProcessGroup, SharedMemoryChannel | None], group: ProcessGroup,
@@ -52,7 +52,7 @@ def start_reduce_scatter(channels: MutableMapping[ProcessGroup, SharedMemoryChan
         for slot in slots[1:]:
             out.add_(slot[rank])
 
-    return _through(channels, group, x, lambda channel: channel.post(x, _OPS.index("reduce_scatter"), read))
+    return _through(channels, group, x, lambda channel: channel.post(x, OPS.index("reduce_scatter"), read))
 
 
 def failed(channels: MutableMapping[ProcessGroup, SharedMemoryChannel | None], group: ProcessGroup) -> bool:

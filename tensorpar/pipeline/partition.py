@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ..sharding import check_int, partition_offsets, partition_sizes
+from ..checks import check_int
+from ..sharding import partition_offsets, partition_sizes
 
 
 def stage_blocks(n_blocks: int, n_stages: int) -> list[range]:

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..checks import check_int
 from ..mesh import Mesh, current_mesh
-from ..sharding import check_int
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 

@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ..full import placements
-from ..mesh import current_mesh, exchange_ints, group_rank_size
+from ..mesh import collective_device, current_mesh, exchange_ints, group_rank_size
 from ..sharding import Shard
 from .divergence import Item, classify, diagnose, gathered, parameter_items
 from .findings import DivergenceReport, Finding
@@ -243,7 +243,7 @@ def find_divergence(sharded: nn.Module, dense: nn.Module, *inputs: Any,
     if loss_fn is None and target is not None:
         raise ValueError("target= is given to loss_fn(output, target): pass loss_fn= too")
     group = _tp_group_of(sharded) if group is None else group
-    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(group)) else None
+    device = collective_device(group)
     for p in [*sharded.parameters(), *dense.parameters()]:
         p.grad = None
     names = {name for name, _ in sharded.named_modules()} & {name for name, _ in dense.named_modules()}

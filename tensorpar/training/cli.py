@@ -36,8 +36,6 @@ LOGGERS = ("none", "tensorboard", "wandb")
 #: the package each logger needs, and how to install it
 LOGGER_PACKAGES = (("tensorboard", "tensorboard", "pip install -e \".[tensorboard]\""),
                    ("wandb", "wandb", "pip install wandb"))
-#: model config fields a resumed run must share with its checkpoint
-MODEL_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "bias")
 
 
 def _opt(default: Any, group: str, help: str, **argparse_options: Any) -> Any:
@@ -309,10 +307,11 @@ def _check_resume(cfg: TrainConfig) -> None:
     log = Path(cfg.out, "metrics.jsonl")
     if log.is_file():
         read_log(log)  # a torn last line is dropped when the run resumes; any other bad line is refused now
-    saved = meta.get("config") or {}
-    ours = dataclasses.asdict(cfg)
-    diff = ", ".join(f"--{_flag(k)}: checkpoint {saved[k]}, now {ours[k]}" for k in MODEL_FIELDS
-                     if k in saved and saved[k] != ours[k])
+    # the model's config as the checkpoint holds it (the fields that say what the model is): each that
+    # an option sets must be the same now
+    saved, ours = meta.get("config") or {}, dataclasses.asdict(cfg)
+    diff = ", ".join(f"--{_flag(k)}: checkpoint {value}, now {ours[k]}" for k, value in saved.items()
+                     if k in ours and value != ours[k])
     if diff:
         raise ValueError(f"--resume: the checkpoint in {cfg.out} is of another model ({diff})")
     last = cfg.stop_at or cfg.steps

@@ -21,7 +21,7 @@ from ..mesh import group_rank_size
 from . import traced
 from .collectives import start_all_gather_along
 from .counter import active_counters
-from .sequence import SEQ_DIM, _check_tokens, _tp, sequence_sizes
+from .sequence import SEQ_DIM, check_tokens, sequence_sizes, tp_group_rank_size
 
 
 class _Regather:
@@ -84,9 +84,9 @@ def save_sequence_shard(full: torch.Tensor, local: torch.Tensor,
         with tensorpar.save_sequence_shard(x, shard):
             up, gate = up_proj(x), gate_proj(x)              # each keeps (B, T_r, C) for backward
     """
-    group, rank, n = _tp(group)
+    group, rank, n = tp_group_rank_size(group)
     for what, t in (("full", full), ("local", local)):
-        _check_tokens(f"save_sequence_shard: {what}", t)
+        check_tokens(f"save_sequence_shard: {what}", t)
     expected = sequence_sizes(full.shape[SEQ_DIM], n)[rank]
     if local.shape[SEQ_DIM] != expected or full.shape[:SEQ_DIM] != local.shape[:SEQ_DIM] or \
             full.shape[-1] != local.shape[-1]:
