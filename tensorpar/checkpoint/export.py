@@ -23,9 +23,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from .manifest import CheckpointError, check_size
 from .meta import MODEL
 from .publish import remove, scratch
-from .saving import dcp_call
-from .storage import ShardReader
-from .tensors import FileWriter
+from .safetensors_file import FileWriter
+from .storage import ShardReader, dcp_call
 
 
 def _entries(path: str | Path) -> tuple[ShardReader, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
@@ -70,15 +69,9 @@ def export_safetensors(path: str | Path, out_file: str | Path) -> Path:
     """
     out = Path(out_file)
     reader, entries = _entries(path)
-    tmp = scratch(out.parent, out.name)
-    try:
-        with FileWriter(tmp, [(k, size, dtype) for k, (size, dtype) in entries.items()]) as f:
-            for key, tensor in _tensors(reader, list(entries)):
-                f.write(key, tensor)
-        os.replace(tmp, out)
-    finally:
-        if os.path.lexists(tmp):
-            remove(tmp)
+    with FileWriter(out, [(k, size, dtype) for k, (size, dtype) in entries.items()], replace=True) as f:
+        for key, tensor in _tensors(reader, list(entries)):
+            f.write(key, tensor)
     return out
 
 

@@ -31,8 +31,7 @@ from .checked import read_checked
 from .manifest import MANIFEST, check_file
 from .meta import check_config, layout_of, world_of
 from .planner import BoxLoadPlanner
-from .saving import dcp_call
-from .storage import ShardReader
+from .storage import ShardReader, dcp_call
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:

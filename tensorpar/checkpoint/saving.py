@@ -28,18 +28,15 @@ complete on disk.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
-import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 
 from ..lifeline import launcher_gone
@@ -52,26 +49,10 @@ from .groups import grouped_names, hyperparameters, merged_names
 from .manifest import CheckpointError, canonical_sha256, write_manifest
 from .meta import FORMAT, NAME, as_json, config_dict, dirname, shard_file, shard_files, step_of, whole
 from .planner import BoxSavePlanner
-from .storage import ShardWriter
+from .storage import ShardWriter, dcp_call
 
 
 _SHOWN = 4  # the names of non-finite tensors an error lists
-
-
-@contextlib.contextmanager
-def dcp_call() -> Iterator[None]:
-    """Around ``dcp.save`` and ``dcp.load`` with ``no_dist``: silence DCP's warning that this means one
-    process (each rank saves or loads its own part on purpose, and the ranks agree through
-    :mod:`.agree`), and raise the error DCP wraps in its ``CheckpointException`` (a BaseException)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        try:
-            yield
-        except CheckpointException as e:
-            failures = [error for error, _ in e.failures.values()]
-            if not failures:
-                raise CheckpointError(str(e)) from None
-            raise failures[0] from None
 
 
 @dataclass

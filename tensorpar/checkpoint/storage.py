@@ -13,14 +13,14 @@ record of which files belong there or of their hashes. So the storage here is
 small and our own:
 
 * :class:`ShardWriter` streams this rank's chunks into its own safetensors file
-  (:class:`~.tensors.FileWriter`: a JSON header, then the raw bytes, tensor by
+  (:class:`~.safetensors_file.FileWriter`: a JSON header, then the raw bytes, tensor by
   tensor, hashed as written), one chunk per tensor, under the tensor's name;
 * :class:`ShardReader` describes the checkpoint to DCP from the index in
   ``meta.json`` (JSON, see :mod:`.index`); before reading a chunk it checks the
   file's size, the chunk's shape and dtype in the file's header, and the
   SHA-256 of its bytes against the index (so a load reads and checks the chunks
   it needs, not the whole checkpoint), then reads just the rows the plan asks
-  for (:mod:`.reader`).
+  for (:class:`~.safetensors_file.Reader`). :func:`dcp_call` wraps DCP's calls.
 
 Both work with DCP's own planners too: ``dcp.load`` with the default planner
 and a :class:`ShardReader` loads a tensorpar checkpoint into plain or ``DTensor``
@@ -35,11 +35,14 @@ Example::
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping, Sequence
+import contextlib
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
@@ -48,14 +51,29 @@ from torch.futures import Future
 from . import index
 from .checked import read_checked
 from .manifest import CheckpointError, check_size
-from .reader import Reader
-from .tensors import FileWriter, dtype_name
+from .safetensors_file import FileWriter, Reader, dtype_name
 
 
 def _done(value: Any) -> Future:
     future: Future = Future()
     future.set_result(value)
     return future
+
+
+@contextlib.contextmanager
+def dcp_call() -> Iterator[None]:
+    """Around ``dcp.save`` and ``dcp.load`` with ``no_dist``: silence DCP's warning that this means one
+    process (each rank saves or loads its own part on purpose, and the ranks agree through
+    :mod:`.agree`), and raise the error DCP wraps in its ``CheckpointException`` (a BaseException)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        try:
+            yield
+        except CheckpointException as e:
+            failures = [error for error, _ in e.failures.values()]
+            if not failures:
+                raise CheckpointError(str(e)) from None
+            raise failures[0] from None
 
 
 class ShardWriter(StorageWriter):
