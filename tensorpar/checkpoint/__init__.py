@@ -73,13 +73,12 @@ import torch
 from torch import nn
 
 from ..mesh import Mesh, current_mesh
-from .checked import resolve
 from .export import export_safetensors, export_state_dict, to_dcp
 from .loading import load, read_meta
 from .manifest import CheckpointError
 from .meta import FORMAT
 from .saving import PendingSave, finish, prepare, write
-from .storage import ShardReader, ShardWriter
+from .storage import ShardReader, ShardWriter, resolve
 
 __all__ = ["FORMAT", "CheckpointError", "PendingSave", "ShardReader", "ShardWriter", "async_save",
            "export_safetensors", "export_state_dict", "load", "read_meta", "resolve", "save", "to_dcp"]

@@ -48,9 +48,9 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import index
-from .checked import read_checked
-from .manifest import CheckpointError, check_size
+from . import index, publish
+from .manifest import MANIFEST, CheckpointError, check_listing, check_size, read_manifest
+from .meta import FORMAT, NAME, check_fields, shard_files, world_of
 from .safetensors_file import FileWriter, Reader, dtype_name
 
 
@@ -58,6 +58,15 @@ def _done(value: Any) -> Future:
     future: Future = Future()
     future.set_result(value)
     return future
+
+
+def resolve(path: str | Path) -> Path:
+    """The checkpoint directory ``path`` names: the one its ``latest`` file points to, or itself."""
+    path = Path(path)
+    target = publish.resolve_latest(path, NAME) or path
+    if not (target / MANIFEST).exists():
+        raise CheckpointError(f"no checkpoint at {path} (no meta.json, and no 'latest' pointer)")
+    return target
 
 
 @contextlib.contextmanager
@@ -139,16 +148,23 @@ class ShardReader(StorageReader):
     def __init__(self, directory: Path, meta: Mapping[str, Any], entries: Mapping[str, index.Entry],
                  files: Sequence[str]) -> None:
         super().__init__()
-        self.directory, self.files, self.entries = directory, list(files), dict(entries)
+        self.directory, self.meta, self.files, self.entries = directory, meta, list(files), dict(entries)
         self.listed: Mapping[str, Any] = meta["files"]
         self.verified: set[tuple[str, str, tuple[int, ...]]] = set()
         self.chunks = {(name, c.offsets): (files[c.rank], c) for name, e in entries.items() for c in e.chunks}
 
     @classmethod
     def open(cls, path: str | Path) -> ShardReader:
-        """A reader of the checkpoint ``path`` names (its ``latest`` one, or itself); the manifest and
-        index are checked now, each chunk before it is first read."""
-        directory, meta, entries, files = read_checked(path)
+        """A reader of the checkpoint ``path`` names (see :func:`resolve`), after checking the manifest's own
+        hash, its fields, its list of files and its index (no chunk larger than its file is listed to be);
+        each chunk is checked before it is first read. No data file is read here."""
+        directory = resolve(path)
+        meta = read_manifest(directory, FORMAT)
+        where = directory / MANIFEST
+        check_fields(meta, where)
+        files = shard_files(world_of(meta))
+        check_listing(directory, meta, files)
+        entries = index.parse(meta.get("tensors"), where, [(f, meta["files"][f]["bytes"]) for f in files])
         return cls(directory, meta, entries, files)
 
     def reset(self, checkpoint_id: Any = None) -> None:
