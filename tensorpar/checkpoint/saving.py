@@ -136,7 +136,7 @@ def write(job: Job) -> dict[str, Any]:
 def _publish(job: Job, reports: list[dict[str, Any]]) -> None:
     files = shard_files(job.mesh.world_size)
     entries = index.merge([r["chunks"] for r in reports])
-    write_manifest(job.tmp, job.fields | {"tensors": index.to_json(entries)}, files,
+    write_manifest(job.tmp, job.fields | {"tensors": index.to_json(entries)},
                    {name: r["file"] for name, r in zip(files, reports)})
     _launcher_running(job.final, "is not published")
     publish.publish(job.tmp, job.final)
