@@ -17,7 +17,8 @@ from . import CheckpointError, export_safetensors, to_dcp
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command ``argv`` names; return the exit status (1, with the error, for a refused checkpoint)."""
-    parser = argparse.ArgumentParser(prog="python -m tensorpar.checkpoint", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tensorpar.checkpoint",
+                                     description="a checkpoint's unsharded model, without a process group")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, what in (("to-dcp", "a new torch.distributed.checkpoint directory"), ("safetensors", "a safetensors file")):
         command = commands.add_parser(name, help=f"write the unsharded model as {what}")
