@@ -4,7 +4,12 @@ Reading: this module maps configs and keys; :meth:`layers.gpt.GPT.from_hf` build
 the model from them. Writing: :func:`export_gpt2` saves a GPT as a GPT-2 directory
 (``config.json`` and ``model.safetensors``) that ``GPT2LMHeadModel.from_pretrained``
 loads. ``transformers`` is never imported here: a model is read through its config
-and state dict, and written as plain files. GPT-2 stores its projections as
+and state dict, and written as plain files. ``model.safetensors`` is written by
+tensorpar's own safetensors writer (:func:`tensorpar.checkpoint.safetensors_file.write_file`,
+the one that writes checkpoints), not the ``safetensors`` library: exporting needs
+no extra package (the library comes only with ``transformers``, which reading
+needs and writing does not), and the file is streamed a tensor at a time and
+renamed into place when whole. GPT-2 stores its projections as
 ``Conv1D`` with weights of shape ``(in, out)`` (transposed against ``nn.Linear``):
 the weights are transposed on the way in and out, and nothing else changes (Q, K and
 V are one ``c_attn`` in both, columns ``[Q | K | V]`` there, rows here).
@@ -14,18 +19,16 @@ from __future__ import annotations
 
 import json
 import os
-import struct
-import sys
 from collections.abc import Mapping
 from dataclasses import MISSING, fields
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from tensorpar.checkpoint.safetensors_file import write_file
 from tensorpar.mesh import collective_device
 
 _TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -75,9 +78,8 @@ def gpt_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 _RUNTIME_ONLY = ("activation_checkpointing", "sequence_parallel")
 #: GPT-2's parameters without a bias (the tables); every other weight has one
 _NO_BIAS = ("transformer.wte.weight", "transformer.wpe.weight")
-#: safetensors' names of the dtypes a GPT's weights may have
-_SAFETENSORS_DTYPES = MappingProxyType({torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
-                                        torch.bfloat16: "BF16"})
+#: the dtypes a GPT's weights may have in an export
+_EXPORTED_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 def check_exportable(config: Any) -> None:
@@ -134,38 +136,6 @@ def with_zero_biases(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tenso
     return out
 
 
-def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
-    """Write ``tensors`` (floating point) to the safetensors file ``path`` (through a temporary file, so the file
-    is either whole or absent), with ``metadata`` in its header. No numpy, no ``safetensors``.
-
-    The layout: an 8-byte little-endian header length, the JSON header (each tensor's dtype,
-    shape and byte range; padded with spaces to 8 bytes), then the tensors' raw bytes in order.
-    """
-    if sys.byteorder != "little":  # pragma: no cover
-        raise RuntimeError("safetensors files are written on little-endian machines only")
-    header: dict[str, Any] = {"__metadata__": dict(metadata)}
-    start = 0
-    for key, t in tensors.items():
-        if t.dtype not in _SAFETENSORS_DTYPES:
-            raise TypeError(f"{key}: cannot write a tensor of dtype {t.dtype}")
-        size = t.numel() * t.element_size()
-        header[key] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
-                       "data_offsets": [start, start + size]}
-        start += size
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    partial = path.with_name(path.name + ".partial")
-    with open(partial, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text)
-        for t in tensors.values():  # one tensor's bytes at a time, through a buffer torch fills
-            raw = bytearray(t.numel() * t.element_size())
-            if raw:
-                flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-                torch.frombuffer(raw, dtype=torch.uint8).copy_(flat)
-            f.write(raw)
-    os.replace(partial, path)
-
-
 def export_gpt2(model: nn.Module, directory: str | os.PathLike[str], *,
                 eos_token_id: int | None = None) -> Path:
     """Save a sharded :class:`~layers.GPT` as a Hugging Face GPT-2 directory (``config.json`` and
@@ -189,8 +159,8 @@ def export_gpt2(model: nn.Module, directory: str | os.PathLike[str], *,
     if eos_token_id is not None and not (isinstance(eos_token_id, int) and 0 <= eos_token_id < config.vocab_size):
         raise ValueError(f"eos_token_id must be a token id in [0, {config.vocab_size}), got {eos_token_id!r}")
     dtype = model.transformer.wte.weight.dtype
-    if dtype not in _SAFETENSORS_DTYPES:
-        raise TypeError(f"export_gpt2 writes {', '.join(map(str, _SAFETENSORS_DTYPES))} weights, not {dtype}")
+    if dtype not in _EXPORTED_DTYPES:
+        raise TypeError(f"export_gpt2 writes {', '.join(map(str, _EXPORTED_DTYPES))} weights, not {dtype}")
     files = gpt2_config(config, dtype, eos_token_id=eos_token_id)  # raises before any collective
     state = model.full_state_dict()  # a collective over each tp group
     path = Path(directory)
@@ -198,7 +168,7 @@ def export_gpt2(model: nn.Module, directory: str | os.PathLike[str], *,
     if dist.get_rank() == 0:
         try:
             path.mkdir(parents=True, exist_ok=True)
-            write_safetensors(path / "model.safetensors", gpt2_state_dict(state), {"format": "pt"})
+            write_file(path / "model.safetensors", gpt2_state_dict(state), metadata={"format": "pt"}, replace=True)
             partial = path / "config.json.partial"
             partial.write_text(json.dumps(files, indent=2) + "\n")
             os.replace(partial, path / "config.json")

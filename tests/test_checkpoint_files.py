@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 
 from checkpoint_cases import bitwise_equal
 from tensorpar import checkpoint
-from tensorpar.checkpoint.reader import Reader
-from tensorpar.checkpoint.tensors import write_file
+from tensorpar.checkpoint.safetensors_file import Reader, write_file
 
 ROOT = Path(__file__).resolve().parents[1]
 

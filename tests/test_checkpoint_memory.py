@@ -22,9 +22,7 @@ import tensorpar
 from checkpoint_cases import bitwise_equal, raw_bytes
 from layers import ColumnParallelLinear, RowParallelLinear
 from tensorpar import checkpoint
-from tensorpar.checkpoint.reader import Reader
-from tensorpar.checkpoint.staging import blocks, fill
-from tensorpar.checkpoint.tensors import FileWriter
+from tensorpar.checkpoint.safetensors_file import FileWriter, Reader, blocks, fill
 
 
 def contiguous_bytes(t):

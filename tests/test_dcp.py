@@ -11,11 +11,13 @@ import math
 import warnings
 from pathlib import Path
 
+import pytest
 import safetensors.torch
 import torch
 import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -25,6 +27,7 @@ from gpt_cases import batch, gpt_configs
 from layers import GPT, GPTConfig
 from reference_gpt import RefConfig, RefGPT
 from tensorpar import checkpoint
+from tensorpar.checkpoint.__main__ import main as checkpoint_command
 from tensorpar.checkpoint.boxes import locate
 from tensorpar.full import placements, unshard
 from tensorpar.testing import assert_all_close
@@ -297,3 +300,31 @@ def test_the_safetensors_export_is_the_unsharded_state_dict(worlds, tmp_path):
     exported = safetensors.torch.load_file(out)
     assert bitwise_equal(exported, checkpoint.export_state_dict(tmp_path))
     RefGPT(RefConfig(**cfg)).double().load_state_dict(exported)  # strict: exactly the plain model's keys
+
+
+def train_save_and_gather(cfg, seed, mode, out):
+    """One step, a checkpoint, and the live model's full state dict (gathered, on every rank)."""
+    model, optimizer = build(cfg, seed, mode, tensorpar.current_mesh())
+    train_step(model, optimizer, cfg, seed)
+    checkpoint.save(out, model, optimizer, step=1)
+    return tensorpar.full_state_dict(model)
+
+
+def test_torch_s_dcp_tools_read_the_converted_checkpoint(worlds, tmp_path):
+    """A checkpoint of uneven shards (tp=2, FSDP2 over dp=2) converted by ``to_dcp`` (its command line),
+    unpickling nothing: ``dcp_to_torch_save`` and ``dcp.load`` with torch's default reader give bitwise
+    the safetensors export and the live model the checkpoint was saved from."""
+    cfg = dict(n_layer=1, n_head=3, n_kv_head=1, n_embd=9, vocab_size=19, block_size=5, bias=True, mlp="gelu")
+    live = worlds[4].run(train_save_and_gather, cfg, 5, "fsdp", str(tmp_path / "run"), tp=2, dp=2)[0]
+    with blocked():
+        assert checkpoint_command(["to-dcp", str(tmp_path / "run"), str(tmp_path / "dcp")]) == 0
+    exported = safetensors.torch.load_file(checkpoint.export_safetensors(tmp_path / "run", tmp_path / "m.safetensors"))
+    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "model.pt")
+    saved = torch.load(tmp_path / "model.pt", weights_only=True)
+    plain = {k: torch.zeros_like(v) for k, v in RefGPT(RefConfig(**cfg)).double().state_dict().items()}
+    with warnings.catch_warnings():  # that no_dist means one process
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(plain, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    assert bitwise_equal(saved, exported) and bitwise_equal(plain, exported) and bitwise_equal(live, exported)
+    with pytest.raises(checkpoint.CheckpointError, match="exists"):
+        checkpoint.to_dcp(tmp_path / "run", tmp_path / "dcp")  # never over an existing directory

@@ -20,7 +20,7 @@ import torch
 
 import tensorpar
 from tensorpar import checkpoint
-from tensorpar.checkpoint.reader import Reader
+from tensorpar.checkpoint.safetensors_file import Reader
 from tensorpar.testing import run_script
 from tensorpar.training import plot
 from test_training import ROOT, SCRIPT, SMALL, _workers, flags, metrics

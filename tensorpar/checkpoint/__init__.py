@@ -26,6 +26,29 @@ written and read by our own code (:mod:`.storage` says why not DCP's pickled
 ``.metadata`` or torch's ``HuggingFaceStorageWriter``), and the ranks exchange
 JSON over tensor collectives (:mod:`.agree`).
 
+torch's standard DCP tools read a tensorpar checkpoint through :func:`to_dcp`
+(or ``python -m tensorpar.checkpoint to-dcp CHECKPOINT OUT``), which writes the
+unsharded model as a standard DCP directory with torch's ``FileSystemWriter``,
+one tensor at a time. The checkpoint itself cannot be that directory, nor hold
+it beside its own files at no cost, because of how torch's ``FileSystemReader``
+(the reader of ``dcp.load`` by default, and of ``dcp_to_torch_save``) reads:
+
+* its ``.metadata`` is unpickled (writing one beside ours would
+  do, since our loader need never open it);
+* every tensor item is read with ``torch.load`` of its byte range, so each stored
+  chunk must be a ``torch.save`` archive: a zip of a pickle (the tensor's class,
+  dtype, shape, strides and storage key) and the raw storage, 64-byte aligned.
+  A safetensors file's data is the tensors' bytes end to end with no gap (its
+  readers refuse gaps), so no byte range of it is such an archive: DCP's files
+  beside ours would store every tensor a second time. And were our chunks
+  ``torch.save`` archives instead, our reader would have to unpickle each
+  archive's record to learn how its bytes are laid out (the strides live only
+  there), or rely on torch's private zip layout, the guarantee that our load
+  path unpickles nothing resting then on an undocumented format.
+
+So the checkpoint keeps one copy of each tensor, in a format our loader reads
+without unpickling, and the DCP form is made on demand.
+
 A load checks everything before it modifies anything, on every rank, and the
 ranks agree: a refused checkpoint changes nothing anywhere, and every refusal is
 a :class:`CheckpointError` naming the rank, the file and the field.
@@ -37,6 +60,7 @@ Example::
     pending = tensorpar.checkpoint.async_save("out", model, optimizer, step=step)
     pending.wait()                                                      # latest moves now
     tensorpar.checkpoint.export_safetensors("out", "model.safetensors")  # one unsharded file
+    tensorpar.checkpoint.to_dcp("out", "out-dcp")                        # torch's DCP format
 """
 
 from __future__ import annotations
@@ -49,16 +73,15 @@ import torch
 from torch import nn
 
 from ..mesh import Mesh, current_mesh
-from .checked import resolve
-from .export import export_safetensors, export_state_dict
+from .export import export_safetensors, export_state_dict, to_dcp
 from .loading import load, read_meta
 from .manifest import CheckpointError
 from .meta import FORMAT
 from .saving import PendingSave, finish, prepare, write
-from .storage import ShardReader, ShardWriter
+from .storage import ShardReader, ShardWriter, resolve
 
 __all__ = ["FORMAT", "CheckpointError", "PendingSave", "ShardReader", "ShardWriter", "async_save",
-           "export_safetensors", "export_state_dict", "load", "read_meta", "resolve", "save"]
+           "export_safetensors", "export_state_dict", "load", "read_meta", "resolve", "save", "to_dcp"]
 
 
 def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,

@@ -21,11 +21,9 @@ import torch.distributed as dist
 
 from ..mesh import Mesh, exchange_ints
 from .manifest import CheckpointError
-from .staging import blocks
+from .safetensors_file import blocks
 
 _MESSAGE = 4000  # characters of an error message shared with the other ranks
-# torch >= 2.12 renamed the tensor-in/tensor-out all-gather.
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _padded(payload: Mapping[str, Any], mesh: Mesh) -> tuple[torch.Tensor, list[int]]:
@@ -46,9 +44,9 @@ def share(payload: Mapping[str, Any], mesh: Mesh) -> list[dict[str, Any]]:
     send, lengths = _padded(payload, mesh)
     if mesh.world_size == 1:
         return _decode(send.view(1, -1), lengths)
-    rows = torch.empty(mesh.world_size * send.numel(), dtype=torch.uint8, device=mesh.device)
-    _ALL_GATHER(rows, send)
-    return _decode(rows.view(mesh.world_size, -1), lengths)
+    rows = [torch.empty_like(send) for _ in range(mesh.world_size)]
+    dist.all_gather(rows, send)  # a list of rows: the form every torch release names alike
+    return _decode(torch.stack(rows), lengths)
 
 
 def collect(payload: Mapping[str, Any], mesh: Mesh) -> list[dict[str, Any]] | None:

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .tensors import NAMES
+from .safetensors_file import NAMES
 
 
 def nonfinite(tensors: Mapping[str, torch.Tensor]) -> list[str]:

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from .manifest import HEX64, CheckpointError
 from .meta import MAX_WORLD
-from .tensors import BY_NAME, NAMES
+from .safetensors_file import BY_NAME, NAMES
 
 
 class Chunk(NamedTuple):

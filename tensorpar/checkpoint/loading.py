@@ -27,22 +27,20 @@ from ..mesh import Mesh, current_mesh
 from . import optim, rng, state
 from .agree import described, settle, share
 from .boxes import Box
-from .checked import read_checked
 from .manifest import MANIFEST, check_file
 from .meta import check_config, layout_of, world_of
 from .planner import BoxLoadPlanner
-from .saving import dcp_call
-from .storage import ShardReader
+from .storage import ShardReader, dcp_call
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
     """The checkpoint's metadata (with ``"path"``: its directory), after checking the manifest's own
     hash, the type of each field, the chunk index, and every file against its recorded size and
     SHA-256 (no process group needed)."""
-    directory, meta, _, files = read_checked(path)
-    for name in files:
-        check_file(directory, name, meta["files"][name])
-    return meta | {"path": str(directory)}
+    reader = ShardReader.open(path)
+    for name in reader.files:
+        check_file(reader.directory, name, reader.listed[name])
+    return {**reader.meta, "path": str(reader.directory)}
 
 
 def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -69,7 +67,8 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     mesh = mesh or current_mesh()
     error: Exception | None = None
     try:
-        directory, meta, entries, files = read_checked(path)
+        reader = ShardReader.open(path)
+        directory, meta, entries = reader.directory, reader.meta, reader.entries
         where = directory / MANIFEST
         check_config(meta, model, where)
         rng.check_index(entries, world_of(meta), where)
@@ -83,10 +82,9 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
             states = rng.destinations(entries, mesh.rank)
             boxes |= {k: Box((0,) * v.dim(), tuple(v.shape), tuple(v.shape)) for k, v in states.items()}
         with dcp_call():
-            dcp.load(tensors | states, storage_reader=ShardReader(directory, meta, entries, files),
-                     planner=BoxLoadPlanner(boxes), no_dist=True)
+            dcp.load(tensors | states, storage_reader=reader, planner=BoxLoadPlanner(boxes), no_dist=True)
         if states:
-            rng.check_states(states, directory / files[mesh.rank])
+            rng.check_states(states, directory / reader.files[mesh.rank])
     except Exception as e:  # noqa: BLE001 - every rank learns of it below, then every rank raises
         error = e
     settle(share({"error": described(error)}, mesh), error, mesh, "load the checkpoint")
@@ -96,4 +94,4 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
         optimizer.load_state_dict(optimizer_state())
     if states:
         rng.restore(states, mesh)
-    return meta | {"path": str(directory)}
+    return {**meta, "path": str(directory)}

@@ -12,14 +12,14 @@ The names of the files always come from the reader's code, never from the
 manifest: a manifest cannot send the reader to another file, and a name it
 lacks or adds is an error. Every file must be a regular file inside the
 directory (a symbolic link or a device is refused). Nothing here knows what the
-files hold, so any on-disk format (safetensors files, a
-``torch.distributed.checkpoint`` directory) is verified the same way.
+files hold.
 
 Example::
 
-    write_manifest(tmp, {"format": "my-format/1", "step": 3}, ["a.bin", "b.bin"])
+    write_manifest(tmp, {"format": "my-format/1", "step": 3}, {"a.bin": entry})  # entry: its writer's
     meta = read_manifest(tmp, "my-format/1")      # checks its own hash and its format
-    verify_files(tmp, meta, ["a.bin", "b.bin"])    # checks each file's size and hash
+    check_listing(tmp, meta, ["a.bin"])            # lists exactly these files
+    check_file(tmp, "a.bin", meta["files"]["a.bin"])   # its size and hash
 """
 
 from __future__ import annotations
@@ -79,20 +79,12 @@ def fsync(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(directory: Path, fields: Mapping[str, Any], names: Sequence[str],
-                   entries: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
-    """Write ``directory/meta.json``: ``fields``, the size and hash of each file in ``names``, and its
-    own hash. ``entries`` gives files already flushed and hashed by their writers
-    (``{name: {"sha256": ..., "bytes": ...}}``); the others are flushed and hashed here. Every file
-    and the manifest are on disk when this returns the manifest it wrote."""
-    files = {}
-    for name in names:
-        if entries is not None and name in entries:
-            files[name] = dict(entries[name])
-            continue
-        fsync(directory / name)
-        files[name] = {"sha256": sha256_file(directory / name), "bytes": regular_file(directory / name)}
-    body = dict(fields) | {"files": files}
+def write_manifest(directory: Path, fields: Mapping[str, Any],
+                   files: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Write ``directory/meta.json``: ``fields``, ``files`` (``{name: {"sha256": ..., "bytes": ...}}`` of each
+    file, flushed to disk and hashed by its writer) and its own hash. The manifest is on disk when this
+    returns the manifest it wrote."""
+    body = dict(fields) | {"files": {name: dict(entry) for name, entry in files.items()}}
     meta = body | {SELF_HASH: canonical_sha256(body)}
     with open(directory / MANIFEST, "w") as f:
         f.write(json.dumps(meta, indent=1))
@@ -151,10 +143,3 @@ def check_file(directory: Path, name: str, entry: Mapping[str, Any]) -> None:
     check_size(directory, name, entry)
     if sha256_file(directory / name) != entry["sha256"]:
         raise CheckpointError(f"{directory / name} is corrupt or truncated (SHA-256 does not match meta.json)")
-
-
-def verify_files(directory: Path, meta: Mapping[str, Any], names: Sequence[str]) -> None:
-    """Check that the manifest lists exactly ``names``, then each file's size and SHA-256."""
-    check_listing(directory, meta, names)
-    for name in names:
-        check_file(directory, name, meta["files"][name])

@@ -28,11 +28,9 @@ complete on disk.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
-import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +38,6 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 
 from ..lifeline import launcher_gone
 from ..mesh import Mesh
@@ -52,25 +49,9 @@ from .groups import grouped_names, hyperparameters, merged_names
 from .manifest import CheckpointError, canonical_sha256, write_manifest
 from .meta import FORMAT, NAME, as_json, config_dict, dirname, shard_file, shard_files, step_of, whole
 from .planner import BoxSavePlanner
-from .storage import ShardWriter
+from .storage import ShardWriter, dcp_call
 
 _SHOWN = 4  # the names of non-finite tensors an error lists
-
-
-@contextlib.contextmanager
-def dcp_call() -> Iterator[None]:
-    """Around ``dcp.save`` and ``dcp.load`` with ``no_dist``: silence DCP's warning that this means one
-    process (each rank saves or loads its own part on purpose, and the ranks agree through
-    :mod:`.agree`), and raise the error DCP wraps in its ``CheckpointException`` (a BaseException)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        try:
-            yield
-        except CheckpointException as e:
-            failures = [error for error, _ in e.failures.values()]
-            if not failures:
-                raise CheckpointError(str(e)) from None
-            raise failures[0] from None
 
 
 @dataclass
@@ -154,7 +135,7 @@ def write(job: Job) -> dict[str, Any]:
 def _publish(job: Job, reports: list[dict[str, Any]]) -> None:
     files = shard_files(job.mesh.world_size)
     entries = index.merge([r["chunks"] for r in reports])
-    write_manifest(job.tmp, job.fields | {"tensors": index.to_json(entries)}, files,
+    write_manifest(job.tmp, job.fields | {"tensors": index.to_json(entries)},
                    {name: r["file"] for name, r in zip(files, reports, strict=True)})
     _launcher_running(job.final, "is not published")
     publish.publish(job.tmp, job.final)

@@ -13,14 +13,14 @@ record of which files belong there or of their hashes. So the storage here is
 small and our own:
 
 * :class:`ShardWriter` streams this rank's chunks into its own safetensors file
-  (:class:`~.tensors.FileWriter`: a JSON header, then the raw bytes, tensor by
+  (:class:`~.safetensors_file.FileWriter`: a JSON header, then the raw bytes, tensor by
   tensor, hashed as written), one chunk per tensor, under the tensor's name;
 * :class:`ShardReader` describes the checkpoint to DCP from the index in
   ``meta.json`` (JSON, see :mod:`.index`); before reading a chunk it checks the
   file's size, the chunk's shape and dtype in the file's header, and the
   SHA-256 of its bytes against the index (so a load reads and checks the chunks
   it needs, not the whole checkpoint), then reads just the rows the plan asks
-  for (:mod:`.reader`).
+  for (:class:`~.safetensors_file.Reader`). :func:`dcp_call` wraps DCP's calls.
 
 Both work with DCP's own planners too: ``dcp.load`` with the default planner
 and a :class:`ShardReader` loads a tensorpar checkpoint into plain or ``DTensor``
@@ -35,27 +35,54 @@ Example::
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping, Sequence
+import contextlib
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import index
-from .checked import read_checked
-from .manifest import CheckpointError, check_size
-from .reader import Reader
-from .tensors import FileWriter, dtype_name
+from . import index, publish
+from .manifest import MANIFEST, CheckpointError, check_listing, check_size, read_manifest
+from .meta import FORMAT, NAME, check_fields, shard_files, world_of
+from .safetensors_file import FileWriter, Reader, dtype_name
 
 
 def _done(value: Any) -> Future:
     future: Future = Future()
     future.set_result(value)
     return future
+
+
+def resolve(path: str | Path) -> Path:
+    """The checkpoint directory ``path`` names: the one its ``latest`` file points to, or itself."""
+    path = Path(path)
+    target = publish.resolve_latest(path, NAME) or path
+    if not (target / MANIFEST).exists():
+        raise CheckpointError(f"no checkpoint at {path} (no meta.json, and no 'latest' pointer)")
+    return target
+
+
+@contextlib.contextmanager
+def dcp_call() -> Iterator[None]:
+    """Around ``dcp.save`` and ``dcp.load`` with ``no_dist``: silence DCP's warning that this means one
+    process (each rank saves or loads its own part on purpose, and the ranks agree through
+    :mod:`.agree`), and raise the error DCP wraps in its ``CheckpointException`` (a BaseException)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        try:
+            yield
+        except CheckpointException as e:
+            failures = [error for error, _ in e.failures.values()]
+            if not failures:
+                raise CheckpointError(str(e)) from None
+            raise failures[0] from None
 
 
 class ShardWriter(StorageWriter):
@@ -121,16 +148,23 @@ class ShardReader(StorageReader):
     def __init__(self, directory: Path, meta: Mapping[str, Any], entries: Mapping[str, index.Entry],
                  files: Sequence[str]) -> None:
         super().__init__()
-        self.directory, self.files, self.entries = directory, list(files), dict(entries)
+        self.directory, self.meta, self.files, self.entries = directory, meta, list(files), dict(entries)
         self.listed: Mapping[str, Any] = meta["files"]
         self.verified: set[tuple[str, str, tuple[int, ...]]] = set()
         self.chunks = {(name, c.offsets): (files[c.rank], c) for name, e in entries.items() for c in e.chunks}
 
     @classmethod
     def open(cls, path: str | Path) -> ShardReader:
-        """A reader of the checkpoint ``path`` names (its ``latest`` one, or itself); the manifest and
-        index are checked now, each chunk before it is first read."""
-        directory, meta, entries, files = read_checked(path)
+        """A reader of the checkpoint ``path`` names (see :func:`resolve`), after checking the manifest's own
+        hash, its fields, its list of files and its index (no chunk larger than its file is listed to be);
+        each chunk is checked before it is first read. No data file is read here."""
+        directory = resolve(path)
+        meta = read_manifest(directory, FORMAT)
+        where = directory / MANIFEST
+        check_fields(meta, where)
+        files = shard_files(world_of(meta))
+        check_listing(directory, meta, files)
+        entries = index.parse(meta.get("tensors"), where, [(f, meta["files"][f]["bytes"]) for f in files])
         return cls(directory, meta, entries, files)
 
     def reset(self, checkpoint_id: Any = None) -> None:

@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import CheckpointError
-from ..checkpoint.checked import read_checked
+from ..checkpoint import CheckpointError, ShardReader
 from ..mesh import default_backend
 from .data import SCANNED_TOKENS, VOCAB_SIZE, open_splits
 from .device import DTYPES, local_ranks
@@ -299,7 +298,7 @@ def _check_resume(cfg: TrainConfig) -> None:
     if cfg.out is None:
         raise ValueError("--resume needs --out (the directory holding the checkpoint)")
     try:
-        _, meta, _, _ = read_checked(cfg.out)  # the manifest only: each rank checks the files it reads
+        meta = ShardReader.open(cfg.out).meta  # the manifest only: each rank checks the files it reads
     except CheckpointError as e:
         if cfg.resume == "auto" and not Path(cfg.out, "latest").exists() and not Path(cfg.out, "meta.json").exists():
             return
