@@ -41,13 +41,14 @@ _functional = torch.ops._c10d_functional
 
 
 def profiling() -> bool:
-    """Whether ``torch.profiler`` (or ``torch.autograd.profiler``) is recording."""
-    return torch._C._autograd._profiler_enabled()
+    """Whether ``torch.profiler`` (or ``torch.autograd.profiler``) is recording; never while traced (a
+    graph's collectives are its own ops, which the profiler records)."""
+    return not tracing() and torch._C._autograd._profiler_enabled()
 
 
 def dispatch_watched() -> bool:
-    """Whether a dispatch mode (``CommDebugMode``, ``FlopCounterMode``, ...) is active."""
-    return torch._C._len_torch_dispatch_stack() > 0
+    """Whether a dispatch mode (``CommDebugMode``, ``FlopCounterMode``, ...) is active; never while traced."""
+    return not tracing() and torch._C._len_torch_dispatch_stack() > 0
 
 
 def tracing() -> bool:
