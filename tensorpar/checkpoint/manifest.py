@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -43,13 +44,23 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, corrupt, or does not fit the model it is loaded into."""
 
 
+def sha256_bytes(file: io.BufferedIOBase, length: int | None = None) -> tuple[str, int]:
+    """The hex SHA-256 of the next ``length`` bytes of ``file`` (all to its end when ``None``), read in
+    1 MiB blocks, and how many bytes it read (fewer than ``length`` where the file ends)."""
+    h, done = hashlib.sha256(), 0
+    while length is None or done < length:
+        block = file.read(1 << 20 if length is None else min(1 << 20, length - done))
+        if not block:
+            break
+        h.update(block)
+        done += len(block)
+    return h.hexdigest(), done
+
+
 def sha256_file(path: Path) -> str:
-    """The hex SHA-256 of a file's bytes, read in 1 MiB blocks."""
-    h = hashlib.sha256()
+    """The hex SHA-256 of a file's bytes."""
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return sha256_bytes(f)[0]
 
 
 def canonical_sha256(fields: Mapping[str, Any]) -> str:

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from .manifest import CheckpointError
+from .manifest import CheckpointError, sha256_bytes
 from .publish import remove, scratch
 
 #: the dtypes a checkpoint may hold, with their safetensors names
@@ -310,19 +310,15 @@ class Reader:
         """The SHA-256 of the bytes of ``key``, read in blocks of 1 MiB."""
         shape, dtype, offset = self._tensors[key]
         left = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        digest = hashlib.sha256()
         assert self._file is not None
         try:
             self._file.seek(offset)
-            while left:
-                block = self._file.read(min(left, 1 << 20))
-                if not block:
-                    raise self._fail(f"{key} cannot be read (the file ends {left} bytes early)")
-                digest.update(block)
-                left -= len(block)
+            digest, done = sha256_bytes(self._file, left)
         except OSError as e:
             raise self._fail(f"{key} cannot be read ({e})") from None
-        return digest.hexdigest()
+        if done != left:
+            raise self._fail(f"{key} cannot be read (the file ends {left - done} bytes early)")
+        return digest
 
     def _rows(self, key: str, first: int, count: int, out: torch.Tensor) -> None:
         """Read rows ``[first, first + count)`` of ``key`` (all of a 0-dim tensor) into contiguous ``out``."""
