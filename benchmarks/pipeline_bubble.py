@@ -93,26 +93,29 @@ def main() -> None:
     print("\n".join(lines))
     for kind, sizes in (("timed", args.pp), ("GPT", args.gpt_pp)):
         for pp in sizes:
-            for m in args.microbatches:
-                for schedule in ("gpipe", "1f1b"):
-                    if schedule == "1f1b" and m < pp:
-                        continue
-                    rows = sorted(r for rank in tensorpar.spawn(_run, pp, kind, schedule, m, args.steps,
-                                                                args.forward_ms / 1000) for r in rank)
-                    idle = ", ".join(f"{f:.3f}" for _, f, _ in rows)
-                    peak = ", ".join(str(n) for _, _, n in rows)
-                    lines.append(f"| {pp} | {kind} | {m} | {schedule} | {(pp - 1) / (m + pp - 1):.3f} | {idle} | "
-                                 f"{peak} |")
-                    print(lines[-1], flush=True)
+            cases = [(m, schedule) for m in args.microbatches for schedule in ("gpipe", "1f1b")
+                     if schedule == "gpipe" or m >= pp]  # 1F1B needs a micro-batch per stage
+            if not cases:
+                continue
+            per_rank = tensorpar.spawn(_run, pp, kind, cases, args.steps, args.forward_ms / 1000)  # one job per size
+            for i, (m, schedule) in enumerate(cases):
+                rows = sorted(r for rank in per_rank for r in rank[i])
+                idle = ", ".join(f"{f:.3f}" for _, f, _ in rows)
+                peak = ", ".join(str(n) for _, _, n in rows)
+                lines.append(f"| {pp} | {kind} | {m} | {schedule} | {(pp - 1) / (m + pp - 1):.3f} | {idle} | "
+                             f"{peak} |")
+                print(lines[-1], flush=True)
     if args.write:
         write_section("Pipeline bubbles (benchmarks/pipeline_bubble.py)",
                       f"{machine()}; gloo, one thread per rank, {args.steps} steps after a warm-up; timed stages "
                       f"sleep {args.forward_ms:g} ms forward and twice that backward.\n\n" + "\n".join(lines))
 
 
-def _run(kind: str, schedule: str, microbatches: int, steps: int, seconds: float) -> list[tuple[int, float, int]]:
+def _run(kind: str, cases: list[tuple[int, str]], steps: int,
+         seconds: float) -> list[list[tuple[int, float, int]]]:
+    """On each rank of one job: every ``(microbatches, schedule)`` case in turn, each a fresh pipeline."""
     tensorpar.init(tp=1, pp=torch.distributed.get_world_size())  # one stage per rank
-    return measure(kind, schedule, microbatches, steps, seconds)
+    return [measure(kind, schedule, m, steps, seconds) for m, schedule in cases]
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tensorpar.checkpoint.safetensors_file import write_file
 from tensorpar.mesh import collective_device
 
 _TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -166,6 +165,8 @@ def export_gpt2(model: nn.Module, directory: str | os.PathLike[str], *,
     path = Path(directory)
     failure: Exception | None = None
     if dist.get_rank() == 0:
+        from tensorpar.checkpoint.safetensors_file import write_file  # the checkpoint package loads on first use
+
         try:
             path.mkdir(parents=True, exist_ok=True)
             write_file(path / "model.safetensors", gpt2_state_dict(state), metadata={"format": "pt"}, replace=True)

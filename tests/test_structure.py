@@ -100,6 +100,21 @@ def _python(code, cwd, **env):
     return done.stdout
 
 
+def test_the_layers_and_a_gpt_step_load_neither_dcp_nor_dtensor(tmp_path):
+    """``import layers`` and a tp=1 GPT's forward and backward load none of torch's DCP, DTensor or FSDP2
+    (the checkpoint store and FSDP2 load when used)."""
+    out = _python(f"""
+import json, sys, torch, tensorpar
+from layers import GPT, GPTConfig
+tensorpar.init()
+gpt = GPT(GPTConfig(vocab_size=16, block_size=4, n_layer=1, n_head=2, n_embd=8))
+idx = torch.randint(0, 16, (1, 5))
+gpt(idx[:, :-1], idx[:, 1:]).backward()
+print(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))
+""", tmp_path)
+    assert json.loads(out) == [], f"the layers loaded {out}"
+
+
 def test_a_layers_module_in_the_working_directory_does_not_break_tensorpar(tmp_path):
     """A user's own ``layers.py`` shadows the layer package for that user, and nothing else: the core
     (mesh, collectives, fused linear maps, checkpoints of a plain module) works beside it."""
@@ -134,7 +149,8 @@ import tensorpar
 first_use = {ON_FIRST_USE!r}
 print(json.dumps(sorted(m for m in {{*first_use.values(), *{HEAVY!r}}} if m in sys.modules)))
 modules = {{name: importlib.import_module(module) for name, module in first_use.items()}}
-same = [name for name, module in modules.items() if getattr(tensorpar, name) in (module, getattr(module, name, None))]
+same = [name for name, module in modules.items()
+        if getattr(tensorpar, name) in (module, getattr(module, name, None))]
 print(json.dumps([sorted(same), sorted(set(first_use) - set(dir(tensorpar)))]))
 import tensorpar.testing, tensorpar.training
 from tensorpar.testing import World, Worlds, assert_sharded_equivalent, run_script
