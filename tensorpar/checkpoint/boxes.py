@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed import ProcessGroup
-from torch.distributed.tensor import DTensor
 
+from ..full import is_dtensor
 from ..mesh import Mesh, group_rank_size
 from ..sharding import Shard
 
@@ -74,7 +74,7 @@ class Box:
 def locate(value: torch.Tensor, placement: Shard | None, group: ProcessGroup | None) -> tuple[torch.Tensor, Box, bool]:
     """``(local tensor, its box in the full tensor, whether it is split over dp)`` for ``value``, a plain
     tensor or an FSDP2 ``DTensor``, whose tp placement is ``placement`` over ``group`` (None: replicated)."""
-    if isinstance(value, DTensor):
+    if is_dtensor(value):
         local = value.to_local()
         (chunk,) = value.__create_chunk_list__()  # this rank's chunk of the tp shard
         offsets, split = list(chunk.offsets), any(p.is_shard() for p in value.placements)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..full import placements
+from ..full import is_dtensor, placements
 from ..mesh import Mesh
 from .boxes import Box, locate, written
 from .index import Entry
@@ -74,7 +74,7 @@ def like(value: torch.Tensor, current: torch.Tensor, dtype: torch.dtype | None =
     """``value`` (this rank's local part) on the device and of the kind of ``current`` (a DTensor of the
     same mesh and placements where ``current`` is one), in ``dtype`` (default: ``current``'s)."""
     dtype = dtype or current.dtype
-    if isinstance(current, DTensor):
+    if is_dtensor(current):
         local = value.to(dtype=dtype, device=current.to_local().device)
         return DTensor.from_local(local, current.device_mesh, current.placements, run_check=False,
                                   shape=current.shape, stride=current.stride())
