@@ -11,9 +11,9 @@ from .mlp import ParallelMLP
 from .parallelize import STYLES, HeadRow, QKVColumn, parallelize
 from .pipeline import GPTStage, PipelinedGPT
 from .regions import CopyToTP, GatherSequence, ReduceFromTP, ReduceScatterSequence
-from .sequence import SequenceParallelLayerNorm, ShardedDropout
+from .sequence import ParallelLayerNorm, SequenceParallelLayerNorm, ShardedDropout
 
 __all__ = ["GPT", "STYLES", "Block", "ColumnParallelLinear", "CopyToTP", "GPTConfig", "GPTStage", "GatherSequence",
-           "HeadRow", "ParallelMLP", "ParallelSelfAttention", "PipelinedGPT", "QKVColumn", "ReduceFromTP",
-           "ReduceScatterSequence", "ReplicatedLinear", "RowParallelLinear", "SequenceParallelLayerNorm",
-           "ShardedDropout", "VocabParallelEmbedding", "parallelize", "parallelize_hf"]
+           "HeadRow", "ParallelLayerNorm", "ParallelMLP", "ParallelSelfAttention", "PipelinedGPT", "QKVColumn",
+           "ReduceFromTP", "ReduceScatterSequence", "ReplicatedLinear", "RowParallelLinear",
+           "SequenceParallelLayerNorm", "ShardedDropout", "VocabParallelEmbedding", "parallelize", "parallelize_hf"]

@@ -52,7 +52,7 @@ from torch.nn.utils import skip_init
 import tensorpar
 from tensorpar.checks import check_int
 
-from .heads import head_layout
+from .heads import expand_kv, head_layout
 from .linear import ColumnParallelLinear, RowParallelLinear, check_activation
 from .regions import RegionInput
 from .sequence import ShardedDropout, tp_stream
@@ -117,6 +117,17 @@ class ParallelSelfAttention(nn.Module):
         self.c_proj = skip_init(RowParallelLinear, n_embd, n_embd, bias, unit=q_unit,
                                 sequence_parallel=sequence_parallel, **factory)
         self.resid_dropout = ShardedDropout(dropout, group=group) if sequence_parallel else nn.Dropout(dropout)
+        self.bitwise = tensorpar.current_bitwise()
+        if self.bitwise is not None:  # segments cut where the heads' layout has a boundary at any tp of the mode
+            c_rows = n_embd + n_kv_head * d  # where the V rows start
+
+            def qkv_pieces(tp: int, rank: int) -> list[tuple[int, int]]:
+                at = head_layout(n_head, n_kv_head, tp, rank)
+                kv = (at.kv_held.start * d, len(at.kv_held) * d)
+                return [(at.query.start * d, len(at.query) * d), (n_embd + kv[0], kv[1]), (c_rows + kv[0], kv[1])]
+
+            self.c_attn.canonical_segments(qkv_pieces)
+            self.c_proj.canonical_segments(lambda tp, rank: qkv_pieces(tp, rank)[:1])
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -136,13 +147,15 @@ class ParallelSelfAttention(nn.Module):
             qkv = self.c_attn(x)  # (B, T, (h + 2 * hk) * d): this rank's Q heads, then its K, then its V heads
         d, h, hk = self.head_dim, self.local_heads, self.held_kv_heads
         q, k, v = (rearrange(t, "b t (h d) -> b h t d", d=d) for t in qkv.split([h * d, hk * d, hk * d], -1))  # views
-        if self._kv_index is not None:  # each local query head's KV head, gathered (uneven readers only)
+        if self.bitwise is not None:  # a copy of its KV head per query head; backward, a fixed sum over them
+            k, v = (expand_kv(t, self.heads, self.n_head, self.n_kv_head, self.tp_group) for t in (k, v))  # (B, h, T, d)
+        elif self._kv_index is not None:  # each local query head's KV head, gathered (uneven readers only)
             k, v = k[:, self._kv_index], v[:, self._kv_index]  # (B, h, T, d)
         elif self.kv_replicated:  # the KV heads this rank's query heads read, per_kv query heads each (a view)
             k, v = (t.narrow(1, self.kv_lo, self.local_kv_heads) for t in (k, v))  # (B, h_kv, T, d)
         grouped = k.shape[1] != h
         p = self.dropout if self.training else 0.0
-        if p and torch.compiler.is_compiling():  # no stream can be swapped in a graph: see below
+        if p and (torch.compiler.is_compiling() or self.bitwise is not None):  # one draw for all heads: see below
             if grouped:
                 k, v = (t.repeat_interleave(h // t.shape[1], 1) for t in (k, v))  # (B, h, T, d)
             y = _attention_dropping_heads_of_one_draw(q, k, v, p, self.n_head, self.q_lo)

@@ -22,7 +22,7 @@ from .attention import ParallelSelfAttention
 from .config import GPTConfig
 from .linear import check_activation
 from .mlp import ParallelMLP
-from .sequence import SequenceParallelLayerNorm
+from .sequence import layer_norm
 
 
 class Block(nn.Module):
@@ -35,12 +35,13 @@ class Block(nn.Module):
         super().__init__()
         c = config
         self.tp_group, self.sequence_parallel = tensorpar.tp_group(group), c.sequence_parallel
-        norm = functools.partial(SequenceParallelLayerNorm, group=group) if c.sequence_parallel else nn.LayerNorm
+        norm = functools.partial(layer_norm, c.n_embd, bias=c.bias, sequence_parallel=c.sequence_parallel,
+                                 group=group, device=device, dtype=dtype)
         common = dict(bias=c.bias, dropout=c.dropout, sequence_parallel=c.sequence_parallel, group=group,
                       device=device, dtype=dtype)
-        self.ln_1 = norm(c.n_embd, bias=c.bias, device=device, dtype=dtype)
+        self.ln_1 = norm()
         self.attn = ParallelSelfAttention(c.n_embd, c.n_head, n_kv_head=c.kv_heads, **common)
-        self.ln_2 = norm(c.n_embd, bias=c.bias, device=device, dtype=dtype)
+        self.ln_2 = norm()
         self.mlp = ParallelMLP(c.n_embd, c.mlp_hidden, activation=c.mlp, **common)
 
     def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
@@ -49,8 +50,8 @@ class Block(nn.Module):
             x = x + self.attn(self.ln_1(x))  # (B, T, C)
             return x + self.mlp(self.ln_2(x))
         seq_len = tensorpar.sequence_length(x, seq_len, self.tp_group)
-        x = x + self.attn(self.ln_1(x), seq_len)  # (B, T_r, C)
-        return x + self.mlp(self.ln_2(x), seq_len)
+        x = x + self.attn(self.ln_1(x, seq_len), seq_len)  # (B, T_r, C)
+        return x + self.mlp(self.ln_2(x, seq_len), seq_len)
 
 
 def _checkpointed(block: Block, x: torch.Tensor, seq_len: int) -> torch.Tensor:

@@ -37,7 +37,7 @@ from .config import GPTConfig
 from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear
 from .regions import ReduceFromTP, ReduceScatterSequence
-from .sequence import SequenceParallelLayerNorm, ShardedDropout
+from .sequence import ShardedDropout, layer_norm
 
 
 def embed(parts: nn.ModuleDict, config: GPTConfig, idx: torch.Tensor) -> torch.Tensor:
@@ -110,8 +110,7 @@ class GPT(nn.Module):
                 reduce=ReduceScatterSequence(group=group) if sp else ReduceFromTP(group=group),  # g (ḡ): both lookups
                 drop=ShardedDropout(c.dropout, group=group) if sp else nn.Dropout(c.dropout),
                 h=nn.ModuleList([Block(c, group=group, **factory) for _ in range(c.n_layer)]),
-                ln_f=(SequenceParallelLayerNorm(c.n_embd, bias=c.bias, group=group, **factory) if sp
-                      else nn.LayerNorm(c.n_embd, bias=c.bias, **factory)),
+                ln_f=layer_norm(c.n_embd, bias=c.bias, sequence_parallel=sp, group=group, **factory),
             ))
             self.lm_head = ColumnParallelLinear(c.n_embd, c.vocab_size, bias=False, sequence_parallel=sp, group=group,
                                                 **factory)
@@ -147,7 +146,8 @@ class GPT(nn.Module):
         """Token ids ``(B, T)`` (checked) -> final hidden states ``(B, T, C)``, replicated (with
         sequence parallelism, this rank's tokens ``(B, T_r, C)``)."""
         x = embed(self.transformer, self.config, idx)
-        return self.transformer.ln_f(run_blocks(self.transformer.h, x, idx.shape[1], self.config))
+        x = run_blocks(self.transformer.h, x, idx.shape[1], self.config)  # (B, T, C) or (B, T_r, C)
+        return self.transformer.ln_f(x, idx.shape[1]) if self.config.sequence_parallel else self.transformer.ln_f(x)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         self._check_ids(idx)
@@ -160,7 +160,7 @@ class GPT(nn.Module):
         if targets is None:
             return tensorpar.gather_from_tp(logits, -1, self.config.vocab_size, self.tp_group)  # (B, T, V)
         return tensorpar.vocab_parallel_cross_entropy(logits, targets, self.config.vocab_size, ignore_index=-1,
-                                                      group=self.tp_group)
+                                                      group=self.tp_group, bitwise=self.lm_head.bitwise is not None)
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,

@@ -28,6 +28,7 @@ and need not divide evenly; weights are initialised identically at every tp.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -36,6 +37,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 import tensorpar
+from tensorpar.bitwise.linear import segmented_column_linear, segmented_row_linear
+from tensorpar.bitwise.segments import PlacedTree, placed_split, placed_tokens
 from tensorpar.checks import check_int
 from tensorpar.sharding import Shard
 
@@ -71,12 +74,23 @@ class _ParallelLinear(nn.Module):
         name = name if unit == 1 and not replicated else f"{name} in units of {unit}"
         self.pieces = self.placement.pieces(self.tp, self.tp_rank, name=name)  # (offset, length) in the full dim
         self.local_offset, self.local_features = self.pieces[0][0], sum(n for _, n in self.pieces)
+        self.bitwise = tensorpar.current_bitwise()  # the mode this layer computes in (None: off)
+        self.segments: PlacedTree | None = None  # in bitwise mode, the canonical segments of the split dim
+        if self.bitwise is not None:
+            self.canonical_segments(self.placement.pieces)
         local = list(full)
         local[self.split_dim] = self.local_features
         self.weight = nn.Parameter(torch.empty(local, device=device, dtype=dtype))
         bias_size = self.local_features if self.split_dim == 0 else out_features
         self.bias = nn.Parameter(torch.empty(bias_size, device=device, dtype=dtype)) if bias else None
         self.reset_parameters()
+
+    def canonical_segments(self, pieces_at: Callable[[int, int], list[tuple[int, int]]]) -> None:
+        """In bitwise mode, cut the split dim where ``pieces_at(tp, rank)`` (every rank's pieces, at every
+        tp of the mode) has a boundary (:mod:`tensorpar.bitwise.segments`). A layer cuts by its own
+        placement at every tp; a module whose layout changes with tp (attention's heads) gives its own."""
+        assert self.bitwise is not None
+        self.segments = placed_split(pieces_at, self.placement.size, self.tp, self.tp_rank, self.bitwise.tp_sizes)
 
     def sharding(self) -> dict[str, Shard]:
         """Placements of the split parameters (see :mod:`tensorpar.full`)."""
@@ -182,6 +196,8 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         self._check_input(x, self.in_features, "an input")
+        if self.segments is not None:
+            return self._bitwise_forward(x, seq_len)
         weight, bias = self.weight, self.bias
         tail = self.placement.replicated
         if tail and self.tp > 1:  # f on the replicated rows: their gradients summed over the group
@@ -197,6 +213,19 @@ class ColumnParallelLinear(_ParallelLinear):
             y = tensorpar.column_parallel_linear(x, weight, bias, self.tp_group)  # (*, out / tp)
         else:  # f was applied by the caller, or there is no other rank
             y = F.linear(x, weight, bias)
+        if self.gather_output:
+            y = tensorpar.gather_from_tp(y, -1, self.out_features, self.tp_group)  # (*, out)
+        return y
+
+    def _bitwise_forward(self, x: torch.Tensor, seq_len: int | None) -> torch.Tensor:
+        """The bitwise mode: one product per segment of the output features; backward, the input
+        gradient's tree sum over the group stands for ``f``, whether this layer applies ``f`` itself or a
+        :class:`~layers.regions.RegionInput` in front of it would. Replicated rows must be given whole
+        gradients (attention sums its key/value gradients by the tree before they reach here)."""
+        assert self.segments is not None
+        if self.sequence_parallel:  # (..., T_r, in) -> (..., T, in); backward keeps this rank's tokens
+            x = tensorpar.all_gather_sequence(x, seq_len, self.tp_group)
+        y = segmented_column_linear(x, self.weight, self.bias, self.segments, self.tp_group)  # (*, out / tp)
         if self.gather_output:
             y = tensorpar.gather_from_tp(y, -1, self.out_features, self.tp_group)  # (*, out)
         return y
@@ -239,6 +268,12 @@ class RowParallelLinear(_ParallelLinear):
         else:
             self._check_input(x, self.in_features, "an input")
             x = tensorpar.scatter_to_tp(x, -1, self.tp_group, unit=self.unit)  # (*, in / tp)
+        if self.segments is not None:  # bitwise: one product per segment of the input features, a tree sum
+            assert self.bitwise is not None
+            tokens = placed_tokens(x.shape[-2] if x.dim() > 1 else 1, self.tp, self.tp_rank, self.bitwise.tp_sizes,
+                                   split=False)  # every token is here: the bias gradient needs no collective
+            y = segmented_row_linear(x, self.weight, self.bias, self.segments, tokens, self.tp_group)  # (*, out)
+            return tensorpar.scatter_sequence(y, self.tp_group) if self.sequence_parallel else y
         if self.sequence_parallel:  # (..., T_r, out): this rank's tokens of the sum
             return tensorpar.sequence_parallel_row_linear(x, self.weight, self.bias, self.tp_group)
         if self.tp == 1:  # nothing to sum

@@ -12,11 +12,14 @@ reduce-scatters (``ḡ``), as in :mod:`layers.attention`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from tensorpar.bitwise.linear import by_segment
 from tensorpar.checks import check_int
 
 from .linear import ColumnParallelLinear, RowParallelLinear, check_activation
@@ -24,6 +27,11 @@ from .regions import RegionInput
 from .sequence import ShardedDropout
 
 ACTIVATIONS = ("gelu", "swiglu")
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation (GPT-2's)."""
+    return F.gelu(x, approximate="tanh")
 
 
 class ParallelMLP(nn.Module):
@@ -64,11 +72,17 @@ class ParallelMLP(nn.Module):
         # f, or f̄ (..., T, C) whose (..., T_r, C) they keep: shared by the up and gate projections
         with self.copy_in.entered(x, seq_len) as x:
             if self.c_gate is None:
-                h = F.gelu(self.c_fc(x), approximate="tanh")  # (*, H / tp)
+                h = self._activation(self.c_fc(x), gelu_tanh)  # (*, H / tp)
             else:
-                h = F.silu(self.c_gate(x)) * self.c_fc(x)
+                h = self._activation(self.c_gate(x), F.silu) * self.c_fc(x)
         y = self.c_proj(h)  # (*, C) summed over ranks, or (..., T_r, C)
         return self.dropout(y, x.shape[-2]) if self.sequence_parallel else self.dropout(y)
+
+    def _activation(self, h: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``fn(h)``; in bitwise mode one segment of the hidden features at a time (see
+        :func:`tensorpar.bitwise.linear.by_segment`)."""
+        segments = self.c_fc.segments
+        return fn(h) if segments is None else by_segment(h, segments, fn)
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}" + (", sequence_parallel=True" if self.sequence_parallel else "")

@@ -66,7 +66,8 @@ class GPTStage(nn.Module):
         if self.lm_head is None:
             return x
         assert self.ln_f is not None
-        return self.lm_head(self.ln_f(x), t)  # (B, T, V / tp)
+        x = self.ln_f(x, t) if self.config.sequence_parallel else self.ln_f(x)
+        return self.lm_head(x, t)  # (B, T, V / tp)
 
 
 class PipelinedGPT(nn.Module):
@@ -197,7 +198,7 @@ class PipelinedGPT(nn.Module):
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return tensorpar.vocab_parallel_cross_entropy(logits, targets, self.config.vocab_size, ignore_index=-1,
-                                                      group=self.tp_group)
+                                                      group=self.tp_group, bitwise=self.lm_head.bitwise is not None)
 
     def _tied(self) -> Iterator[nn.Parameter]:
         if "wte" in self.transformer:

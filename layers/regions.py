@@ -100,8 +100,11 @@ class RegionInput(nn.Module):
         self.tp_group = tensorpar.tp_group(group)
         self.tp = tensorpar.group_rank_size(self.tp_group)[1]
         self.sequence_parallel = sequence_parallel
+        self.bitwise = tensorpar.current_bitwise()
 
     def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+        if self.bitwise is not None:  # the column maps sum the input gradient by their segments' tree
+            return tensorpar.all_gather_sequence(x, seq_len, self.tp_group) if self.sequence_parallel else x
         if self.sequence_parallel:
             return tensorpar.gather_sequence(x, seq_len, self.tp_group)  # f̄: (..., T, C)
         return x if self.tp == 1 else tensorpar.copy_to_tp(x, self.tp_group)  # f

@@ -4,11 +4,10 @@ With sequence parallelism (``GPTConfig(sequence_parallel=True)``, see
 :mod:`tensorpar.comm.sequence`) LayerNorm, dropout and the residual adds see
 ``(B, T_r, C)``, this rank's balanced share of the tokens:
 
-* :class:`SequenceParallelLayerNorm`: ``nn.LayerNorm`` whose weight and bias
-  are replicated but whose gradients, each rank's over its own tokens, are
-  summed over the tp group in backward (one all-reduce of both together);
-  without that sum each rank would step its copy with a different part of
-  the gradient and the copies would drift apart;
+* :class:`SequenceParallelLayerNorm` (a :class:`ParallelLayerNorm` over this
+  rank's tokens): ``nn.LayerNorm`` whose weight and bias are replicated but
+  whose gradients, each rank's over its own tokens, are summed over the tp
+  group in backward;
 * :class:`ShardedDropout`: ``nn.Dropout`` with a different mask on each rank
   (they hold different tokens), drawn from the mesh's tp stream as attention
   dropout is (Megatron's choice). The masks therefore differ from those of
@@ -18,12 +17,16 @@ With sequence parallelism (``GPTConfig(sequence_parallel=True)``, see
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
 import tensorpar
+from tensorpar.bitwise.norm import tokenwise_layer_norm
+from tensorpar.bitwise.segments import placed_tokens
 from tensorpar.mesh import current_mesh_or_none
 
 from .regions import summed_gradients
@@ -37,8 +40,53 @@ def tp_stream(group: ProcessGroup) -> tensorpar.RNGStatesTracker:
     return tensorpar.RNGStatesTracker(tensorpar.group_rank_size(group)[0])
 
 
-class SequenceParallelLayerNorm(nn.LayerNorm):
-    """``nn.LayerNorm`` over this rank's tokens, its parameter gradients summed over the tp group.
+class ParallelLayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` in a tensor-parallel model: its weight and bias are replicated, and its gradients
+    add every token's part.
+
+    With ``sequence_parallel=True`` it normalises this rank's tokens ``(..., T_r, C)``, and the gradients
+    of its weight and bias, each rank's over its own tokens, are summed over the tp group (one all-reduce
+    of both together; without that sum each rank would step its copy with a different part of the
+    gradient and the copies would drift apart). In bitwise mode (:mod:`tensorpar.bitwise`) both are tree
+    sums over canonical segments of the sequence, the same bits with or without sequence parallelism.
+    ``forward(x, seq_len=T)`` names the full length (else, with sequence parallelism in bitwise mode, one
+    small collective finds it).
+
+    Example::
+
+        ln = ParallelLayerNorm(768, sequence_parallel=True)
+        y = ln(x)            # x, y: (B, T_r, 768); ln.weight.grad: every token's, on every rank
+    """
+
+    def __init__(self, normalized_shape: int | list[int] | torch.Size, eps: float = 1e-5,
+                 elementwise_affine: bool = True, bias: bool = True, *, sequence_parallel: bool = False,
+                 group: ProcessGroup | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, device=device, dtype=dtype)
+        self.tp_group = tensorpar.tp_group(group)
+        self.sequence_parallel = sequence_parallel
+        self.bitwise = tensorpar.current_bitwise()
+
+    def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+        if self.bitwise is not None:
+            rank, tp = tensorpar.group_rank_size(self.tp_group)
+            if self.sequence_parallel:
+                seq_len = tensorpar.sequence_length(x, seq_len, self.tp_group)
+            tokens = placed_tokens(x.shape[-2] if not self.sequence_parallel and x.dim() > 1 else seq_len or 1,
+                                   tp, rank, self.bitwise.tp_sizes, split=self.sequence_parallel)
+            return tokenwise_layer_norm(x, list(self.normalized_shape), self.weight, self.bias, self.eps, tokens,
+                                        self.tp_group if self.sequence_parallel else None)
+        if not self.sequence_parallel:
+            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        weight, bias = summed_gradients([self.weight, self.bias], self.tp_group)
+        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", sequence_parallel=True" if self.sequence_parallel else "")
+
+
+class SequenceParallelLayerNorm(ParallelLayerNorm):
+    """:class:`ParallelLayerNorm` over this rank's tokens (``sequence_parallel=True``).
 
     Example::
 
@@ -49,12 +97,22 @@ class SequenceParallelLayerNorm(nn.LayerNorm):
     def __init__(self, normalized_shape: int | list[int] | torch.Size, eps: float = 1e-5,
                  elementwise_affine: bool = True, bias: bool = True, *, group: ProcessGroup | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
-        super().__init__(normalized_shape, eps, elementwise_affine, bias, device=device, dtype=dtype)
-        self.tp_group = tensorpar.tp_group(group)
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, sequence_parallel=True, group=group,
+                         device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = summed_gradients([self.weight, self.bias], self.tp_group)
-        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+    def extra_repr(self) -> str:
+        return nn.LayerNorm.extra_repr(self)
+
+
+def layer_norm(n_embd: int, *, bias: bool, sequence_parallel: bool, group: ProcessGroup | None,
+               device: torch.device | str | None, dtype: torch.dtype | None) -> nn.LayerNorm:
+    """A block's or the GPT's LayerNorm: ``nn.LayerNorm``, or where the tokens its gradients add are
+    split (sequence parallelism) or added by segments (bitwise mode), a :class:`ParallelLayerNorm`."""
+    if not sequence_parallel and tensorpar.current_bitwise() is None:
+        return nn.LayerNorm(n_embd, bias=bias, device=device, dtype=dtype)
+    cls = SequenceParallelLayerNorm if sequence_parallel else functools.partial(ParallelLayerNorm,
+                                                                                 sequence_parallel=False)
+    return cls(n_embd, bias=bias, group=group, device=device, dtype=dtype)
 
 
 class ShardedDropout(nn.Dropout):
@@ -62,18 +120,20 @@ class ShardedDropout(nn.Dropout):
     tp stream (``rng``), leaving the default generator, which replicated regions share, in step.
 
     In a ``torch.compile`` graph no stream can be swapped in, so the mask is instead one draw of the
-    default generator for the whole sequence, ``seq_len`` tokens, of which this rank keeps its own.
+    default generator for the whole sequence, ``seq_len`` tokens, of which this rank keeps its own; so it
+    is in the bitwise mode, where every tp must drop the same elements.
     """
 
     def __init__(self, p: float = 0.5, *, group: ProcessGroup | None = None) -> None:
         super().__init__(p)
         self.tp_group = tensorpar.tp_group(group)
         self.rng = tp_stream(self.tp_group)
+        self.bitwise = tensorpar.current_bitwise()
 
     def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         if not self.training or self.p == 0:
             return x
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or self.bitwise is not None:  # the bitwise mode: the same mask at every tp
             rank, tp = tensorpar.group_rank_size(self.tp_group)
             t = tensorpar.sequence_length(x, seq_len, self.tp_group)
             lo, n = sum(tensorpar.sequence_sizes(t, tp)[:rank]), x.shape[-2]

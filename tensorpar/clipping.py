@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from .bitwise.grad_norm import squared_norm
 from .comm.collectives import all_reduce_sum
 from .full import is_dtensor, local_part, placements
 from .mesh import group_rank_size, tp_group
@@ -60,11 +61,16 @@ def grad_norm(model: nn.Module, group: ProcessGroup | None = None, *, pp_group: 
     parameter that another stage counts, such as a tied head).
 
     The norms are taken by torch's foreach kernels (accumulated in float32), one launch per bucket of
-    gradients that share a mesh, a replica count, a device and a dtype.
+    gradients that share a mesh, a replica count, a device and a dtype; for a model built in bitwise
+    mode, by canonical segments (:mod:`tensorpar.bitwise.grad_norm`), the same bits at every tp.
     """
     split = placements(model)
     group = next(iter(split.values()))[1] if group is None and split else tp_group(group)
     _, n = group_rank_size(group)
+    mode = next((m.bitwise for m in model.modules() if getattr(m, "bitwise", None) is not None), None)
+    if mode is not None:  # the model computes in bitwise mode: so does its norm
+        with torch.no_grad():
+            return _summed(squared_norm(model, mode, group, exclude), pp_group).sqrt()
     buckets: dict[tuple[DeviceMesh | None, int, torch.device, torch.dtype], list[torch.Tensor]] = {}
     for name, p in model.named_parameters():
         if p.grad is None or name in exclude:

@@ -21,6 +21,7 @@ from .linear import column_parallel_linear, row_parallel_linear
 from .regions import all_gather, copy_to_tp, gather_from_tp, reduce_from_tp, reduce_scatter, scatter_to_tp
 from .saved_tensor_hooks import save_sequence_shard
 from .sequence import (
+    all_gather_sequence,
     gather_sequence,
     reduce_scatter_sequence,
     scatter_sequence,
@@ -35,6 +36,7 @@ __all__ = [
     "CollectiveError",
     "CollectiveRecord",
     "all_gather",
+    "all_gather_sequence",
     "column_parallel_linear",
     "copy_to_tp",
     "count_collectives",

@@ -78,7 +78,7 @@ class ScatterToTP(torch.autograd.Function):
         return all_gather_along(grad, ctx.dim, ctx.sizes, ctx.group, ctx.counters), None, None, None
 
 
-class _GatherFromTP(torch.autograd.Function):
+class GatherFromTP(torch.autograd.Function):
     """All-gather forward; keep this rank's slice of the (replicated) gradient backward."""
 
     @staticmethod
@@ -188,7 +188,7 @@ def gather_from_tp(x: torch.Tensor, dim: int, size: int, group: ProcessGroup | N
     _check("gather_from_tp", x, dim)
     group, n = _group_and_size(group)
     sizes = _gathered("gather_from_tp", x, dim, size, n)
-    return x if n == 1 else _GatherFromTP.apply(x, dim, sizes, group)
+    return x if n == 1 else GatherFromTP.apply(x, dim, sizes, group)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int = 0, group: ProcessGroup | None = None) -> torch.Tensor:

@@ -47,7 +47,7 @@ from ..sharding import partition_sizes
 from .collectives import start_all_gather_along, start_reduce_scatter_along
 from .counter import active_counters, record
 from .linear import add_bias, autocast_inputs, check_linear_args, row_chunks, weight_grads
-from .regions import AllGather, ReduceScatter, ScatterToTP
+from .regions import AllGather, GatherFromTP, ReduceScatter, ScatterToTP
 
 SEQ_DIM = -2  # tokens: (..., T, C)
 
@@ -97,6 +97,19 @@ def gather_sequence(x: torch.Tensor, seq_len: int | None = None, group: ProcessG
         return x
     x = autocast_inputs(x)[0]  # the matmuls after it would cast it anyway: gather half the bytes
     return AllGather.apply(x, SEQ_DIM, sequence_sizes(seq_len, n), group)
+
+
+def all_gather_sequence(x: torch.Tensor, seq_len: int | None = None, group: ProcessGroup | None = None
+                        ) -> torch.Tensor:
+    """Every rank's tokens ``(..., T_r, C)`` concatenated, ``(..., T, C)``, as :func:`gather_sequence`;
+    backward keeps this rank's tokens of a gradient that is already summed over the group (by the
+    bitwise mode's column maps, :mod:`tensorpar.bitwise.linear`), where ``f̄`` would reduce-scatter it.
+    Under autocast the tokens travel in their own dtype: the maps after it cast them, and add their
+    input gradients in it, as they do without sequence parallelism."""
+    check_tokens("all_gather_sequence", x)
+    group, _, n = tp_group_rank_size(group)
+    seq_len = sequence_length(x, seq_len, group)
+    return x if n == 1 else GatherFromTP.apply(x, SEQ_DIM, sequence_sizes(seq_len, n), group)
 
 
 def reduce_scatter_sequence(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:

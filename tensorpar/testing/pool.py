@@ -10,6 +10,7 @@ importable (defined at the top level of a .py file), as for :func:`tensorpar.spa
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import multiprocessing.connection
 import os
@@ -21,20 +22,24 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
+from ..bitwise import Bitwise
 from ..launch import LocalRanks, RankError, RanksTimedOut, reply
 from ..mesh import Mesh, init, shutdown, use_mesh
 from ..sendable import Packed, pack, unpack
 
 
-def _run_task(payload: tuple[Packed, int, int | None, int, bool],
+def _run_task(payload: tuple[Packed, int, int | None, int, bool, Bitwise | None],
               meshes: dict[tuple[int, int | None, int], Mesh]) -> Any:
     """One task of a pool rank: the function and its arguments, run under the mesh they ask for (kept in
-    ``meshes`` for the next task of that layout)."""
-    packed, tp, dp, pp, with_mesh = payload
+    ``meshes`` for the next task of that layout; the bitwise mode is a setting of the same groups)."""
+    packed, tp, dp, pp, with_mesh, bitwise = payload
     fn, args = unpack(packed)
     mesh = None
     if with_mesh:
         mesh = meshes.get((tp, dp, pp)) or meshes.setdefault((tp, dp, pp), init(tp, dp, pp=pp))
+        if bitwise is not None:
+            bitwise.check_tp(tp)
+            mesh = dataclasses.replace(mesh, bitwise=bitwise)  # the pool's ranks run one thread each already
     with use_mesh(mesh):
         return fn(*args)
 
@@ -102,11 +107,11 @@ class World:
         return ranks
 
     def run(self, fn: Callable[..., Any], *args: Any, tp: int | None = None, dp: int | None = None, pp: int = 1,
-            mesh: bool = True, timeout: float | None = None) -> list[Any]:
+            mesh: bool = True, timeout: float | None = None, bitwise: bool | Bitwise = False) -> list[Any]:
         """``fn(*args)`` on every rank; the per-rank results, in rank order.
 
-        The default mesh is ``tensorpar.init(tp, dp, pp=pp)`` (``tp``: every rank of a pipeline stage
-        unless given); ``mesh=False`` runs with no default mesh (to test code that needs one).
+        The default mesh is ``tensorpar.init(tp, dp, pp=pp, bitwise=bitwise)`` (``tp``: every rank of a
+        pipeline stage unless given); ``mesh=False`` runs with no default mesh (to test code that needs one).
         """
         packed = pack(fn, args, caller="World.run")  # before any worker starts
         if self._ranks is None:
@@ -116,7 +121,7 @@ class World:
             self._path = list(sys.path)
             ranks.send(("path", self._path))
         self.runs += 1
-        ranks.send(("run", (packed, tp or self.size // pp, dp, pp, mesh)))
+        ranks.send(("run", (packed, tp or self.size // pp, dp, pp, mesh, Bitwise.of(bitwise))))
         name = getattr(fn, "__name__", repr(fn))
         try:
             return ranks.collect(f"pool worker running {name}", self.timeout if timeout is None else timeout,

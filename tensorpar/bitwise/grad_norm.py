@@ -1,0 +1,90 @@
+"""The unsharded gradient's squared norm, the same bits at every tp (the bitwise mode's clipping).
+
+The sum of squares is split into one term per (parameter, canonical segment of its split dim): the
+module's own segments (:mod:`.segments`; a split of the same layout at every tp, such as an
+embedding's rows, is cut by its placement) and one term for each replicated parameter. Each rank
+computes the terms of its own segments, every rank the replicated ones; the ranks all-gather the
+former (one collective of a few hundred numbers), and every rank lays all terms out in the same
+order, parameter by parameter and segment by segment, and adds them with one sum of that fixed vector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from ..comm.collectives import all_gather_along
+from ..full import is_dtensor, placements
+from ..mesh import group_rank_size
+from .linear import fixed
+from .segments import PlacedTree, placed_split
+from .settings import Bitwise
+
+
+def _segments(model: nn.Module, mode: Bitwise) -> dict[str, tuple[int, PlacedTree]]:
+    """``{parameter name: (split dim, its segments)}`` for the split parameters of ``model``."""
+    found = {}
+    for prefix, module in model.named_modules():
+        sharding = getattr(module, "sharding", None)
+        if not callable(sharding):
+            continue
+        own = getattr(module, "segments", None)  # a layer's own (attention's follow its heads' layouts)
+        rank, tp = group_rank_size(module.tp_group)
+        for name, placement in sharding().items():
+            placed = own if isinstance(own, PlacedTree) else placed_split(placement.pieces, placement.size, tp, rank,
+                                                                          mode.tp_sizes)
+            found[f"{prefix}.{name}" if prefix else name] = (placement.dim, placed)
+    return found
+
+
+def squared_norm(model: nn.Module, mode: Bitwise, group: ProcessGroup, exclude: Collection[str] = ()) -> torch.Tensor:
+    """``Σ_p ‖∇p‖²`` of the unsharded model, float32 (float64 for float64 gradients, then float32), the
+    same on every rank of ``group``: a collective."""
+    rank, tp = group_rank_size(group)
+    split = _segments(model, mode)
+    if set(split) - set(placements(model)):
+        raise ValueError("bitwise gradient norm: a module's segments name a parameter that it does not split")
+    terms: list[tuple[int, torch.Tensor | None]] = []  # (holder: -1 for every rank, value where computed here)
+    device, dtype = None, torch.float32
+    for name, p in model.named_parameters():
+        if p.grad is None or name in exclude:
+            continue
+        grad = p.grad
+        if is_dtensor(grad):
+            raise ValueError(f"bitwise gradient norm: {name}'s gradient is a {type(grad).__name__}; the mode "
+                             "takes plain tensors (FSDP2's sharding is not supported)")
+        device = grad.device
+        if grad.dtype == torch.float64:
+            dtype = torch.float64
+        if name not in split:
+            terms.append((-1, _squares(grad)))
+            continue
+        dim, placed = split[name]
+        local = {s: (lo, n) for s, lo, n in placed.local}
+        for s, holders in enumerate(placed.holders):
+            if len(holders) not in (1, tp):
+                raise ValueError(f"bitwise gradient norm: {name}'s segment {s} is held by ranks {sorted(holders)}")
+            holder = -1 if len(holders) == tp else next(iter(holders))
+            value = _squares(grad.narrow(dim, *local[s])) if holder in (-1, rank) else None
+            terms.append((holder, value))
+    if device is None:
+        return torch.zeros((), dtype=torch.float32)
+    theirs = [sum(1 for holder, _ in terms if holder == r) for r in range(tp)]
+    if any(theirs[r] for r in range(tp) if r != rank):
+        mine = [value for holder, value in terms if holder == rank]
+        stacked = torch.stack(mine).to(dtype) if mine else torch.zeros(0, dtype=dtype, device=device)
+        gathered = all_gather_along(stacked, 0, theirs, group).split(theirs)  # every rank's own terms, in order
+        queues = [list(part.unbind(0)) for part in gathered]
+        values = [value if holder == -1 else queues[holder].pop(0) for holder, value in terms]
+    else:
+        values = [value for _, value in terms]
+    return torch.stack([v.to(dtype) for v in values if v is not None]).sum().to(torch.float32)  # one fixed vector
+
+
+def _squares(t: torch.Tensor) -> torch.Tensor:
+    """``Σ t²`` of a contiguous, aligned copy of ``t``, in float32 (float64 for float64)."""
+    t = fixed(t.to(torch.float64 if t.dtype == torch.float64 else torch.float32))
+    return t.square().sum()

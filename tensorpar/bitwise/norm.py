@@ -1,0 +1,55 @@
+"""LayerNorm whose weight and bias gradients add the tokens by canonical segments (the bitwise mode).
+
+A LayerNorm's output and input gradient are computed row by row, the same whatever rows a rank
+holds. Its weight and bias gradients add every token's part, ``Σ_t dy_t · x̂_t`` and ``Σ_t dy_t``;
+with sequence parallelism each rank holds some tokens and the parts are summed over the group. Here
+both are tree sums over the canonical segments of the sequence (:func:`~.linear.token_sum`), with or
+without sequence parallelism, so the gradients are the same bits either way and at every tp.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+from torch.distributed import ProcessGroup
+
+from .linear import token_sum
+from .segments import PlacedTree
+
+
+class _TokenwiseLayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                shape: list[int], eps: float, tokens: PlacedTree, group: ProcessGroup | None) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):  # autocast leaves a LayerNorm's dtype alone
+            y, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.shape, ctx.tokens, ctx.group = shape, tokens, group
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        grad_x = None
+        if needs[0]:  # row by row
+            grad_x = torch.ops.aten.native_layer_norm_backward(grad, x, ctx.shape, mean, rstd, weight, bias,
+                                                               [True, False, False])[0]
+        grad_w = grad_b = None
+        if weight is not None and needs[1]:
+            normalized = (x - mean) * rstd  # (..., T_r, C)
+            grad_w = token_sum(grad * normalized, ctx.tokens, ctx.group).to(weight.dtype)
+        if bias is not None and needs[2]:
+            grad_b = token_sum(grad, ctx.tokens, ctx.group).to(bias.dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None
+
+
+def tokenwise_layer_norm(x: torch.Tensor, shape: list[int], weight: torch.Tensor | None, bias: torch.Tensor | None,
+                         eps: float, tokens: PlacedTree, group: ProcessGroup | None) -> torch.Tensor:
+    """``F.layer_norm`` of ``x`` ``(..., T_r, C)``, the weight and bias gradients summed over the tokens by
+    the canonical segments ``tokens`` (this rank's: all of them, or its share under sequence
+    parallelism, then summed over ``group`` too)."""
+    return _TokenwiseLayerNorm.apply(x, weight, bias, shape, eps, tokens, group)

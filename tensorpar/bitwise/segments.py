@@ -1,0 +1,222 @@
+"""Canonical segments of a split dimension, and the fixed tree that adds their partial results.
+
+A dimension split over tp ranks is cut, once and for all, at every boundary
+that any rank's shard has at any tp of the mode (:class:`~tensorpar.bitwise.Bitwise`):
+the *segments* are the pieces between consecutive cuts. Every rank's shard, at
+every such tp, is then a run of whole segments. 12 features at tp 1-4 (shards
+``[12]``, ``[6, 6]``, ``[4, 4, 4]``, ``[3, 3, 3, 3]``) give the cuts 3, 4, 6,
+8, 9 and the segments ``[0, 3) [3, 4) [4, 6) [6, 8) [8, 9) [9, 12)``; 10
+features (``[5, 5]``, ``[4, 3, 3]``, ``[3, 3, 2, 2]``) give seven.
+
+A sum over the dimension is computed as one partial result per segment (each of
+the same shape and from the same elements at every tp), added along a fixed tree
+over the segments. The tree is built from the shards themselves: its nodes are
+the runs of segments that the shards of the powers of two in the mode (2, then
+4, ...), then of the other sizes, cover, each kept when it nests with those
+already chosen. With 12 features: the halves ``[0, 6) [6, 12)`` and the
+quarters in them; tp 3's thirds cross the halves and are left out. A rank then
+adds the subtrees it holds whole by itself (one each at tp 2 and 4 here, two
+at tp 3), and the ranks exchange only those partial sums
+(:mod:`tensorpar.bitwise.tree_sum`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ..sharding import partition_sizes
+
+#: ``(offset, length)`` of a run of a full dimension
+Piece = tuple[int, int]
+#: a run of segments ``[lo, hi)`` by index: a node of the tree (a leaf when ``hi == lo + 1``)
+Node = tuple[int, int]
+
+
+def layouts(pieces_at: Callable[[int, int], Sequence[Piece]], tp_sizes: Iterable[int]) -> dict[int, list[list[Piece]]]:
+    """Every rank's pieces at every tp in ``tp_sizes`` that the split allows: ``pieces_at(tp, rank)``,
+    a tp for which it raises ``ValueError`` (fewer units than ranks) being left out."""
+    found = {}
+    for tp in tp_sizes:
+        try:
+            found[tp] = [list(pieces_at(tp, rank)) for rank in range(tp)]
+        except ValueError:
+            continue
+    return found
+
+
+def _priority(tp: int) -> tuple[bool, int]:
+    return tp & (tp - 1) != 0, tp  # powers of two first (they nest), then the others
+
+
+@dataclass(frozen=True)
+class SegmentTree:
+    """The canonical segments of a dimension of ``size`` and the tree that adds their partial results.
+
+    ``segments`` are ``(offset, length)`` runs in order; ``nodes`` the runs of two or more segments
+    that are nodes of the tree (the root ``(0, n)`` included), pairwise nested or disjoint. A node's
+    value is its children's values added left to right; its children are the largest nodes inside it
+    and the single segments between them.
+    """
+
+    size: int
+    segments: tuple[Piece, ...]
+    nodes: frozenset[Node]
+
+    @classmethod
+    def build(cls, size: int, layout: Mapping[int, Sequence[Sequence[Piece]]]) -> SegmentTree:
+        """The segments and tree of a dimension of ``size`` split as ``layout`` says at each tp."""
+        cuts = {0, size}
+        for ranks in layout.values():
+            for pieces in ranks:
+                for offset, length in pieces:
+                    if length:
+                        cuts |= {offset, offset + length}
+        cuts_sorted = sorted(cuts)
+        segments = tuple((a, b - a) for a, b in zip(cuts_sorted, cuts_sorted[1:], strict=False))
+        index = {offset: i for i, offset in enumerate(cuts_sorted)}
+        nodes: set[Node] = {(0, len(segments))} if len(segments) > 1 else set()  # a single segment: a leaf
+        for tp in sorted(layout, key=_priority):
+            for pieces in layout[tp]:
+                for offset, length in pieces:
+                    node = (index[offset], index[offset + length]) if length else (0, 0)
+                    if node[1] - node[0] >= 2 and all(_nested_or_apart(node, other) for other in nodes):
+                        nodes.add(node)
+        return cls(size, segments, frozenset(nodes))
+
+    @property
+    def root(self) -> Node:
+        return (0, len(self.segments))
+
+    @functools.cached_property
+    def _children(self) -> dict[Node, tuple[Node, ...]]:
+        inner: dict[Node, tuple[Node, ...]] = {}
+        for node in self.nodes:
+            lo, hi = node
+            inside = sorted(n for n in self.nodes if n != node and lo <= n[0] and n[1] <= hi)
+            largest = [n for n in inside if not any(o != n and o[0] <= n[0] and n[1] <= o[1] for o in inside)]
+            children, at = [], lo
+            for a, b in largest:
+                children += [(i, i + 1) for i in range(at, a)] + [(a, b)]
+                at = b
+            inner[node] = tuple(children + [(i, i + 1) for i in range(at, hi)])
+        return inner
+
+    def children(self, node: Node) -> tuple[Node, ...]:
+        """The children of a node, left to right (none for a single segment)."""
+        return self._children.get(node, ())
+
+    def segments_of(self, pieces: Sequence[Piece]) -> list[int]:
+        """The indices of the segments that make up ``pieces``, in the pieces' order."""
+        offsets = [offset for offset, _ in self.segments]
+        found = []
+        for offset, length in pieces:
+            if not length:
+                continue
+            lo, hi = bisect.bisect_left(offsets, offset), bisect.bisect_left(offsets, offset + length)
+            if offsets[lo] != offset or (hi < len(offsets) and offsets[hi] != offset + length):
+                raise ValueError(f"the piece {(offset, length)} does not start and end on a segment cut")
+            found += range(lo, hi)
+        return found
+
+
+def _nested_or_apart(a: Node, b: Node) -> bool:
+    return a[1] <= b[0] or b[1] <= a[0] or (b[0] <= a[0] and a[1] <= b[1]) or (a[0] <= b[0] and b[1] <= a[1])
+
+
+@dataclass(frozen=True)
+class PlacedTree:
+    """A :class:`SegmentTree` over the ranks of one tp group: which ranks hold which segments
+    (``holders``), and this rank's segments in the order its local tensor holds them (``local``:
+    ``(segment, local offset, length)``). A segment every rank holds (a replicated part) is
+    computed by each, alike."""
+
+    tree: SegmentTree
+    tp: int
+    rank: int
+    holders: tuple[frozenset[int], ...]
+    local: tuple[tuple[int, int, int], ...]
+    sent: tuple[tuple[Node, ...], ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        common = self.common()
+        object.__setattr__(self, "sent", tuple(self._maximal(self.held(r), common, self.tree.root)
+                                               for r in range(self.tp)))
+
+    @classmethod
+    def place(cls, tree: SegmentTree, pieces_by_rank: Sequence[Sequence[Piece]], rank: int) -> PlacedTree:
+        """``tree`` over ranks holding ``pieces_by_rank`` (each rank's pieces in its local order)."""
+        holders: list[set[int]] = [set() for _ in tree.segments]
+        for r, pieces in enumerate(pieces_by_rank):
+            for s in tree.segments_of(pieces):
+                holders[s].add(r)
+        unheld = [tree.segments[s] for s, h in enumerate(holders) if not h]
+        if unheld:
+            raise ValueError(f"no rank holds the segments {unheld} of a dimension of {tree.size}")
+        local, at = [], 0
+        for s in tree.segments_of(pieces_by_rank[rank]):
+            local.append((s, at, tree.segments[s][1]))
+            at += tree.segments[s][1]
+        return cls(tree, len(pieces_by_rank), rank, tuple(frozenset(h) for h in holders), tuple(local))
+
+    def held(self, rank: int) -> frozenset[int]:
+        return frozenset(s for s, h in enumerate(self.holders) if rank in h)
+
+    def common(self) -> frozenset[int]:
+        """Segments every rank holds."""
+        return frozenset(s for s, h in enumerate(self.holders) if len(h) == self.tp)
+
+    def lengths(self) -> list[int]:
+        """This rank's segment lengths, in its local order (to split its local tensor by)."""
+        return [n for _, _, n in self.local]
+
+    def _maximal(self, held: frozenset[int], common: frozenset[int], node: Node) -> tuple[Node, ...]:
+        """The largest nodes under ``node`` whose segments are all ``held``, leaving out those every
+        rank holds: what a rank holding ``held`` adds up itself and sends to the others."""
+        segments = set(range(*node))
+        if segments <= held:
+            return () if segments <= common else (node,)
+        return tuple(n for child in self.tree.children(node) for n in self._maximal(held, common, child))
+
+
+def placed_split(pieces_at: Callable[[int, int], Sequence[Piece]], size: int, tp: int, rank: int,
+                 tp_sizes: Iterable[int]) -> PlacedTree:
+    """The segments of a dimension of ``size`` split as ``pieces_at(tp, rank)`` says (each rank's
+    pieces in its local order), cut for every size in ``tp_sizes`` and ``tp``, placed over the ranks
+    of ``tp``: this is ``rank``'s view."""
+    layout = layouts(pieces_at, {*tp_sizes, tp})
+    if tp not in layout:
+        pieces_at(tp, rank)  # raises what the split says about this tp
+    return PlacedTree.place(_tree(size, layout), layout[tp], rank)
+
+
+def placed_tokens(seq_len: int, tp: int, rank: int, tp_sizes: Iterable[int], *, split: bool) -> PlacedTree:
+    """The canonical segments of ``seq_len`` tokens (the cuts of sequence parallelism's balanced
+    split at every size in ``tp_sizes``), placed over the ranks of ``tp`` when the tokens are
+    ``split`` among them, else all held by this rank (every rank holding every token)."""
+    tree = _sequence_tree(seq_len, tuple(sorted({*tp_sizes, tp})))
+    if not split:
+        return PlacedTree.place(tree, [[(0, seq_len)]], 0)
+    return PlacedTree.place(tree, _sequence_pieces(seq_len, tp), rank)
+
+
+def _sequence_pieces(seq_len: int, tp: int) -> list[list[Piece]]:
+    sizes = partition_sizes(seq_len, tp, name="sequence length", allow_empty=True)
+    return [[(sum(sizes[:r]), sizes[r])] for r in range(tp)]
+
+
+@functools.lru_cache(maxsize=64)
+def _sequence_tree(seq_len: int, tp_sizes: tuple[int, ...]) -> SegmentTree:
+    return SegmentTree.build(seq_len, {tp: _sequence_pieces(seq_len, tp) for tp in tp_sizes})
+
+
+def _tree(size: int, layout: Mapping[int, Sequence[Sequence[Piece]]]) -> SegmentTree:
+    key = tuple(sorted((tp, tuple(tuple(p) for p in ranks)) for tp, ranks in layout.items()))
+    return _cached_tree(size, key)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_tree(size: int, key: tuple[tuple[int, tuple[tuple[Piece, ...], ...]], ...]) -> SegmentTree:
+    return SegmentTree.build(size, dict(key))

@@ -1,0 +1,73 @@
+"""The sum of per-segment partial results along the fixed tree, the same bits on every rank and at every tp.
+
+Each rank holds the partial results of its own segments (and of the segments
+every rank holds, computed alike by each). It adds up the largest subtrees it
+holds whole (:attr:`~tensorpar.bitwise.segments.PlacedTree.sent`), the ranks
+all-gather those partial sums (one collective; none when no rank holds
+anything of its own), and every rank then adds the rest of the tree in the
+tree's order. A node's value is its children's values added left to right
+wherever it is computed, so the result does not depend on which rank computed
+which subtree, nor on how many ranks there are: at tp = 1 the one rank adds the
+whole tree itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch.distributed import ProcessGroup
+
+from ..comm.collectives import all_gather_along
+from .segments import Node, PlacedTree
+
+
+def _added(values: Iterator[torch.Tensor]) -> torch.Tensor:
+    """The values added left to right, each computed when it is added (out of place: a partial result
+    may be a view of a live tensor)."""
+    total = next(values)
+    for value in values:
+        total = total + value
+    return total
+
+
+def tree_sum(partial: Callable[[int], torch.Tensor], placed: PlacedTree, group: ProcessGroup | None,
+             shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+    """The tree sum of every segment's partial result, the same on every rank of ``group``.
+
+    ``partial(s)`` computes the partial result of segment ``s``, for each segment this rank holds,
+    when the tree needs it (so that no more are alive at once than the tree's depth); each has
+    ``shape`` and ``like``'s dtype and device. A collective over ``group`` when ranks hold segments
+    of their own.
+    """
+    held = placed.held(placed.rank)
+
+    def local(node: Node) -> torch.Tensor:
+        lo, hi = node
+        if hi - lo == 1:
+            return partial(lo)
+        return _added(local(child) for child in placed.tree.children(node))
+
+    received: dict[Node, torch.Tensor] = {}
+    counts = [len(nodes) for nodes in placed.sent]
+    if any(counts[r] for r in range(placed.tp) if r != placed.rank):
+        if group is None:
+            raise ValueError("tree_sum: other ranks hold segments of their own, and no group reaches them")
+        mine = [local(node) for node in placed.sent[placed.rank]]
+        stacked = torch.stack(mine) if mine else like.new_empty((0, *shape))
+        everyone = all_gather_along(stacked, 0, counts, group).unbind(0)  # in rank order
+        at = 0
+        for r, nodes in enumerate(placed.sent):
+            for node in nodes:
+                if r != placed.rank:
+                    received[node] = everyone[at]
+                at += 1
+
+    def value(node: Node) -> torch.Tensor:
+        if set(range(*node)) <= held:
+            return local(node)
+        if node in received:
+            return received[node]
+        return _added(value(child) for child in placed.tree.children(node))
+
+    return value(placed.tree.root)
