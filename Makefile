@@ -3,11 +3,13 @@
 # stamp: the demo installs only what it uses (torch, the progress bar, the plot);
 # the tests install every extra, also after a `make demo`. torch comes through pip (which
 # takes a CPU build where one is at hand); everything else through uv, which fetches and
-# installs the extras' hundred-odd packages in parallel (seconds, where pip takes a minute).
+# installs the extras' hundred-odd packages in parallel (seconds, where pip takes a minute),
+# compiled to bytecode as pip would: where PYTHONDONTWRITEBYTECODE is set, a package installed
+# without its .pyc files is compiled again by every process that imports it.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-UV     := $(VENV)/bin/uv pip install --python $(PY)
+UV     := $(VENV)/bin/uv pip install --compile-bytecode --python $(PY)
 TORCH  := $(VENV)/.torch
 DEMO   := $(VENV)/.installed-demo
 TEST   := $(VENV)/.installed-test
@@ -37,7 +39,10 @@ $(LINT): $(TEST)
 	$(UV) -e ".[lint]"
 	touch $@
 
+# The test run starts a few hundred Python processes: the project's own modules are compiled once,
+# up front (Python reads .pyc files even where PYTHONDONTWRITEBYTECODE stops it writing them).
 test: $(TEST)
+	$(PY) -m compileall -q tensorpar layers tests examples benchmarks notebooks
 	$(PY) -m pytest -q
 
 # ruff and mypy, configured in pyproject.toml (the paths they check, the rules, the pinned versions).
