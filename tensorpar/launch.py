@@ -1,8 +1,15 @@
 """Start local ranks joined in one process group: :func:`spawn`, and the test pool's workers.
 
-Processes are started fresh (the ``spawn`` start method) and meet through a
-TCP store that the parent hosts, listening on loopback only, so no port is
-guessed and nothing is reachable from another host. Each rank talks to the
+Processes are started by ``multiprocessing``'s fork server with torch and
+tensorpar already imported in it (the ``forkserver`` start method; ``spawn``
+where a platform has no fork server): each rank is a fork of that clean,
+single-threaded server, not of the launcher, so it starts in milliseconds
+instead of importing torch again, and inherits nothing of the launcher but
+what it is sent: the launcher's environment and working directory, its
+``sys.path``, and its ``__main__`` module imported afresh, as ``spawn`` would.
+The ranks meet through a TCP store that the parent hosts, listening on
+loopback only, so no port is guessed and nothing is reachable from another
+host. Each rank talks to the
 parent over a pipe: results and errors travel back as plain pickles (tensors
 by value), between the parent and its own children only. Each rank also
 watches that pipe: when the parent is gone (killed by any signal, or exited),
@@ -20,9 +27,11 @@ a new process cannot import is refused before any rank starts.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.context
 import os
 import pickle
 import socket
@@ -94,15 +103,37 @@ def _join_group(rank: int, world_size: int, port: int, backend: str, timeout: ti
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
+#: What the fork server imports once, before it forks any rank: torch, torch.distributed and the launcher.
+PRELOADED = ("tensorpar.launch",)
+
+
+def _start_context() -> multiprocessing.context.ForkServerContext | multiprocessing.context.SpawnContext:
+    """The fork server with :data:`PRELOADED` imported (``spawn`` where the platform has none)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOADED))  # read when the server starts (once per launching process)
+    return ctx
+
+
 def _rank_process(main: RankMain, rank: int, world_size: int, port: int, backend: str, timeout: timedelta,
-                  threads: int, conn: multiprocessing.connection.Connection) -> None:
+                  threads: int, environ: dict[str, str], conn: multiprocessing.connection.Connection) -> None:
+    # the launcher's environment now, not the fork server's when it started (variables read at torch's
+    # import, such as TORCH_LOGS, are the server's)
+    os.environ.clear()
+    os.environ.update(environ)
     lifeline.end_with_pipe(conn, rank)
     try:
-        _join_group(rank, world_size, port, backend, timeout, threads)
-    except BaseException as e:  # noqa: BLE001 - the parent reports it
-        conn.send_bytes(pickle.dumps((False, error_payload(e))))
-        return
-    main(conn)
+        try:
+            _join_group(rank, world_size, port, backend, timeout, threads)
+        except BaseException as e:  # noqa: BLE001 - the parent reports it
+            conn.send_bytes(pickle.dumps((False, error_payload(e))))
+            return
+        main(conn)
+    finally:
+        # A forked rank ends with os._exit, as multiprocessing ends fork server children: run the exit
+        # handlers a spawned interpreter would have run (user code may have registered some).
+        atexit._run_exitfuncs()
 
 
 class RanksTimedOut(TimeoutError):
@@ -140,7 +171,7 @@ class Replies:
 
 
 class LocalRanks:
-    """``nprocs`` fresh local processes joined in one process group, each running ``main(conn)``
+    """``nprocs`` new local processes joined in one process group, each running ``main(conn)``
     once it has joined (one that fails to join replies with its error).
 
     ``threads`` is each rank's intra-op thread count (default: the cores shared out).
@@ -152,7 +183,7 @@ class LocalRanks:
             raise ValueError(f"nprocs must be a positive integer, got {nprocs!r}")
         backend = backend or default_backend(nprocs)
         threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
-        ctx = multiprocessing.get_context("spawn")
+        ctx = _start_context()
         self.size = nprocs
         self._listener = socket.create_server((_LOOPBACK, 0))  # loopback only (a store binds every interface)
         self._store = dist.TCPStore(_LOOPBACK, self._listener.getsockname()[1], is_master=True,
@@ -163,7 +194,8 @@ class LocalRanks:
             for rank in range(nprocs):
                 parent_end, child_end = ctx.Pipe()
                 p = ctx.Process(target=_rank_process, args=(main, rank, nprocs, self._store.port, backend,
-                                                            collective_timeout, threads, child_end), daemon=True)
+                                                            collective_timeout, threads, dict(os.environ),
+                                                            child_end), daemon=True)
                 p.start()
                 child_end.close()
                 self.procs.append(p)

@@ -1,7 +1,7 @@
 """What a new process can run: a function it can import, checked before any rank starts.
 
-Ranks are fresh processes (the ``spawn`` start method). A function reaches them
-as its module and name, which the rank imports; a function defined where no
+Ranks are new processes (forked from a clean fork server, see :mod:`tensorpar.launch`,
+or spawned). A function reaches them as its module and name, which the rank imports; a function defined where no
 file holds it cannot be found there. That is every function defined in the
 ``__main__`` of an interactive session, of ``python -`` (stdin), of
 ``python -c`` or of a notebook cell, and every lambda or function defined

@@ -57,14 +57,21 @@ def batch(cfg, b, t, seed, ignore=True):
     return idx[:, :-1], targets
 
 
-def key_bias_drift(full, ref_state, cfg):
+def key_bias_drift(full, ref_state, cfg, t=None):
     """Take the key rows out of every ``attn.c_attn.bias`` of both state dicts (in place) and return how far
     they moved apart, by key. A key bias adds the same amount to every score of a softmax row, so its
-    gradient is identically zero and holds round-off only, which AdamW turns into steps of up to lr."""
+    gradient is identically zero and holds round-off only, which AdamW turns into steps of up to lr.
+    With sequences of one token (``t == 1``) each softmax row has one score, whose probability is 1
+    whatever it is: every query and key row of ``c_attn``, weight and bias, has a zero gradient then."""
     c, kv = cfg["n_embd"], (cfg.get("n_kv_head") or cfg["n_head"]) * (cfg["n_embd"] // cfg["n_head"])
     drift = {}
-    for k in [k for k in ref_state if k.endswith("attn.c_attn.bias") and k in full]:  # a pipeline stage: its own
+    suffixes = ("attn.c_attn.bias", "attn.c_attn.weight") if t == 1 else ("attn.c_attn.bias",)
+    for k in [k for k in ref_state if k.endswith(suffixes) and k in full]:  # a pipeline stage: its own
         (q, key, v), (ref_q, ref_key, ref_v) = (s[k].split([c, kv, kv]) for s in (full, ref_state))
         drift[k] = (key - ref_key).abs().max().item()
-        full[k], ref_state[k] = torch.cat([q, v]), torch.cat([ref_q, ref_v])
+        if t == 1:
+            drift[k] = max(drift[k], (q - ref_q).abs().max().item())
+            full[k], ref_state[k] = v, ref_v
+        else:
+            full[k], ref_state[k] = torch.cat([q, v]), torch.cat([ref_q, ref_v])
     return drift

@@ -178,10 +178,9 @@ def save_once_the_launcher_is_gone(out):
     tensorpar.checkpoint.save(out, model, step=1)
     held = threading.Event()
     lifeline._end = lambda rank, why: held.wait()  # the window between the launcher's end and this rank's
-    parent = os.getppid()
     (Path(out) / f"ready-{mesh.rank}").touch()
     deadline = time.monotonic() + 60
-    while os.getppid() == parent and time.monotonic() < deadline:
+    while lifeline.launcher_gone() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     try:
         tensorpar.checkpoint.save(out, model, step=2)

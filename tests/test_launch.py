@@ -108,6 +108,29 @@ def test_spawn_returns_each_rank_result_in_rank_order_and_listens_on_loopback_on
         assert all(address in LOOPBACK for _, address, _ in ranks), ranks
 
 
+def what_a_rank_was_given(marker):
+    """This rank's view of what its launcher had: an environment variable, the working directory, the
+    modules it has loaded, and where ``atexit`` handlers run."""
+    import atexit
+
+    atexit.register(Path(marker).write_text, f"exit handlers ran on rank {os.environ['RANK']}")
+    return os.environ.get("TENSORPAR_TEST_VARIABLE"), os.getcwd(), "layers" in sys.modules, os.getppid()
+
+
+def test_ranks_are_forked_with_the_launchers_environment_and_run_its_exit_handlers(tmp_path, monkeypatch):
+    """A rank is a fork of a fork server started earlier, but sees what its launcher has now (an
+    environment variable and the working directory set after the server started), none of the
+    launcher's other state (a module it imported), and runs the exit handlers it registers."""
+    tensorpar.spawn(report, 1, 0)  # the fork server now runs, with this process's environment of now
+    monkeypatch.setenv("TENSORPAR_TEST_VARIABLE", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    import layers  # noqa: F401 - loaded here only
+    (variable, cwd, loaded, parent), = tensorpar.spawn(what_a_rank_was_given, 1, str(tmp_path / "exit"))
+    assert variable == "set after the server started" and cwd == str(tmp_path) and not loaded
+    assert parent != os.getpid()  # the fork server's child, not this process's
+    assert (tmp_path / "exit").read_text() == "exit handlers ran on rank 0"
+
+
 def open_channels_and_check_without_unpickling():
     from tensorpar.comm import checks  # noqa: F401 - used through the collectives below
     from tensorpar.comm.collectives import start_all_reduce_

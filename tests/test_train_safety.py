@@ -23,7 +23,7 @@ from tensorpar import checkpoint
 from tensorpar.checkpoint.safetensors_file import Reader
 from tensorpar.testing import run_script
 from tensorpar.training import plot
-from test_training import ROOT, SCRIPT, SMALL, _workers, flags, metrics
+from test_training import ROOT, SCRIPT, SMALL, _ranks, flags, metrics
 
 #: learning rate at which SMALL diverges after a few steps whatever the CPU's kernels: the gradient norm
 #: grows about 1e7-fold a step (1.2, ~1e5, ~1e11, ~1e18) and is infinite from step 5 on, with checkpoints
@@ -153,7 +153,7 @@ def test_a_second_job_on_the_same_out_is_refused(tmp_path):
                                 start_new_session=True)  # its own process group: it and what it starts
 
     first = start(out)
-    _wait_for(lambda: first.poll() is not None or _workers(first.pid), "the first job's rank")
+    _wait_for(lambda: first.poll() is not None or _ranks(first.pid), "the first job's rank")
     os.kill(first.pid, signal.SIGSTOP)  # the launcher, which holds the lock; its rank starts meanwhile
     try:
         assert _lines(out / "run.lock") == [str(first.pid)]

@@ -188,7 +188,7 @@ def test_export_loads_into_the_plain_model(worlds, tmp_path):
     assert {(r["dtype"], "mfu" in r, r["tokens_per_s"] > 0) for r in metrics(tmp_path)} == {("fp32", False, True)}
 
 
-def _workers(parent: int) -> list[int]:
+def _children(parent: int) -> list[int]:
     """Pids of the processes ``parent`` started (Linux /proc)."""
     pids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -199,6 +199,18 @@ def _workers(parent: int) -> list[int]:
         if int(fields[1]) == parent:
             pids.append(int(stat.parent.name))
     return sorted(pids)
+
+
+def _ranks(launcher: int) -> list[int]:
+    """Pids of the ranks ``launcher`` started: the children of its fork server (see tensorpar.launch)."""
+    def cmdline(pid):
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return b""
+
+    return [rank for pid in _children(launcher) if b"multiprocessing.forkserver" in cmdline(pid)
+            for rank in _children(pid)]
 
 
 def _logged_steps(out: Path) -> int:
@@ -216,7 +228,7 @@ def test_a_killed_rank_stops_the_run_and_the_last_checkpoint_resumes(worlds, tmp
     deadline = time.monotonic() + 120
     while _logged_steps(out) < 10 and run.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
-    workers = [pid for pid in _workers(run.pid) if pid != run.pid]
+    workers = _ranks(run.pid)
     assert run.poll() is None and len(workers) >= 2, "the run ended before it could be interrupted"
     os.kill(workers[-1], signal.SIGKILL)
     killed = time.monotonic()
