@@ -333,7 +333,7 @@ def _sample(model: GPT, cfg: TrainConfig, mesh: tensorpar.Mesh, val: TokenData) 
 
 def spawned(cfg: TrainConfig) -> dict[str, Any]:
     """One rank of a local run started by ``tensorpar.spawn``."""
-    tensorpar.init(cfg.tp, cfg.dp, pp=cfg.pp)
+    tensorpar.init(cfg.tp, cfg.dp, pp=cfg.pp, bitwise=cfg.bitwise)
     torch.set_num_threads(1)
     return train(cfg)
 
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
     began = time.perf_counter()
     held = functools.partial(hold, cfg.out, resume=cfg.resume, overwrite=cfg.overwrite, prog=Path(__file__).name)
     if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank; rank 0 holds --out
-        mesh = tensorpar.init(cfg.tp, cfg.dp, pp=cfg.pp)
+        mesh = tensorpar.init(cfg.tp, cfg.dp, pp=cfg.pp, bitwise=cfg.bitwise)
         with held(mesh=mesh):
             result = train(cfg)
         if mesh.rank:

@@ -148,7 +148,7 @@ class ParallelSelfAttention(nn.Module):
         d, h, hk = self.head_dim, self.local_heads, self.held_kv_heads
         q, k, v = (rearrange(t, "b t (h d) -> b h t d", d=d) for t in qkv.split([h * d, hk * d, hk * d], -1))  # views
         if self.bitwise is not None:  # a copy of its KV head per query head; backward, a fixed sum over them
-            k, v = (expand_kv(t, self.heads, self.n_head, self.n_kv_head, self.tp_group) for t in (k, v))  # (B, h, T, d)
+            k, v = (expand_kv(t, self.heads, self.n_head, self.n_kv_head, self.tp_group) for t in (k, v))  # (B,h,T,d)
         elif self._kv_index is not None:  # each local query head's KV head, gathered (uneven readers only)
             k, v = k[:, self._kv_index], v[:, self._kv_index]  # (B, h, T, d)
         elif self.kv_replicated:  # the KV heads this rank's query heads read, per_kv query heads each (a view)

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from .bitwise import Bitwise
 from .bitwise.grad_norm import squared_norm
 from .comm.collectives import all_reduce_sum
 from .full import is_dtensor, local_part, placements
@@ -67,10 +68,10 @@ def grad_norm(model: nn.Module, group: ProcessGroup | None = None, *, pp_group: 
     split = placements(model)
     group = next(iter(split.values()))[1] if group is None and split else tp_group(group)
     _, n = group_rank_size(group)
-    mode = next((m.bitwise for m in model.modules() if getattr(m, "bitwise", None) is not None), None)
-    if mode is not None:  # the model computes in bitwise mode: so does its norm
+    modes = [mode for m in model.modules() if isinstance(mode := getattr(m, "bitwise", None), Bitwise)]
+    if modes:  # the model computes in bitwise mode: so does its norm
         with torch.no_grad():
-            return _summed(squared_norm(model, mode, group, exclude), pp_group).sqrt()
+            return _summed(squared_norm(model, modes[0], group, exclude), pp_group).sqrt()
     buckets: dict[tuple[DeviceMesh | None, int, torch.device, torch.dtype], list[torch.Tensor]] = {}
     for name, p in model.named_parameters():
         if p.grad is None or name in exclude:

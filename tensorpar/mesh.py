@@ -42,7 +42,7 @@ class Mesh:
     """A 3-D ``("pp", "dp", "tp")`` mesh over the world, with its groups, ranks and sizes.
 
     ``rng`` is this rank's random stream for sharded regions (see :mod:`tensorpar.random`);
-    ``bitwise`` the bitwise mode that layers built while this mesh is the default compute in
+    ``bitwise`` the bitwise mode that modules built while this mesh is the default compute in
     (:mod:`tensorpar.bitwise`; ``None``: off);
     ``channels`` holds the shared-memory channels that :mod:`tensorpar.comm` opens for groups
     used while this mesh is the default (they close when the mesh is dropped).
@@ -113,7 +113,7 @@ def init(tp: int | None = None, dp: int | None = None, *, pp: int = 1, backend: 
     leaves no process group behind that it created.
 
     ``bitwise=True`` (or a :class:`~tensorpar.bitwise.Bitwise`, or the tp sizes to agree across) turns
-    on the bitwise mode for the layers built afterwards: at every tp of the mode they compute exactly
+    on the bitwise mode for the modules built afterwards: at every tp of the mode they compute exactly
     what they compute at tp = 1 (see :mod:`tensorpar.bitwise`); on a CPU it also sets each rank's
     thread count (``Bitwise.threads``).
 
@@ -180,7 +180,8 @@ def _agree(tp: int | None, dp: int | None, pp: int, backend: str | None, mode: B
         return
 
     def mode_of(bits: int, threads: int) -> str:
-        return "off" if threads < 0 else f"tp sizes {[t for t in range(62) if bits >> t & 1]}, threads {threads or None}"
+        sizes = [t for t in range(62) if bits >> t & 1]
+        return "off" if threads < 0 else f"tp sizes {sizes}, threads {threads or None}"
 
     views = [f"rank {r}: tp={t or None}, dp={d or None}, pp={p}, backend={_BACKENDS[b] if b >= 0 else 'other'!r}, "
              f"bitwise {mode_of(bits, th)}" for r, (t, d, p, b, bits, th) in enumerate(everyone)]

@@ -74,14 +74,16 @@ def squared_norm(model: nn.Module, mode: Bitwise, group: ProcessGroup, exclude: 
         return torch.zeros((), dtype=torch.float32)
     theirs = [sum(1 for holder, _ in terms if holder == r) for r in range(tp)]
     if any(theirs[r] for r in range(tp) if r != rank):
-        mine = [value for holder, value in terms if holder == rank]
+        mine = [value for holder, value in terms if holder == rank and value is not None]
         stacked = torch.stack(mine).to(dtype) if mine else torch.zeros(0, dtype=dtype, device=device)
         gathered = all_gather_along(stacked, 0, theirs, group).split(theirs)  # every rank's own terms, in order
         queues = [list(part.unbind(0)) for part in gathered]
         values = [value if holder == -1 else queues[holder].pop(0) for holder, value in terms]
     else:
         values = [value for _, value in terms]
-    return torch.stack([v.to(dtype) for v in values if v is not None]).sum().to(torch.float32)  # one fixed vector
+    known = [v.to(dtype) for v in values if v is not None]
+    assert len(known) == len(terms), "every term is computed here or received"
+    return torch.stack(known).sum().to(torch.float32)  # one vector, in one order, at every tp
 
 
 def _squares(t: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ strided or offset view, so that whichever tensor a segment was cut from, the ker
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from .segments import PlacedTree
 from .tree_sum import tree_sum
 
 #: the alignment of a fresh allocation (torch's CPU allocator: 64 bytes; CUDA's caching allocator: more)
-ALIGNMENT = {"cpu": 64, "cuda": 256}
+ALIGNMENT = MappingProxyType({"cpu": 64, "cuda": 256})
 
 
 def fixed(t: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -75,7 +76,7 @@ class SegmentTree:
                     if length:
                         cuts |= {offset, offset + length}
         cuts_sorted = sorted(cuts)
-        segments = tuple((a, b - a) for a, b in zip(cuts_sorted, cuts_sorted[1:], strict=False))
+        segments = tuple((a, b - a) for a, b in itertools.pairwise(cuts_sorted))
         index = {offset: i for i, offset in enumerate(cuts_sorted)}
         nodes: set[Node] = {(0, len(segments))} if len(segments) > 1 else set()  # a single segment: a leaf
         for tp in sorted(layout, key=_priority):
@@ -111,7 +112,7 @@ class SegmentTree:
     def segments_of(self, pieces: Sequence[Piece]) -> list[int]:
         """The indices of the segments that make up ``pieces``, in the pieces' order."""
         offsets = [offset for offset, _ in self.segments]
-        found = []
+        found: list[int] = []
         for offset, length in pieces:
             if not length:
                 continue

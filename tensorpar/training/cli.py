@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..bitwise import DEFAULT_TP_SIZES
 from ..checkpoint import CheckpointError, ShardReader
 from ..mesh import default_backend
 from .data import SCANNED_TOKENS, VOCAB_SIZE, open_splits
@@ -69,6 +70,8 @@ class TrainConfig:
                                    "stream split along the tokens over tp (about 1/tp of the activations, the same "
                                    "traffic)")
     compile: bool = _opt(False, "parallelism", "torch.compile each block whole (fullgraph)")
+    bitwise: bool = _opt(False, "parallelism", "bitwise mode: the losses, gradient norms and weights are the same "
+                         "bits at --tp 1, 2, 3 and 4 (tensorpar.bitwise; slower; one CPU thread per rank)")
     activation_checkpointing: bool = _opt(False, "parallelism", "recompute each block in backward: less memory, "
                                           "one more forward")
     dtype: str | None = _opt(None, "parallelism", "the dtype of the computation: bf16 through autocast (on a GPU "
@@ -131,6 +134,12 @@ class TrainConfig:
                 raise ValueError(f"--{_flag(f.name)} must be a finite number, got {value}")
         if self.fsdp and self.zero:
             raise ValueError("--fsdp and --zero exclude each other: --fsdp shards the optimizer state over dp itself")
+        if self.bitwise and self.fsdp:
+            raise ValueError("--bitwise does not take --fsdp: FSDP2's sharded gradients are reduced in an order of "
+                             "its own; use DDP over dp (no --fsdp)")
+        if self.bitwise and self.tp not in DEFAULT_TP_SIZES:
+            raise ValueError(f"--bitwise makes --tp {', '.join(map(str, DEFAULT_TP_SIZES))} agree; --tp {self.tp} "
+                             "is not one of them")
         if self.overwrite and self.resume != "never":
             raise ValueError("--overwrite and --resume exclude each other: --overwrite sets the earlier run aside, "
                              "--resume continues it")
