@@ -36,7 +36,10 @@ ALIGNMENT = MappingProxyType({"cpu": 64, "cuda": 256})
 
 
 def fixed(t: torch.Tensor) -> torch.Tensor:
-    """``t`` contiguous and starting on an allocation boundary (a copy where it is not)."""
+    """``t`` contiguous and starting on an allocation boundary (a copy where it is not). In a
+    ``torch.compile`` graph, contiguous: the compiler lays out its buffers itself."""
+    if torch.compiler.is_compiling():
+        return t.contiguous()
     aligned = t.storage_offset() * t.element_size() % ALIGNMENT.get(t.device.type, 64) == 0
     return t if aligned and t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
 

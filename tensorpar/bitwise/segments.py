@@ -22,11 +22,11 @@ at tp 3), and the ranks exchange only those partial sums
 
 from __future__ import annotations
 
-import bisect
 import functools
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from ..sharding import partition_sizes
 
@@ -65,6 +65,20 @@ class SegmentTree:
     size: int
     segments: tuple[Piece, ...]
     nodes: frozenset[Node]
+    inner: Mapping[Node, tuple[Node, ...]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        inner: dict[Node, tuple[Node, ...]] = {}
+        for node in self.nodes:
+            lo, hi = node
+            inside = sorted(n for n in self.nodes if n != node and lo <= n[0] and n[1] <= hi)
+            largest = [n for n in inside if not any(o != n and o[0] <= n[0] and n[1] <= o[1] for o in inside)]
+            children, at = [], lo
+            for a, b in largest:
+                children += [(i, i + 1) for i in range(at, a)] + [(a, b)]
+                at = b
+            inner[node] = tuple(children + [(i, i + 1) for i in range(at, hi)])
+        object.__setattr__(self, "inner", MappingProxyType(inner))
 
     @classmethod
     def build(cls, size: int, layout: Mapping[int, Sequence[Sequence[Piece]]]) -> SegmentTree:
@@ -91,35 +105,20 @@ class SegmentTree:
     def root(self) -> Node:
         return (0, len(self.segments))
 
-    @functools.cached_property
-    def _children(self) -> dict[Node, tuple[Node, ...]]:
-        inner: dict[Node, tuple[Node, ...]] = {}
-        for node in self.nodes:
-            lo, hi = node
-            inside = sorted(n for n in self.nodes if n != node and lo <= n[0] and n[1] <= hi)
-            largest = [n for n in inside if not any(o != n and o[0] <= n[0] and n[1] <= o[1] for o in inside)]
-            children, at = [], lo
-            for a, b in largest:
-                children += [(i, i + 1) for i in range(at, a)] + [(a, b)]
-                at = b
-            inner[node] = tuple(children + [(i, i + 1) for i in range(at, hi)])
-        return inner
-
     def children(self, node: Node) -> tuple[Node, ...]:
         """The children of a node, left to right (none for a single segment)."""
-        return self._children.get(node, ())
+        return self.inner.get(node, ())
 
     def segments_of(self, pieces: Sequence[Piece]) -> list[int]:
         """The indices of the segments that make up ``pieces``, in the pieces' order."""
-        offsets = [offset for offset, _ in self.segments]
+        starts = {offset: i for i, (offset, _) in enumerate(self.segments)} | {self.size: len(self.segments)}
         found: list[int] = []
         for offset, length in pieces:
             if not length:
                 continue
-            lo, hi = bisect.bisect_left(offsets, offset), bisect.bisect_left(offsets, offset + length)
-            if offsets[lo] != offset or (hi < len(offsets) and offsets[hi] != offset + length):
+            if offset not in starts or offset + length not in starts:
                 raise ValueError(f"the piece {(offset, length)} does not start and end on a segment cut")
-            found += range(lo, hi)
+            found += range(starts[offset], starts[offset + length])
         return found
 
 

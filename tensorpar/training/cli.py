@@ -137,6 +137,9 @@ class TrainConfig:
         if self.bitwise and self.fsdp:
             raise ValueError("--bitwise does not take --fsdp: FSDP2's sharded gradients are reduced in an order of "
                              "its own; use DDP over dp (no --fsdp)")
+        if self.bitwise and self.compile:
+            raise ValueError("--bitwise and --compile exclude each other: inductor fuses each rank's graph into "
+                             "kernels of its own, which keep the bits at some tp and not at others")
         if self.bitwise and self.tp not in DEFAULT_TP_SIZES:
             raise ValueError(f"--bitwise makes --tp {', '.join(map(str, DEFAULT_TP_SIZES))} agree; --tp {self.tp} "
                              "is not one of them")
