@@ -73,7 +73,7 @@ def squared_norm(model: nn.Module, mode: Bitwise, group: ProcessGroup, exclude: 
     if device is None:
         return torch.zeros((), dtype=torch.float32)
     theirs = [sum(1 for holder, _ in terms if holder == r) for r in range(tp)]
-    if any(theirs[r] for r in range(tp) if r != rank):
+    if tp > 1 and any(theirs):  # every rank joins when any rank has terms for the others
         mine = [value for holder, value in terms if holder == rank and value is not None]
         stacked = torch.stack(mine).to(dtype) if mine else torch.zeros(0, dtype=dtype, device=device)
         gathered = all_gather_along(stacked, 0, theirs, group).split(theirs)  # every rank's own terms, in order

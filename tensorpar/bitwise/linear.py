@@ -18,7 +18,8 @@ strided or offset view, so that whichever tensor a segment was cut from, the ker
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -62,20 +63,30 @@ class _FixedGradient(torch.autograd.Function):
         return fixed(grad)
 
 
+def blockwise(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], dim: int,
+              sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """``fn`` applied to matching blocks of ``inputs`` along ``dim`` (of ``sizes``, default one element
+    each), the results put back side by side along ``dim``. ``fn`` sees each block contiguous and
+    aligned, and its backward the block's gradient, so a kernel that runs block by block sees the same
+    tensors whatever else a rank holds."""
+    sizes = [1] * inputs[0].shape[dim] if sizes is None else sizes
+    blocks = zip(*(t.split(list(sizes), dim) for t in inputs), strict=True)
+    return torch.cat([_FixedGradient.apply(fn(*(fixed(b) for b in block))) for block in blocks], dim)
+
+
 def by_segment(t: torch.Tensor, placed: PlacedTree, fn: Callable[[torch.Tensor], torch.Tensor],
                dim: int = -1) -> torch.Tensor:
-    """``fn`` applied to each of this rank's segments of ``t`` along ``dim`` and the results put back
-    side by side. ``fn`` sees each segment contiguous and aligned, and so does its backward the
-    segment's gradient: an elementwise ``fn`` then computes each element with the same code at every tp
-    (CPU kernels run the last elements of a tensor, which depend on its layout, through scalar code)."""
-    return torch.cat([_FixedGradient.apply(fn(fixed(part))) for _, part in segments_of(t, placed, dim)], dim)
+    """``fn`` applied to each of this rank's segments of ``t`` along ``dim`` (:func:`blockwise`): an
+    elementwise ``fn`` then computes each element with the same code at every tp (CPU kernels run the
+    last elements of a tensor, which depend on its layout, through scalar code)."""
+    return blockwise(fn, [t], dim, placed.lengths())
 
 
 def token_sum(g: torch.Tensor, placed: PlacedTree, group: ProcessGroup | None) -> torch.Tensor:
     """``g`` ``(..., T_r, C)`` summed over every token of the sequence, by canonical segments of the
     tokens (dim -2; ``placed`` over the tokens this rank holds): the same bits whether the tokens are
     split over ranks (sequence parallelism) or not. ``(C,)``, on every rank."""
-    g3 = g.reshape(-1, *g.shape[-2:]) if g.dim() >= 2 else g.reshape(1, 1, -1)  # (B, T_r, C)
+    g3 = g.reshape(math.prod(g.shape[:-2]), *g.shape[-2:]) if g.dim() >= 2 else g.reshape(1, 1, -1)  # (B, T_r, C)
 
     def partial(s: int) -> torch.Tensor:
         _, lo, n = next(item for item in placed.local if item[0] == s)

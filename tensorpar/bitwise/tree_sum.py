@@ -50,7 +50,7 @@ def tree_sum(partial: Callable[[int], torch.Tensor], placed: PlacedTree, group: 
 
     received: dict[Node, torch.Tensor] = {}
     counts = [len(nodes) for nodes in placed.sent]
-    if any(counts[r] for r in range(placed.tp) if r != placed.rank):
+    if placed.tp > 1 and any(counts):  # every rank joins when any rank has something for the others
         if group is None:
             raise ValueError("tree_sum: other ranks hold segments of their own, and no group reaches them")
         mine = [local(node) for node in placed.sent[placed.rank]]
