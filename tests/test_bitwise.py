@@ -10,6 +10,7 @@ makes them equal), and the mode at tp = 1 still equals the plain reference GPT t
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -102,17 +103,17 @@ def test_init_sets_the_mode_checks_it_and_compares_it_across_ranks(worlds):
         Bitwise.of(2)
     mode, threads = worlds[2].run(init_with, Bitwise(threads=1), mesh=False)[0]
     assert mode == Bitwise() and threads == 1
-    with pytest.raises(tensorpar.RankError, match=r"tp=2 is not one of them: pass bitwise=Bitwise\(tp_sizes=\(\.\.\., 2\)\)"):
+    with pytest.raises(tensorpar.RankError, match=r"tp=2 is not one of them: pass bitwise=Bitwise\(tp_sizes="):
         worlds[2].run(init_with, (1, 4), mesh=False)
 
 
 def init_per_rank():
-    rank = int(__import__("os").environ["RANK"])
-    tensorpar.init(tp=2, bitwise=rank == 0)
+    tensorpar.init(tp=2, bitwise=os.environ["RANK"] == "0")
 
 
 def test_ranks_that_disagree_on_the_mode_all_raise(worlds):
-    with pytest.raises(tensorpar.RankError, match="different arguments.*bitwise tp sizes \\[1, 2, 3, 4\\].*bitwise off"):
+    disagree = r"different arguments.*bitwise tp sizes \[1, 2, 3, 4\].*bitwise off"
+    with pytest.raises(tensorpar.RankError, match=disagree):
         worlds[2].run(init_per_rank, mesh=False)
 
 
