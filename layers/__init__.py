@@ -7,8 +7,8 @@ from .embedding import VocabParallelEmbedding
 from .gpt import GPT
 from .hf_parallel import parallelize_hf
 from .linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from .mlp import ParallelMLP
-from .parallelize import STYLES, HeadRow, QKVColumn, parallelize
+from .mlp import ParallelMLP, SegmentwiseActivation
+from .parallelize import STYLES, HeadRow, QKVColumn, Segmentwise, parallelize
 from .pipeline import GPTStage, PipelinedGPT
 from .regions import CopyToTP, GatherSequence, ReduceFromTP, ReduceScatterSequence
 from .sequence import ParallelLayerNorm, SequenceParallelLayerNorm, ShardedDropout
@@ -16,4 +16,5 @@ from .sequence import ParallelLayerNorm, SequenceParallelLayerNorm, ShardedDropo
 __all__ = ["GPT", "STYLES", "Block", "ColumnParallelLinear", "CopyToTP", "GPTConfig", "GPTStage", "GatherSequence",
            "HeadRow", "ParallelLayerNorm", "ParallelMLP", "ParallelSelfAttention", "PipelinedGPT", "QKVColumn",
            "ReduceFromTP", "ReduceScatterSequence", "ReplicatedLinear", "RowParallelLinear",
-           "SequenceParallelLayerNorm", "ShardedDropout", "VocabParallelEmbedding", "parallelize", "parallelize_hf"]
+           "Segmentwise", "SegmentwiseActivation", "SequenceParallelLayerNorm", "ShardedDropout",
+           "VocabParallelEmbedding", "parallelize", "parallelize_hf"]

@@ -29,6 +29,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 import tensorpar
+from tensorpar.bitwise.linear import segmented_column_linear, segmented_row_linear
+from tensorpar.bitwise.segments import placed_split, placed_tokens
 from tensorpar.checks import check_int
 from tensorpar.sharding import Shard
 
@@ -55,6 +57,9 @@ class _ParallelConv1D(nn.Module):
         local[self.split_dim] = self.placement.sizes(self.tp)[self.tp_rank]
         self.weight = nn.Parameter(torch.empty(local, device=device, dtype=dtype))  # (nx, nf), split
         self.bias = nn.Parameter(torch.empty(local[1], device=device, dtype=dtype))  # (nf,), split with it or whole
+        self.bitwise = tensorpar.current_bitwise()
+        self.segments = None if self.bitwise is None else placed_split(
+            self.placement.pieces, self.placement.size, self.tp, self.tp_rank, self.bitwise.tp_sizes)
         self.reset_parameters()
 
     def sharding(self) -> dict[str, Shard]:
@@ -120,6 +125,8 @@ class ColumnParallelConv1D(_ParallelConv1D):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_activation(x, type(self).__name__)
+        if self.segments is not None:  # bitwise: by segments, the input gradient's tree sum standing for f
+            return segmented_column_linear(x, self.weight.t(), self.bias, self.segments, self.tp_group)
         if self.copy_input:
             return tensorpar.column_parallel_linear(x, self.weight.t(), self.bias, self.tp_group)  # (*, nf / tp)
         return F.linear(x, self.weight.t(), self.bias)  # f was applied by the caller
@@ -144,6 +151,10 @@ class RowParallelConv1D(_ParallelConv1D):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_activation(x, type(self).__name__)
+        if self.segments is not None and self.bitwise is not None:  # bitwise: by segments, summed by their tree
+            tokens = placed_tokens(x.shape[-2] if x.dim() > 1 else 1, self.tp, self.tp_rank, self.bitwise.tp_sizes,
+                                   split=False)
+            return segmented_row_linear(x, self.weight.t(), self.bias, self.segments, tokens, self.tp_group)
         return tensorpar.row_parallel_linear(x, self.weight.t(), self.bias, self.tp_group)  # (*, nf)
 
 

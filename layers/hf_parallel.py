@@ -28,6 +28,10 @@ Everything else (norms, GPT-2's position embedding, rotary embeddings) is
 replicated. :func:`tensorpar.full_state_dict` gives the unsharded model's keys
 and shapes, in Hugging Face's own layouts.
 
+In bitwise mode (:mod:`tensorpar.bitwise`) the linear layers compute by segments, the activations
+between them run one segment at a time, and ``copy_in`` passes gradients through (the column
+layers sum them); grouped-query models need at least as many KV heads as the largest tp of the mode.
+
 Not covered: attention implementations other than ``"eager"`` and ``"sdpa"``,
 attention-probability dropout in training at tp > 1 (each rank would draw
 its heads' masks from one generator, which would then differ between ranks:
@@ -52,6 +56,7 @@ from .embedding import VocabParallelEmbedding
 from .heads import head_layout
 from .hf_modules import ColumnParallelConv1D, PaddedVocabParallelEmbedding, ReplicatedHeadsLinear, RowParallelConv1D
 from .linear import ColumnParallelLinear, RowParallelLinear
+from .mlp import SegmentwiseActivation
 from .regions import CopyToTP
 
 _ATTENTION = ("eager", "sdpa")
@@ -116,6 +121,8 @@ def _gpt2(model: nn.Module, config: Any, group: ProcessGroup, rank: int, tp: int
         _refuse_attention_dropout(attn, tp, lambda a: a.attn_dropout.p, "attn_pdrop")
         mlp.c_fc = ColumnParallelConv1D.from_conv1d(mlp.c_fc, group=group)
         mlp.c_proj = RowParallelConv1D.from_conv1d(mlp.c_proj, group=group)
+        if tensorpar.current_bitwise() is not None:  # GELU on one segment of c_fc's output at a time
+            mlp.act = SegmentwiseActivation(mlp.act, inner, group=group)
 
 
 def _llama(model: nn.Module, config: Any, group: ProcessGroup, rank: int, tp: int) -> None:
@@ -124,6 +131,13 @@ def _llama(model: nn.Module, config: Any, group: ProcessGroup, rank: int, tp: in
     if n_head % n_kv:
         raise ValueError(f"num_attention_heads ({n_head}) is not divisible by num_key_value_heads ({n_kv})")
     _at_least_tp(tp, num_attention_heads=n_head, intermediate_size=config.intermediate_size)
+    mode = tensorpar.current_bitwise()
+    beyond = [t for t in mode.tp_sizes if n_kv < t <= n_head] if mode is not None else []
+    if beyond:
+        raise ValueError(f"parallelize_hf in bitwise mode needs at least as many KV heads as ranks at every tp of the "
+                         f"mode: num_key_value_heads {n_kv} < tp {beyond[0]} (Hugging Face's own code sums a KV "
+                         "head's gradient inside each rank); use ParallelSelfAttention (layers.GPT), or "
+                         f"Bitwise(tp_sizes=...) up to {n_kv}")
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         _shard_attention(attn, n_head, n_kv, group, rank, tp)
@@ -133,6 +147,8 @@ def _llama(model: nn.Module, config: Any, group: ProcessGroup, rank: int, tp: in
         mlp.gate_proj = ColumnParallelLinear.from_linear(mlp.gate_proj, **column)
         mlp.up_proj = ColumnParallelLinear.from_linear(mlp.up_proj, **column)
         mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, group=group)
+        if tensorpar.current_bitwise() is not None:  # SiLU on one segment of gate_proj's output at a time
+            mlp.act_fn = SegmentwiseActivation(mlp.act_fn, config.intermediate_size, group=group)
         _enter_region(mlp, group)
 
 

@@ -19,8 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+import tensorpar
 from tensorpar.bitwise.linear import by_segment
+from tensorpar.bitwise.segments import placed_split
 from tensorpar.checks import check_int
+from tensorpar.sharding import Shard
 
 from .linear import ColumnParallelLinear, RowParallelLinear, check_activation
 from .regions import RegionInput
@@ -86,3 +89,33 @@ class ParallelMLP(nn.Module):
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}" + (", sequence_parallel=True" if self.sequence_parallel else "")
+
+
+class SegmentwiseActivation(nn.Module):
+    """An elementwise module (an activation) on a column-parallel output of ``features`` full features:
+    ``activation(x)``; in bitwise mode one canonical segment of the features at a time (see
+    :func:`tensorpar.bitwise.linear.by_segment`: CPU kernels compute the last elements of a tensor with
+    scalar code, whose ``tanh`` and ``exp`` differ from the vector code's in the last bit, and which
+    elements are last depends on how many features a rank holds).
+
+    Example::
+
+        mlp.act = SegmentwiseActivation(mlp.act, 4 * n_embd)   # between c_fc (column) and c_proj (row)
+    """
+
+    def __init__(self, activation: nn.Module, features: int, *, group: ProcessGroup | None = None) -> None:
+        super().__init__()
+        check_int(features, f"{type(self).__name__}: features")
+        self.activation, self.features = activation, features
+        self.bitwise = tensorpar.current_bitwise()
+        self.segments = None
+        if self.bitwise is not None:
+            rank, tp = tensorpar.group_rank_size(tensorpar.tp_group(group))
+            split = Shard(0, features)
+            self.segments = placed_split(split.pieces, features, tp, rank, self.bitwise.tp_sizes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.activation(x) if self.segments is None else by_segment(x, self.segments, self.activation)
+
+    def extra_repr(self) -> str:
+        return f"features={self.features}" + (", by segment" if self.segments is not None else "")

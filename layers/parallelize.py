@@ -23,6 +23,7 @@ from tensorpar.sharding import partition_bounds
 
 from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear, RowParallelLinear
+from .mlp import SegmentwiseActivation
 
 
 def _head_dim(linear: nn.Module, n_head: int, style: str, *, blocks: int = 1) -> int:
@@ -99,8 +100,31 @@ class HeadRow:
         return RowParallelLinear.from_linear(linear, unit=d, group=group)
 
 
-#: A plan value: a style name (a key of ``STYLES``), a head style, a class with ``from_linear``, or a converter.
-Style = str | QKVColumn | HeadRow | type | Callable[[nn.Module], nn.Module]
+@dataclass(frozen=True)
+class Segmentwise:
+    """Style for an elementwise module between a column- and a row-parallel layer (an activation such as
+    nanoGPT's ``mlp.gelu``), over a column output of ``features`` full features: in bitwise mode it runs
+    on one canonical segment at a time (:class:`~layers.mlp.SegmentwiseActivation`), and elsewhere as it is.
+
+    Example::
+
+        layers.parallelize(model, {"transformer.h.*.mlp.c_fc": "column",
+                                   "transformer.h.*.mlp.gelu": Segmentwise(4 * n_embd),
+                                   "transformer.h.*.mlp.c_proj": "row"})
+    """
+
+    features: int
+
+    def __post_init__(self) -> None:
+        check_int(self.features, "Segmentwise: features")
+
+    def __call__(self, module: nn.Module, *, group: ProcessGroup | None = None) -> SegmentwiseActivation:
+        return SegmentwiseActivation(module, self.features, group=group)
+
+
+#: A plan value: a style name (a key of ``STYLES``), a head or segment style, a class with ``from_linear``,
+#: or a converter.
+Style = str | QKVColumn | HeadRow | Segmentwise | type | Callable[[nn.Module], nn.Module]
 
 #: The named styles.
 STYLES: Mapping[str, type] = MappingProxyType(
@@ -116,7 +140,7 @@ def _converter(style: Style, group: ProcessGroup | None) -> Callable[[nn.Module]
             raise ValueError(f"unknown parallel style {style!r}; known styles: {', '.join(sorted(STYLES))} "
                              "(or pass a class with from_linear/from_embedding, or a callable)")
         style = STYLES[style]
-    if isinstance(style, (QKVColumn, HeadRow)):
+    if isinstance(style, (QKVColumn, HeadRow, Segmentwise)):
         return functools.partial(style, group=group)
     if isinstance(style, type) and any(hasattr(style, method) for _, method in _FROM):
         cls = style
@@ -140,7 +164,8 @@ def parallelize(model: nn.Module, plan: Mapping[str, Style], *, group: ProcessGr
     are styles: ``"column"`` (``ColumnParallelLinear``), ``"row"``
     (``RowParallelLinear``), ``"embedding"`` (``VocabParallelEmbedding``),
     :class:`QKVColumn` and :class:`HeadRow` (a fused Q/K/V projection and the
-    output projection, by whole heads), a
+    output projection, by whole heads), :class:`Segmentwise` (an activation
+    between a column and a row layer, for the bitwise mode), a
     class with ``from_linear``/``from_embedding``, or any callable
     taking the dense module and returning its replacement. Every rank must hold
     the same dense weights. Returns ``model``, changed in place.

@@ -31,15 +31,19 @@ import tensorpar
 
 
 class CopyToTP(nn.Module):
-    """``f``: the input unchanged; backward all-reduces its gradient over the tp group."""
+    """``f``: the input unchanged; backward all-reduces its gradient over the tp group. In bitwise mode the
+    identity both ways: the column maps behind it sum the input gradient by their segments' tree."""
 
     def __init__(self, *, group: ProcessGroup | None = None) -> None:
         super().__init__()
         self.tp_group = tensorpar.tp_group(group)
         self.tp = tensorpar.group_rank_size(self.tp_group)[1]
+        self.bitwise = tensorpar.current_bitwise()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.tp == 1 else tensorpar.copy_to_tp(x, self.tp_group)  # the identity on a group of one
+        if self.tp == 1 or self.bitwise is not None:  # the identity on a group of one
+            return x
+        return tensorpar.copy_to_tp(x, self.tp_group)
 
 
 class ReduceFromTP(nn.Module):

@@ -17,14 +17,28 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+import hf_cases
 import tensorpar
 from gpt_cases import batch, gpt_configs, twins
-from layers import GPT, ColumnParallelLinear, GPTConfig, ParallelMLP, ParallelSelfAttention, RowParallelLinear
+from layers import (
+    GPT,
+    ColumnParallelLinear,
+    GPTConfig,
+    HeadRow,
+    ParallelMLP,
+    ParallelSelfAttention,
+    QKVColumn,
+    RowParallelLinear,
+    Segmentwise,
+    parallelize,
+    parallelize_hf,
+)
 from tensorpar.bitwise import Bitwise, SegmentTree, layouts
 from tensorpar.bitwise.segments import PlacedTree, placed_split
 from tensorpar.bitwise.tree_sum import tree_sum
 from tensorpar.sharding import Shard
 from tensorpar.testing import TOLERANCES, assert_all_close
+from test_parallelize import NanoBlock
 from test_training import SCRIPT, SMALL, flags, metrics
 
 # ---------------------------------------------------------------- segments and the tree
@@ -292,3 +306,93 @@ def test_train_gpt_bitwise_logs_the_same_losses_and_norms_at_every_tp(worlds, tm
         other_logged, other_weights = train(tp)
         assert other_logged == logged, f"tp={tp}"
         assert all(torch.equal(other_weights[k], v) for k, v in weights.items()), f"tp={tp}: weights differ"
+
+
+# ---------------------------------------------------------------- converted models
+
+
+def nano_block_run(n_head, head_dim, seed):
+    """nanoGPT's block (float32, tanh GELU) converted by a plan with ``Segmentwise`` for its activation:
+    output, input gradient and full gradients."""
+    torch.manual_seed(seed)
+    dense = NanoBlock(n_head * head_dim, n_head).float()
+    dense.mlp.act = torch.nn.GELU(approximate="tanh")
+    c = n_head * head_dim
+    model = parallelize(dense, {"attn.c_attn": QKVColumn(n_head), "attn.c_proj": HeadRow(n_head),
+                                "mlp.fc1": "column", "mlp.act": Segmentwise(4 * c), "mlp.fc2": "row"})
+    x = torch.randn(2, 5, c, generator=torch.Generator().manual_seed(seed)).requires_grad_()
+    y = model(x)
+    y.backward(torch.ones_like(y))
+    return {"y": y.detach(), "x.grad": x.grad} | {f"grad {k}": v for k, v in tensorpar.full_grads(model).items()}
+
+
+def hf_run(arch, spec, seed):
+    """A ``transformers`` model converted by ``parallelize_hf``, two AdamW steps with clipping."""
+    model = parallelize_hf(hf_cases.build(arch, spec, torch.float32, seed))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    out = {}
+    for step in range(2):
+        ids, labels = hf_cases.batch(spec, 2, 6, seed + step)
+        loss = model(input_ids=ids, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        out |= {f"step {step} loss": loss.detach(), f"step {step} norm": tensorpar.clip_grad_norm_(model, 1.0)}
+        optimizer.step()
+    return out | {f"param {k}": v for k, v in tensorpar.full_state_dict(model).items()}
+
+
+HF_SPECS = {"gpt2": dict(vocab_size=37, attn="sdpa", n_layer=1, n_head=6, n_embd=24, n_positions=16),
+            "llama": dict(vocab_size=41, attn="eager", num_hidden_layers=1, num_attention_heads=8,
+                          num_key_value_heads=4, hidden_size=32, intermediate_size=44, tie_word_embeddings=False)}
+
+
+def test_parallelized_and_hugging_face_models_compute_the_same_bits_at_every_tp(worlds):
+    """A plan-converted nanoGPT block (its activation by ``Segmentwise``) and ``parallelize_hf``'s GPT-2 (6
+    heads: uneven at tp 4) and Llama (grouped-query, 4 KV heads) at tp 2, 3 and 4 against tp 1."""
+    cases = [(nano_block_run, (6, 3, 0))] + [(hf_run, (arch, spec, 0)) for arch, spec in HF_SPECS.items()]
+    for fn, args in cases:
+        one = worlds[1].run(fn, *args, bitwise=True)[0]
+        for tp in (2, 3, 4):
+            for got in worlds[tp].run(fn, *args, bitwise=True):
+                assert not differing(one, got), f"{fn.__name__}{args[:1]} at tp={tp}: {differing(one, got)[:5]}"
+
+
+def refuse_grouped_llama():
+    spec = HF_SPECS["llama"] | dict(num_key_value_heads=2)
+    try:
+        parallelize_hf(hf_cases.build("llama", spec, torch.float32, 0))
+    except ValueError as e:
+        return str(e)
+
+
+def test_parallelize_hf_refuses_fewer_kv_heads_than_a_tp_of_the_mode(worlds):
+    assert worlds[2].run(refuse_grouped_llama, bitwise=True)[0].startswith(
+        "parallelize_hf in bitwise mode needs at least as many KV heads as ranks at every tp of the mode: "
+        "num_key_value_heads 2 < tp 3")
+
+
+# ---------------------------------------------------------------- the debugger
+
+
+def divergence_against_the_tp1_twin(cfg, plant):
+    """find_divergence of a bitwise GPT against its twin at tp = 1 (a group of this rank alone), exact;
+    with ``plant``, one block's MLP output projection sums by the default all-reduce instead of its tree."""
+    tensorpar.manual_seed(0)
+    model = GPT(GPTConfig(**cfg))
+    twin = GPT(GPTConfig(**cfg), group=tensorpar.testing.group_of_one())
+    twin.load_full_state_dict(model.full_state_dict())
+    if plant:
+        model.transformer.h[1].mlp.c_proj.segments = None  # the bug: this layer leaves the mode
+    idx, targets = batch(cfg, 2, 6, 0)
+    report = tensorpar.testing.find_divergence(model, twin, idx, targets, loss_fn=None)
+    return report.ok, str(report)
+
+
+def test_find_divergence_in_bitwise_mode_reports_any_difference_at_all(worlds):
+    """Against the twin at tp = 1 every tensor is equal bit for bit; a layer that sums by the all-reduce
+    (equal to within 1e-7, which the default float32 tolerance of 1e-5 would let pass) is named."""
+    cfg = GQA_FEWER_THAN_TP | dict(n_layer=2, n_embd=36, vocab_size=97)
+    ok, text = worlds[3].run(divergence_against_the_tp1_twin, cfg, False, bitwise=True)[0]
+    assert ok, text
+    ok, text = worlds[3].run(divergence_against_the_tp1_twin, cfg, True, bitwise=True)[0]
+    assert not ok and "transformer.h.1.mlp.c_proj" in text, text

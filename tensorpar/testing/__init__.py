@@ -26,9 +26,9 @@ Example (a pytest test)::
 """
 
 from .compare import TOLERANCES, assert_all_close, assert_close, assert_sharded_equivalent, rel_error
-from .debugger import find_divergence
+from .debugger import find_divergence, group_of_one
 from .findings import DivergenceReport, Finding
 from .pool import World, Worlds, run_script
 
 __all__ = ["TOLERANCES", "DivergenceReport", "Finding", "World", "Worlds", "assert_all_close", "assert_close",
-           "assert_sharded_equivalent", "find_divergence", "rel_error", "run_script"]
+           "assert_sharded_equivalent", "find_divergence", "group_of_one", "rel_error", "run_script"]

@@ -219,6 +219,20 @@ def _from_rank_zero(report: DivergenceReport, group: ProcessGroup, device: torch
     return DivergenceReport.from_json(bytes(data.cpu().tolist()).decode())
 
 
+def group_of_one() -> ProcessGroup:
+    """A process group of this rank alone, for a twin built at tp = 1 beside a sharded model (every rank
+    of the world calls it: creating groups is a collective).
+
+    Example::
+
+        twin = GPT(config, group=tensorpar.testing.group_of_one())   # in bitwise mode: tp = 1's bits
+        twin.load_full_state_dict(model.full_state_dict())
+        report = tensorpar.testing.find_divergence(model, twin, idx)  # exact
+    """
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    return groups[dist.get_rank()]
+
+
 def find_divergence(sharded: nn.Module, dense: nn.Module, *inputs: Any,
                     loss_fn: Callable[..., torch.Tensor] | None = None, target: Any = None,
                     rtol: float | None = None, group: ProcessGroup | None = None, seed: int = 0) -> DivergenceReport:
@@ -234,6 +248,10 @@ def find_divergence(sharded: nn.Module, dense: nn.Module, *inputs: Any,
     (:data:`~tensorpar.testing.TOLERANCES`). Both models' ``.grad`` are reset first and hold
     this backward's gradients after. Run it with dropout off (``model.eval()`` or ``p=0``).
 
+    A sharded model built in bitwise mode (:mod:`tensorpar.bitwise`) is compared exactly (``rtol`` 0
+    unless given): its twin is the same model built in bitwise mode at tp = 1, on a group of this
+    rank alone (:func:`group_of_one`), and any bit that differs is a divergence.
+
     Example::
 
         report = tensorpar.testing.find_divergence(model, dense, x)   # on every rank
@@ -244,6 +262,8 @@ def find_divergence(sharded: nn.Module, dense: nn.Module, *inputs: Any,
         raise ValueError("target= is given to loss_fn(output, target): pass loss_fn= too")
     group = _tp_group_of(sharded) if group is None else group
     device = collective_device(group)
+    if rtol is None and any(getattr(m, "bitwise", None) is not None for m in sharded.modules()):
+        rtol = 0.0  # the bitwise mode: the tp = 1 twin's bits exactly
     for p in [*sharded.parameters(), *dense.parameters()]:
         p.grad = None
     names = {name for name, _ in sharded.named_modules()} & {name for name, _ in dense.named_modules()}
