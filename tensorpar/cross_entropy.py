@@ -23,7 +23,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from .bitwise import Bitwise
-from .bitwise.linear import fixed
+from .bitwise.linear import fixed, gathered
 from .bitwise.segments import PlacedTree, placed_split
 from .bitwise.tree_sum import tree_sum
 from .checks import check_ids
@@ -46,8 +46,7 @@ def _summed_exp(z: torch.Tensor, segments: PlacedTree | None, group: ProcessGrou
         return start_all_reduce_(z.exp_().sum(-1), group).wait()
     for _, lo, n in segments.local:
         z.narrow(-1, lo, n).copy_(fixed(z.narrow(-1, lo, n)).exp())
-    rows = {s: (lo, n) for s, lo, n in segments.local}
-    return tree_sum(lambda s: fixed(z.narrow(-1, *rows[s])).sum(-1), segments, group, z.shape[:-1], z)
+    return tree_sum(lambda leaf: gathered(z, segments.pieces(leaf), -1).sum(-1), segments, group, z.shape[:-1], z)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -30,7 +30,7 @@ from torch.distributed import ProcessGroup
 
 from ..comm.linear import autocast_inputs
 from .segments import PlacedTree
-from .tree_sum import tree_sum
+from .tree_sum import start_tree_sum, tree_sum
 
 #: the alignment of a fresh allocation (torch's CPU allocator: 64 bytes; CUDA's caching allocator: more)
 ALIGNMENT = MappingProxyType({"cpu": 64, "cuda": 256})
@@ -43,11 +43,6 @@ def fixed(t: torch.Tensor) -> torch.Tensor:
         return t.contiguous()
     aligned = t.storage_offset() * t.element_size() % ALIGNMENT.get(t.device.type, 64) == 0
     return t if aligned and t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
-
-
-def segments_of(t: torch.Tensor, placed: PlacedTree, dim: int = -1) -> list[tuple[int, torch.Tensor]]:
-    """This rank's segments of ``t`` along ``dim`` (its local layout), each with its segment index."""
-    return [(s, t.narrow(dim, lo, n)) for s, lo, n in placed.local]
 
 
 class _FixedGradient(torch.autograd.Function):
@@ -82,21 +77,24 @@ def by_segment(t: torch.Tensor, placed: PlacedTree, fn: Callable[[torch.Tensor],
     return blockwise(fn, [t], dim, placed.lengths())
 
 
+def gathered(t: torch.Tensor, pieces: Sequence[tuple[int, int]], dim: int) -> torch.Tensor:
+    """The ``(offset, length)`` pieces of ``t`` along ``dim`` side by side: contiguous and aligned (a leaf
+    of several segments gathered by a copy, a single segment as :func:`fixed` gives it)."""
+    if len(pieces) == 1:
+        return fixed(t.narrow(dim, *pieces[0]))
+    return torch.cat([t.narrow(dim, lo, n) for lo, n in pieces], dim)
+
+
 def token_sum(g: torch.Tensor, placed: PlacedTree, group: ProcessGroup | None) -> torch.Tensor:
     """``g`` ``(..., T_r, C)`` summed over every token of the sequence, by canonical segments of the
     tokens (dim -2; ``placed`` over the tokens this rank holds): the same bits whether the tokens are
     split over ranks (sequence parallelism) or not. ``(C,)``, on every rank."""
     g3 = g.reshape(math.prod(g.shape[:-2]), *g.shape[-2:]) if g.dim() >= 2 else g.reshape(1, 1, -1)  # (B, T_r, C)
-
-    def partial(s: int) -> torch.Tensor:
-        _, lo, n = next(item for item in placed.local if item[0] == s)
-        return fixed(g3.narrow(1, lo, n)).sum((0, 1))  # (C,)
-
-    return tree_sum(partial, placed, group, g3.shape[-1:], g3)
+    return tree_sum(lambda leaf: gathered(g3, placed.pieces(leaf), 1).sum((0, 1)), placed, group, g3.shape[-1:], g3)
 
 
 class _SegmentedColumnLinear(torch.autograd.Function):
-    """Column-parallel ``Y = X Wᵀ + b`` by output segments; backward, the input gradient's tree sum."""
+    """Column-parallel ``Y = X Wᵀ + b`` by output leaves; backward, the input gradient's tree sum."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, placed: PlacedTree,
@@ -105,9 +103,14 @@ class _SegmentedColumnLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.placed, ctx.group, ctx.has_bias = placed, group, bias is not None
         x2 = fixed(x.reshape(-1, x.shape[-1]))  # (N, in)
+        outputs: dict[int, torch.Tensor] = {}  # segment -> (N, its rows)
         with torch.autocast(x.device.type, enabled=False):
-            parts = [F.linear(x2, fixed(w), None if bias is None else fixed(bias.narrow(0, lo, n)))
-                     for (_, w), (_, lo, n) in zip(segments_of(weight, placed, 0), placed.local, strict=True)]
+            for leaf in sorted(placed.held(placed.rank)):  # one product per leaf, its segments' rows gathered
+                pieces = placed.pieces(leaf)
+                b = None if bias is None else gathered(bias, pieces, 0)
+                y = F.linear(x2, gathered(weight, pieces, 0), b)  # (N, rows of the leaf)
+                outputs |= zip(placed.tree.leaves[leaf], y.split([n for _, n in pieces], -1), strict=True)
+        parts = [outputs[s] for s, _, _ in placed.local]
         return torch.cat(parts, -1).reshape(*x.shape[:-1], -1)  # (*, out / tp)
 
     @staticmethod
@@ -117,36 +120,42 @@ class _SegmentedColumnLinear(torch.autograd.Function):
         placed, needs = ctx.placed, ctx.needs_input_grad
         g2 = grad.reshape(-1, grad.shape[-1])  # (N, out / tp)
         x2 = fixed(x.reshape(-1, x.shape[-1]))  # (N, in)
-        rows = {s: (lo, n) for s, lo, n in placed.local}
+        leaves = sorted(placed.held(placed.rank))
+        grads = {leaf: gathered(g2, placed.pieces(leaf), 1) for leaf in leaves}  # (N, rows of the leaf), once
 
-        def input_part(s: int) -> torch.Tensor:
-            lo, n = rows[s]
-            return fixed(g2.narrow(1, lo, n)) @ fixed(weight.narrow(0, lo, n))  # (N, in)
+        def input_part(leaf: int) -> torch.Tensor:
+            return grads[leaf] @ gathered(weight, placed.pieces(leaf), 0)  # (N, in)
 
-        grad_x = tree_sum(input_part, placed, ctx.group, x2.shape, x2).reshape(x.shape) if needs[0] else None
-        grad_w = grad_b = None
+        pending = start_tree_sum(input_part, placed, ctx.group, x2.shape, x2) if needs[0] else None
+        grad_w = grad_b = None  # while the partial sums of the input gradient are exchanged
         if needs[1]:
-            grad_w = torch.cat([fixed(g2.narrow(1, lo, n)).t() @ x2 for _, lo, n in placed.local])  # (out / tp, in)
-        if ctx.has_bias and needs[2]:
+            rows: dict[int, torch.Tensor] = {}  # segment -> its rows of the weight gradient
+            for leaf in leaves:
+                sizes = [n for _, n in placed.pieces(leaf)]
+                rows |= zip(placed.tree.leaves[leaf], (grads[leaf].t() @ x2).split(sizes), strict=True)
+            grad_w = torch.cat([rows[s] for s, _, _ in placed.local])  # (out / tp, in)
+        if ctx.has_bias and needs[2]:  # a sum over the tokens of each segment's columns
             grad_b = torch.cat([fixed(g2.narrow(1, lo, n)).sum(0) for _, lo, n in placed.local])
+        grad_x = None if pending is None else pending.wait().reshape(x.shape)
         return grad_x, grad_w, grad_b, None, None
 
 
 class _SegmentedRowLinear(torch.autograd.Function):
-    """Row-parallel ``Y = Σ_s X_s W_sᵀ + b`` by input segments, the sum a tree sum."""
+    """Row-parallel ``Y = Σ_leaves X_leaf W_leafᵀ + b`` by input leaves, the sum a tree sum."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, placed: PlacedTree,
                 tokens: PlacedTree | None, group: ProcessGroup | None) -> torch.Tensor:
         x, weight, bias = autocast_inputs(x, weight, bias)
-        ctx.save_for_backward(x, weight)
-        ctx.placed, ctx.tokens, ctx.group, ctx.has_bias = placed, tokens, group, bias is not None
         x2 = x.reshape(-1, x.shape[-1])  # (N, in / tp)
-        cols = {s: (lo, n) for s, lo, n in placed.local}
+        leaves = sorted(placed.held(placed.rank))
+        inputs = [gathered(x2, placed.pieces(leaf), 1) for leaf in leaves]  # (N, n) each: x, copied once
+        ctx.save_for_backward(weight, *inputs)  # the leaves stand for x: no more memory
+        ctx.placed, ctx.tokens, ctx.group, ctx.has_bias, ctx.shape = placed, tokens, group, bias is not None, x.shape
+        by_leaf = dict(zip(leaves, inputs, strict=True))
 
-        def part(s: int) -> torch.Tensor:
-            lo, n = cols[s]
-            return F.linear(fixed(x2.narrow(1, lo, n)), fixed(weight.narrow(1, lo, n)))  # (N, out)
+        def part(leaf: int) -> torch.Tensor:
+            return F.linear(by_leaf[leaf], gathered(weight, placed.pieces(leaf), 1))  # (N, out)
 
         with torch.autocast(x.device.type, enabled=False):
             y = tree_sum(part, placed, group, (x2.shape[0], weight.shape[0]), x2)
@@ -156,15 +165,24 @@ class _SegmentedRowLinear(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
+        weight, *inputs = ctx.saved_tensors
         placed, needs = ctx.placed, ctx.needs_input_grad
+        leaves = sorted(placed.held(placed.rank))
         g2 = fixed(grad.reshape(-1, grad.shape[-1]))  # (N, out)
-        x2 = x.reshape(-1, x.shape[-1])
         grad_x = grad_w = grad_b = None
+
+        def to_local(by_leaf: list[torch.Tensor]) -> torch.Tensor:
+            """Per-leaf column blocks ``(*, n)`` laid out as this rank's local columns."""
+            columns: dict[int, torch.Tensor] = {}
+            for leaf, block in zip(leaves, by_leaf, strict=True):
+                sizes = [n for _, n in placed.pieces(leaf)]
+                columns |= zip(placed.tree.leaves[leaf], block.split(sizes, -1), strict=True)
+            return torch.cat([columns[s] for s, _, _ in placed.local], -1)
+
         if needs[0]:
-            grad_x = torch.cat([g2 @ fixed(weight.narrow(1, lo, n)) for _, lo, n in placed.local], -1).reshape(x.shape)
+            grad_x = to_local([g2 @ gathered(weight, placed.pieces(leaf), 1) for leaf in leaves]).reshape(ctx.shape)
         if needs[1]:
-            grad_w = torch.cat([g2.t() @ fixed(x2.narrow(1, lo, n)) for _, lo, n in placed.local], 1)  # (out, in / tp)
+            grad_w = to_local([g2.t() @ x_leaf for x_leaf in inputs])  # (out, in / tp)
         if ctx.has_bias and needs[2]:  # every token's gradient, here: no collective
             grad_b = token_sum(grad, ctx.tokens, None)
         return grad_x, grad_w, grad_b, None, None, None

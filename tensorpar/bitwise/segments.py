@@ -56,14 +56,19 @@ def _priority(tp: int) -> tuple[bool, int]:
 class SegmentTree:
     """The canonical segments of a dimension of ``size`` and the tree that adds their partial results.
 
-    ``segments`` are ``(offset, length)`` runs in order; ``nodes`` the runs of two or more segments
-    that are nodes of the tree (the root ``(0, n)`` included), pairwise nested or disjoint. A node's
-    value is its children's values added left to right; its children are the largest nodes inside it
-    and the single segments between them.
+    ``segments`` are ``(offset, length)`` runs in order. The tree's *leaves* are groups of segments
+    that one rank holds together at every tp (the Q, K and V rows of one group of heads; a plain
+    split's segments are leaves of one each), ``leaves`` giving each leaf's segments, leaf by leaf in
+    the tree's order: by which rank holds them at each tp, smallest tp first (for a plain split, the
+    segments' own order). ``nodes`` are the runs ``[lo, hi)`` of two or more leaves that are nodes of
+    the tree (the root ``(0, n)`` included), pairwise nested or disjoint. A node's value is its
+    children's values added left to right; its children are the largest nodes inside it and the
+    single leaves between them.
     """
 
     size: int
     segments: tuple[Piece, ...]
+    leaves: tuple[tuple[int, ...], ...]
     nodes: frozenset[Node]
     inner: Mapping[Node, tuple[Node, ...]] = field(init=False, repr=False, compare=False)
 
@@ -91,22 +96,30 @@ class SegmentTree:
                         cuts |= {offset, offset + length}
         cuts_sorted = sorted(cuts)
         segments = tuple((a, b - a) for a, b in itertools.pairwise(cuts_sorted))
-        index = {offset: i for i, offset in enumerate(cuts_sorted)}
-        nodes: set[Node] = {(0, len(segments))} if len(segments) > 1 else set()  # a single segment: a leaf
+        starts = {offset: i for i, offset in enumerate(cuts_sorted)}
+        holders = {tp: _holders(segments, starts, ranks) for tp, ranks in layout.items()}
+        signature = {s: tuple(holders[tp][s] for tp in sorted(layout)) for s in range(len(segments))}
+        groups: dict[tuple[tuple[int, int], ...], list[int]] = {}
+        for s in range(len(segments)):
+            groups.setdefault(signature[s], []).append(s)
+        leaves = tuple(tuple(groups[key]) for key in sorted(groups))
+        leaf_of = {s: i for i, leaf in enumerate(leaves) for s in leaf}
+        nodes: set[Node] = {(0, len(leaves))} if len(leaves) > 1 else set()  # a single leaf: no inner node
         for tp in sorted(layout, key=_priority):
-            for pieces in layout[tp]:
-                for offset, length in pieces:
-                    node = (index[offset], index[offset + length]) if length else (0, 0)
-                    if node[1] - node[0] >= 2 and all(_nested_or_apart(node, other) for other in nodes):
-                        nodes.add(node)
-        return cls(size, segments, frozenset(nodes))
+            for rank in range(len(layout[tp])):
+                own = sorted({leaf_of[s] for s in range(len(segments)) if holders[tp][s] == (0, rank)})
+                node = (own[0], own[-1] + 1) if own else (0, 0)
+                contiguous = len(own) == node[1] - node[0]
+                if contiguous and len(own) >= 2 and all(_nested_or_apart(node, other) for other in nodes):
+                    nodes.add(node)
+        return cls(size, segments, leaves, frozenset(nodes))
 
     @property
     def root(self) -> Node:
-        return (0, len(self.segments))
+        return (0, len(self.leaves))
 
     def children(self, node: Node) -> tuple[Node, ...]:
-        """The children of a node, left to right (none for a single segment)."""
+        """The children of a node, left to right (none for a single leaf)."""
         return self.inner.get(node, ())
 
     def segments_of(self, pieces: Sequence[Piece]) -> list[int]:
@@ -122,6 +135,18 @@ class SegmentTree:
         return found
 
 
+def _holders(segments: Sequence[Piece], starts: Mapping[int, int],
+             ranks: Sequence[Sequence[Piece]]) -> dict[int, tuple[int, int]]:
+    """Who holds each segment at one tp: ``(0, rank)`` for one rank, ``(1, 0)`` for every rank."""
+    held: dict[int, set[int]] = {s: set() for s in range(len(segments))}
+    for rank, pieces in enumerate(ranks):
+        for offset, length in pieces:
+            if length:
+                for s in range(starts[offset], starts[offset + length]):
+                    held[s].add(rank)
+    return {s: (0, min(h)) if len(h) == 1 else (1, 0) for s, h in held.items()}
+
+
 def _nested_or_apart(a: Node, b: Node) -> bool:
     return a[1] <= b[0] or b[1] <= a[0] or (b[0] <= a[0] and a[1] <= b[1]) or (a[0] <= b[0] and b[1] <= a[1])
 
@@ -129,18 +154,20 @@ def _nested_or_apart(a: Node, b: Node) -> bool:
 @dataclass(frozen=True)
 class PlacedTree:
     """A :class:`SegmentTree` over the ranks of one tp group: which ranks hold which segments
-    (``holders``), and this rank's segments in the order its local tensor holds them (``local``:
-    ``(segment, local offset, length)``). A segment every rank holds (a replicated part) is
-    computed by each, alike."""
+    (``holders``) and leaves (``leaf_holders``), this rank's segments in the order its local tensor holds
+    them (``local``: ``(segment, local offset, length)``), and where each leaf it holds lies in its local
+    tensor (:meth:`pieces`). A segment every rank holds (a replicated part) is computed by each, alike."""
 
     tree: SegmentTree
     tp: int
     rank: int
     holders: tuple[frozenset[int], ...]
     local: tuple[tuple[int, int, int], ...]
+    leaf_holders: tuple[frozenset[int], ...] = field(init=False)
     sent: tuple[tuple[Node, ...], ...] = field(init=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "leaf_holders", tuple(self.holders[leaf[0]] for leaf in self.tree.leaves))
         common = self.common()
         object.__setattr__(self, "sent", tuple(self._maximal(self.held(r), common, self.tree.root)
                                                for r in range(self.tp)))
@@ -155,6 +182,8 @@ class PlacedTree:
         unheld = [tree.segments[s] for s, h in enumerate(holders) if not h]
         if unheld:
             raise ValueError(f"no rank holds the segments {unheld} of a dimension of {tree.size}")
+        if any(len({frozenset(holders[s]) for s in leaf}) > 1 for leaf in tree.leaves):
+            raise ValueError("a leaf's segments are held by different ranks: the tree was built for other layouts")
         local, at = [], 0
         for s in tree.segments_of(pieces_by_rank[rank]):
             local.append((s, at, tree.segments[s][1]))
@@ -162,22 +191,28 @@ class PlacedTree:
         return cls(tree, len(pieces_by_rank), rank, tuple(frozenset(h) for h in holders), tuple(local))
 
     def held(self, rank: int) -> frozenset[int]:
-        return frozenset(s for s, h in enumerate(self.holders) if rank in h)
+        """The leaves ``rank`` holds."""
+        return frozenset(i for i, h in enumerate(self.leaf_holders) if rank in h)
 
     def common(self) -> frozenset[int]:
-        """Segments every rank holds."""
-        return frozenset(s for s, h in enumerate(self.holders) if len(h) == self.tp)
+        """The leaves every rank holds."""
+        return frozenset(i for i, h in enumerate(self.leaf_holders) if len(h) == self.tp)
 
     def lengths(self) -> list[int]:
         """This rank's segment lengths, in its local order (to split its local tensor by)."""
         return [n for _, _, n in self.local]
 
+    def pieces(self, leaf: int) -> list[tuple[int, int]]:
+        """``(local offset, length)`` of each segment of ``leaf`` (one this rank holds), in the leaf's order."""
+        where = {s: (lo, n) for s, lo, n in self.local}
+        return [where[s] for s in self.tree.leaves[leaf]]
+
     def _maximal(self, held: frozenset[int], common: frozenset[int], node: Node) -> tuple[Node, ...]:
-        """The largest nodes under ``node`` whose segments are all ``held``, leaving out those every
-        rank holds: what a rank holding ``held`` adds up itself and sends to the others."""
-        segments = set(range(*node))
-        if segments <= held:
-            return () if segments <= common else (node,)
+        """The largest nodes under ``node`` whose leaves are all ``held``, leaving out those every rank
+        holds: what a rank holding ``held`` adds up itself and sends to the others."""
+        leaves = set(range(*node))
+        if leaves <= held:
+            return () if leaves <= common else (node,)
         return tuple(n for child in self.tree.children(node) for n in self._maximal(held, common, child))
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch.distributed import ProcessGroup
 
-from ..comm.collectives import all_gather_along
+from ..comm.collectives import Pending, start_all_gather_along
 from .segments import Node, PlacedTree
 
 
@@ -31,43 +31,66 @@ def _added(values: Iterator[torch.Tensor]) -> torch.Tensor:
     return total
 
 
-def tree_sum(partial: Callable[[int], torch.Tensor], placed: PlacedTree, group: ProcessGroup | None,
-             shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
-    """The tree sum of every segment's partial result, the same on every rank of ``group``.
+class PendingTreeSum:
+    """A tree sum whose exchange is in flight; ``wait()`` finishes it (the same bits on every rank)."""
 
-    ``partial(s)`` computes the partial result of segment ``s``, for each segment this rank holds,
-    when the tree needs it (so that no more are alive at once than the tree's depth); each has
-    ``shape`` and ``like``'s dtype and device. A collective over ``group`` when ranks hold segments
-    of their own.
+    def __init__(self, placed: PlacedTree, local: Callable[[Node], torch.Tensor], mine: dict[Node, torch.Tensor],
+                 exchange: Pending | None) -> None:
+        self._placed, self._local, self._mine, self._exchange = placed, local, mine, exchange
+
+    def wait(self) -> torch.Tensor:
+        placed = self._placed
+        received: dict[Node, torch.Tensor] = dict(self._mine)  # this rank's own subtrees, computed once
+        if self._exchange is not None:
+            everyone = self._exchange.wait().unbind(0)  # every rank's subtrees, in rank order
+            at = 0
+            for r, nodes in enumerate(placed.sent):
+                for node in nodes:
+                    if r != placed.rank:
+                        received[node] = everyone[at]
+                    at += 1
+        held = placed.held(placed.rank)
+
+        def value(node: Node) -> torch.Tensor:
+            if node in received:
+                return received[node]
+            if set(range(*node)) <= held:
+                return self._local(node)
+            return _added(value(child) for child in placed.tree.children(node))
+
+        return value(placed.tree.root)
+
+
+def start_tree_sum(partial: Callable[[int], torch.Tensor], placed: PlacedTree, group: ProcessGroup | None,
+                   shape: Sequence[int], like: torch.Tensor) -> PendingTreeSum:
+    """Start the tree sum of every leaf's partial result; ``wait()`` gives it, the same on every rank of
+    ``group`` (what this rank computes meanwhile overlaps the exchange).
+
+    ``partial(leaf)`` computes the partial result of a leaf this rank holds (see
+    :class:`~.segments.SegmentTree`), when the tree needs it (so that no more are alive at once than the
+    tree's depth); each has ``shape`` and ``like``'s dtype and device. A collective over ``group`` when
+    ranks hold leaves of their own.
     """
-    held = placed.held(placed.rank)
-
     def local(node: Node) -> torch.Tensor:
         lo, hi = node
         if hi - lo == 1:
             return partial(lo)
         return _added(local(child) for child in placed.tree.children(node))
 
-    received: dict[Node, torch.Tensor] = {}
+    mine: dict[Node, torch.Tensor] = {}
+    exchange = None
     counts = [len(nodes) for nodes in placed.sent]
     if placed.tp > 1 and any(counts):  # every rank joins when any rank has something for the others
         if group is None:
-            raise ValueError("tree_sum: other ranks hold segments of their own, and no group reaches them")
-        mine = [local(node) for node in placed.sent[placed.rank]]
-        stacked = torch.stack(mine) if mine else like.new_empty((0, *shape))
-        everyone = all_gather_along(stacked, 0, counts, group).unbind(0)  # in rank order
-        at = 0
-        for r, nodes in enumerate(placed.sent):
-            for node in nodes:
-                if r != placed.rank:
-                    received[node] = everyone[at]
-                at += 1
+            raise ValueError("tree_sum: other ranks hold leaves of their own, and no group reaches them")
+        mine = {node: local(node) for node in placed.sent[placed.rank]}
+        stacked = torch.stack(list(mine.values())) if mine else like.new_empty((0, *shape))
+        exchange = start_all_gather_along(stacked, 0, counts, group)
+    return PendingTreeSum(placed, local, mine, exchange)
 
-    def value(node: Node) -> torch.Tensor:
-        if set(range(*node)) <= held:
-            return local(node)
-        if node in received:
-            return received[node]
-        return _added(value(child) for child in placed.tree.children(node))
 
-    return value(placed.tree.root)
+def tree_sum(partial: Callable[[int], torch.Tensor], placed: PlacedTree, group: ProcessGroup | None,
+             shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+    """The tree sum of every leaf's partial result, the same on every rank of ``group``
+    (:func:`start_tree_sum`, waited for)."""
+    return start_tree_sum(partial, placed, group, shape, like).wait()
