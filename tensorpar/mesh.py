@@ -183,8 +183,10 @@ def _agree(tp: int | None, dp: int | None, pp: int, backend: str | None, mode: B
         sizes = [t for t in range(62) if bits >> t & 1]
         return "off" if threads < 0 else f"tp sizes {sizes}, threads {threads or None}"
 
-    views = [f"rank {r}: tp={t or None}, dp={d or None}, pp={p}, backend={_BACKENDS[b] if b >= 0 else 'other'!r}, "
-             f"bitwise {mode_of(bits, th)}" for r, (t, d, p, b, bits, th) in enumerate(everyone)]
+    any_bitwise = any(row[5] >= 0 for row in everyone)  # the mode is named where a rank asked for it
+    views = [f"rank {r}: tp={t or None}, dp={d or None}, pp={p}, backend={_BACKENDS[b] if b >= 0 else 'other'!r}"
+             + (f", bitwise {mode_of(bits, th)}" if any_bitwise else "")
+             for r, (t, d, p, b, bits, th) in enumerate(everyone)]
     raise ValueError(f"the ranks called tensorpar.init with different arguments ({'; '.join(views)})")
 
 
