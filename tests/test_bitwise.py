@@ -190,17 +190,17 @@ def test_layers_compute_the_same_bits_at_every_tp(worlds, kind, tp, dtype, data)
 # ---------------------------------------------------------------- the GPT
 
 
-def gpt_run(cfg, b, t, seed, steps, autocast):
+def gpt_run(cfg, b, t, seed, steps, autocast, device="cpu"):
     """A GPT from ``seed`` trained ``steps`` AdamW steps with clipping, in the current mode: the logits
     and every gradient of its first step, the loss and clipped norm of every step, and its parameters
     and AdamW state after the last (full tensors, the same on every rank)."""
     tensorpar.manual_seed(seed)
-    model = GPT(GPTConfig(**cfg))
+    model = GPT(GPTConfig(**cfg), device=device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     out = {}
     for step in range(steps):
-        idx, targets = batch(cfg, b, t, seed + step)
-        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        idx, targets = (ids.to(device) for ids in batch(cfg, b, t, seed + step))
+        with torch.autocast(device, torch.bfloat16, enabled=autocast):
             if step == 0:
                 with torch.no_grad():
                     out["logits"] = model(idx)
@@ -229,7 +229,8 @@ GQA_FEWER_THAN_TP = dict(n_layer=1, n_head=6, n_kv_head=2, n_embd=12, vocab_size
 @example(tp=4, data=None)  # 6 heads over 4 ranks reading 2 KV heads; 37 tokens of vocabulary; SP with T < tp
 @example(tp=3, data=None)
 def test_the_gpt_computes_the_same_bits_at_every_tp(worlds, tp, data):
-    """Logits, loss, every gradient, clipped norms, and parameters and AdamW state after two steps."""
+    """Logits, loss, every gradient, clipped norms, and parameters and AdamW state after two steps; with
+    sequence parallelism against tp = 1 without it (so turning it on changes no bit either)."""
     if data is None:
         cfg = GQA_FEWER_THAN_TP | dict(sequence_parallel=True, dropout=0.1)
         b, t, autocast = 2, 3, tp == 3
@@ -240,7 +241,9 @@ def test_the_gpt_computes_the_same_bits_at_every_tp(worlds, tp, data):
             activation_checkpointing=data.draw(st.booleans(), label="activation_checkpointing"))
         b, t = data.draw(st.integers(1, 3)), data.draw(st.integers(1, cfg["block_size"]))
         autocast = data.draw(st.booleans(), label="bfloat16 autocast")
-    one = worlds[1].run(gpt_run, cfg, b, t, 0, 2, autocast, bitwise=True)[0]
+    # tp = 1 without sequence parallelism, where nothing else differs (dropout draws its masks otherwise)
+    plain = cfg | dict(sequence_parallel=False) if not cfg["dropout"] else cfg
+    one = worlds[1].run(gpt_run, plain, b, t, 0, 2, autocast, bitwise=True)[0]
     for got in worlds[tp].run(gpt_run, cfg, b, t, 0, 2, autocast, bitwise=True):
         assert not differing(one, got), f"tp={tp} {cfg}: {differing(one, got)[:8]} differ from tp=1"
 
@@ -290,20 +293,23 @@ def test_the_mode_still_computes_the_unsharded_gpt(worlds):
 
 def test_train_gpt_bitwise_logs_the_same_losses_and_norms_at_every_tp(worlds, tmp_path):
     """``train_gpt.py --bitwise`` at tp 2, 3 and 4 logs exactly tp 1's losses and gradient norms and ends
-    with the same weights; without ``--bitwise`` tp 3 does not."""
+    with the same weights, and so does a run stopped at tp 2 and resumed at tp 3 from its checkpoint;
+    without ``--bitwise`` tp 3 does not."""
     run = SMALL | dict(steps=4, eval_every=0, n_head=6, n_embd=36, dropout=0.1)
 
-    def train(tp, bitwise=True):
-        out = tmp_path / f"tp{tp}-{bitwise}"
+    def train(tp, bitwise=True, name=None, **more):
+        out = tmp_path / (name or f"tp{tp}-{bitwise}")
         worlds[tp].run(tensorpar.testing.run_script, str(SCRIPT),
-                       *flags(run | dict(tp=tp, out=out, bitwise=bitwise)))
+                       *flags(run | dict(tp=tp, out=out, bitwise=bitwise) | more))
         logged = [(r["loss"], r["grad_norm"]) for r in metrics(out)]
         return logged, tensorpar.checkpoint.export_state_dict(out)
 
     (logged, weights), plain = train(1), train(3, bitwise=False)
     assert len(logged) == 4 and plain[0] != logged
-    for tp in (2, 3, 4):
-        other_logged, other_weights = train(tp)
+    train(2, name="resharded", stop_at=2, ckpt_every=2)
+    for tp, other in [(2, train(2)), (3, train(3)), (4, train(4)), ("2, then 3", train(3, name="resharded",
+                                                                                        resume="must"))]:
+        other_logged, other_weights = other
         assert other_logged == logged, f"tp={tp}"
         assert all(torch.equal(other_weights[k], v) for k, v in weights.items()), f"tp={tp}: weights differ"
 
@@ -396,3 +402,23 @@ def test_find_divergence_in_bitwise_mode_reports_any_difference_at_all(worlds):
     assert ok, text
     ok, text = worlds[3].run(divergence_against_the_tp1_twin, cfg, True, bitwise=True)[0]
     assert not ok and "transformer.h.1.mlp.c_proj" in text, text
+
+
+# ---------------------------------------------------------------- on a GPU
+
+
+def cuda_gpt_run(cfg, autocast):
+    """``gpt_run`` on CUDA tensors in a spawned group (gloo over CUDA tensors), its results on the CPU."""
+    tensorpar.init(bitwise=True)
+    return {k: v.cpu() for k, v in gpt_run(cfg, 2, 16, 0, 2, autocast, "cuda").items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_gpt_computes_the_same_bits_at_tp_1_and_2_on_cuda(autocast):
+    """cuBLAS picks its kernels by shape: the segments give every product the same shape at every tp."""
+    cfg = GQA_FEWER_THAN_TP | dict(n_layer=2, n_embd=96, vocab_size=101, block_size=16)
+    one = tensorpar.spawn(cuda_gpt_run, 1, cfg, autocast, backend="gloo")[0]
+    for got in tensorpar.spawn(cuda_gpt_run, 2, cfg, autocast, backend="gloo"):
+        assert not differing(one, got), differing(one, got)[:8]
