@@ -11,7 +11,9 @@ interleaved, over --microbatches). AdamW (its state optionally in host memory:
 --offload-optimizer), cosine learning rate with warmup, gradient clipping by
 the norm of the whole unsharded gradient, gradient accumulation; bf16 autocast
 on a GPU, float32 on the CPU, or --dtype. A host with fewer GPUs than local
-ranks trains on the CPU (with a warning when it has GPUs).
+ranks trains on the CPU (with a warning when it has GPUs). --bitwise trains in
+tensorpar's bitwise mode: --tp 1, 2, 3 and 4 log the same losses and gradient
+norms, bit for bit (tensorpar.bitwise; slower, one CPU thread per rank).
 
 Data: bytes of a text (the built-in corpus unless --data names a file; its
 last --val-fraction held out for validation), or a directory holding
