@@ -23,7 +23,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from .bitwise import Bitwise
-from .bitwise.linear import fixed, gathered
+from .bitwise.linear import fixed
 from .bitwise.segments import PlacedTree, placed_split
 from .bitwise.tree_sum import tree_sum
 from .checks import check_ids
@@ -44,9 +44,16 @@ def _summed_exp(z: torch.Tensor, segments: PlacedTree | None, group: ProcessGrou
     segments' tree (the same bits at every tp)."""
     if segments is None:
         return start_all_reduce_(z.exp_().sum(-1), group).wait()
-    for _, lo, n in segments.local:
-        z.narrow(-1, lo, n).copy_(fixed(z.narrow(-1, lo, n)).exp())
-    return tree_sum(lambda leaf: gathered(z, segments.pieces(leaf), -1).sum(-1), segments, group, z.shape[:-1], z)
+    exps = {s: fixed(z.narrow(-1, lo, n)).exp() for s, lo, n in segments.local}  # (*, n) each, contiguous
+
+    def partial(leaf: int) -> torch.Tensor:
+        (s,) = segments.tree.leaves[leaf]  # the vocabulary is split plainly: a leaf is one segment
+        return exps[s].sum(-1)
+
+    total = tree_sum(partial, segments, group, z.shape[:-1], z)
+    for s, lo, n in segments.local:
+        z.narrow(-1, lo, n).copy_(exps[s])
+    return total
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -165,9 +165,9 @@ class _SegmentedRowLinear(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        weight, *inputs = ctx.saved_tensors
         placed, needs = ctx.placed, ctx.needs_input_grad
         leaves = sorted(placed.held(placed.rank))
+        weight, *inputs = ctx.saved_tensors
         g2 = fixed(grad.reshape(-1, grad.shape[-1]))  # (N, out)
         grad_x = grad_w = grad_b = None
 
