@@ -24,12 +24,12 @@ from torch.distributed import ProcessGroup
 
 from .bitwise import Bitwise
 from .bitwise.linear import fixed
-from .bitwise.segments import PlacedTree, placed_split
+from .bitwise.segments import PlacedTree, placed_vocabulary
 from .bitwise.tree_sum import tree_sum
 from .checks import check_ids
 from .comm.collectives import start_all_reduce_
 from .mesh import current_bitwise, group_rank_size, tp_group
-from .sharding import Shard, partition_bounds
+from .sharding import partition_bounds
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -138,7 +138,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
     mode = current_bitwise() if bitwise is None else (current_bitwise() or Bitwise()) if bitwise else None
     segments = None
     if mode is not None:
-        segments = placed_split(Shard(0, vocab_size).pieces, vocab_size, n, rank, mode.tp_sizes)
+        segments = placed_vocabulary(vocab_size, n, rank, mode.tp_sizes)
     elif n == 1:  # the whole vocabulary is here; 16-bit logits are reduced in float32, as at tp > 1
         loss = F.cross_entropy(logits.reshape(-1, vocab_size).to(_loss_dtype(logits)), targets.reshape(-1),
                                ignore_index=ignore_index, reduction=reduction)

@@ -28,7 +28,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from ..sharding import partition_sizes
+import torch
+
+from ..sharding import partition_bounds, partition_sizes
 
 #: ``(offset, length)`` of a run of a full dimension
 Piece = tuple[int, int]
@@ -231,10 +233,21 @@ def placed_tokens(seq_len: int, tp: int, rank: int, tp_sizes: Iterable[int], *, 
     """The canonical segments of ``seq_len`` tokens (the cuts of sequence parallelism's balanced
     split at every size in ``tp_sizes``), placed over the ranks of ``tp`` when the tokens are
     ``split`` among them, else all held by this rank (every rank holding every token)."""
-    tree = _sequence_tree(seq_len, tuple(sorted({*tp_sizes, tp})))
+    sizes = tuple(sorted({*tp_sizes, tp}))
+    # eagerly from a cache; while torch.compile traces, built afresh (Dynamo would trace past the cache)
+    tree = _build_sequence_tree(seq_len, sizes) if torch.compiler.is_compiling() else _sequence_tree(seq_len, sizes)
     if not split:
         return PlacedTree.place(tree, [[(0, seq_len)]], 0)
     return PlacedTree.place(tree, _sequence_pieces(seq_len, tp), rank)
+
+
+def placed_vocabulary(vocab_size: int, tp: int, rank: int, tp_sizes: Iterable[int]) -> PlacedTree:
+    """The canonical segments of a vocabulary of ``vocab_size`` split in balanced rows, placed over ``tp``."""
+    sizes = tuple(sorted({*tp_sizes, tp}))
+    layout = {t: [[partition_bounds(vocab_size, t, r, name="vocab_size")] for r in range(t)]
+              for t in sizes if t <= vocab_size}
+    tree = SegmentTree.build(vocab_size, layout) if torch.compiler.is_compiling() else _tree(vocab_size, layout)
+    return PlacedTree.place(tree, layout[tp], rank)
 
 
 def _sequence_pieces(seq_len: int, tp: int) -> list[list[Piece]]:
@@ -242,9 +255,11 @@ def _sequence_pieces(seq_len: int, tp: int) -> list[list[Piece]]:
     return [[(sum(sizes[:r]), sizes[r])] for r in range(tp)]
 
 
-@functools.lru_cache(maxsize=64)
-def _sequence_tree(seq_len: int, tp_sizes: tuple[int, ...]) -> SegmentTree:
+def _build_sequence_tree(seq_len: int, tp_sizes: tuple[int, ...]) -> SegmentTree:
     return SegmentTree.build(seq_len, {tp: _sequence_pieces(seq_len, tp) for tp in tp_sizes})
+
+
+_sequence_tree = functools.lru_cache(maxsize=64)(_build_sequence_tree)
 
 
 def _tree(size: int, layout: Mapping[int, Sequence[Sequence[Piece]]]) -> SegmentTree:
