@@ -18,12 +18,13 @@ python=${PYTHON:-python3}
 
 # What changes between torch releases: torch.compile, FSDP2, distributed checkpoints, pipelining,
 # the collectives and torch's views of them (CommDebugMode, the profiler), activation checkpointing,
-# and transformers on top of torch.
+# transformers on top of torch, and the kernels whose bits the bitwise mode relies on.
 tests=(
   tests/test_compile.py tests/test_comm.py tests/test_observability.py
   tests/test_fsdp.py tests/test_dcp.py tests/test_checkpoint_files.py tests/test_offload_gpt.py
   tests/test_pipeline.py tests/test_activation_checkpointing.py
   tests/test_hf.py tests/test_hf_parallel.py tests/test_hf_parallel_api.py tests/test_hf_export.py
+  tests/test_bitwise.py
 )
 
 # The dependencies of this checkout's extras, recorded by a stamp named after pyproject.toml's hash:
