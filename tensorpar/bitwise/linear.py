@@ -1,16 +1,17 @@
-"""Column- and row-parallel linear maps computed segment by segment (the bitwise mode).
+"""Column- and row-parallel linear maps computed leaf by leaf (the bitwise mode).
 
-With the segments of the split dimension (:mod:`.segments`, this rank's in ``placed.local``):
+With the leaves of the split dimension (:mod:`.segments`: each a segment, or the segments one rank
+holds together at every tp, such as a head group's Q, K and V rows):
 
-* **column-parallel** ``Y = X Wᵀ``, ``W``'s rows split: each segment ``s`` of the output features is
-  one product ``X W_sᵀ (+ b_s)``, of the same shape at every tp. The input gradient
-  ``Σ_s G_s W_s`` is the tree sum of one product per segment (:func:`~.tree_sum.tree_sum`): it takes
-  the place of ``f``'s all-reduce, so the map is called without ``f`` in front of it;
-* **row-parallel** ``Y = Σ_s X_s W_sᵀ``, ``W``'s columns split: the output is the tree sum of one
-  product per segment of the input features, in place of ``g``; the bias is added after it, and its
+* **column-parallel** ``Y = X Wᵀ``, ``W``'s rows split: each leaf ``l`` of the output features is one
+  product ``X W_lᵀ (+ b_l)``, of the same shape at every tp. The input gradient ``Σ_l G_l W_l`` is
+  the tree sum of one product per leaf (:func:`~.tree_sum.tree_sum`): it takes the place of ``f``'s
+  all-reduce, so the map is called without ``f`` in front of it;
+* **row-parallel** ``Y = Σ_l X_l W_lᵀ``, ``W``'s columns split: the output is the tree sum of one
+  product per leaf of the input features, in place of ``g``; the bias is added after it, and its
   gradient is the token-wise tree sum of :func:`token_sum`.
 
-Weight and input gradients are computed per segment too (``G_sᵀ X`` and ``G W_s``): BLAS and cuBLAS
+Weight and input gradients are computed per leaf too (``G_lᵀ X`` and ``G W_l``): BLAS and cuBLAS
 choose a product's kernel by its shape, so a slice of a larger product need not hold the same bits.
 Every operand a kernel reads is contiguous and aligned (:func:`fixed`), a copy where the segment is a
 strided or offset view, so that whichever tensor a segment was cut from, the kernel sees the same.

@@ -8,11 +8,13 @@ every such tp, is then a run of whole segments. 12 features at tp 1-4 (shards
 8, 9 and the segments ``[0, 3) [3, 4) [4, 6) [6, 8) [8, 9) [9, 12)``; 10
 features (``[5, 5]``, ``[4, 3, 3]``, ``[3, 3, 2, 2]``) give seven.
 
-A sum over the dimension is computed as one partial result per segment (each of
-the same shape and from the same elements at every tp), added along a fixed tree
-over the segments. The tree is built from the shards themselves: its nodes are
-the runs of segments that the shards of the powers of two in the mode (2, then
-4, ...), then of the other sizes, cover, each kept when it nests with those
+A sum over the dimension is computed as one partial result per *leaf* (the
+segments one rank holds together at every tp: a plain split's segments one by
+one, a fused ``[Q | K | V]``'s Q, K and V rows of one group of heads together),
+each of the same shape and from the same elements at every tp, added along a
+fixed tree over the leaves. The tree is built from the shards themselves: its
+nodes are the runs of leaves that one rank holds at a power of two of the mode
+(2, then 4, ...), then at the other sizes, each kept when it nests with those
 already chosen. With 12 features: the halves ``[0, 6) [6, 12)`` and the
 quarters in them; tp 3's thirds cross the halves and are left out. A rank then
 adds the subtrees it holds whole by itself (one each at tp 2 and 4 here, two
@@ -34,7 +36,7 @@ from ..sharding import partition_bounds, partition_sizes
 
 #: ``(offset, length)`` of a run of a full dimension
 Piece = tuple[int, int]
-#: a run of segments ``[lo, hi)`` by index: a node of the tree (a leaf when ``hi == lo + 1``)
+#: a run of leaves ``[lo, hi)`` by index: a node of the tree (a leaf when ``hi == lo + 1``)
 Node = tuple[int, int]
 
 

@@ -1,7 +1,7 @@
-"""The sum of per-segment partial results along the fixed tree, the same bits on every rank and at every tp.
+"""The sum of per-leaf partial results along the fixed tree, the same bits on every rank and at every tp.
 
-Each rank holds the partial results of its own segments (and of the segments
-every rank holds, computed alike by each). It adds up the largest subtrees it
+Each rank holds the partial results of its own leaves (and of the leaves every
+rank holds, computed alike by each). It adds up the largest subtrees it
 holds whole (:attr:`~tensorpar.bitwise.segments.PlacedTree.sent`), the ranks
 all-gather those partial sums (one collective; none when no rank holds
 anything of its own), and every rank then adds the rest of the tree in the
