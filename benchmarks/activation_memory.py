@@ -39,9 +39,11 @@ times 4 bytes.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 import tensorpar
 from layers import GPT, GPTConfig
@@ -49,14 +51,11 @@ from layers import GPT, GPTConfig
 GPT2_WIDTH = dict(n_head=12, n_embd=768, vocab_size=50257, block_size=1024)
 
 
-def saved_activation_bytes(config: dict[str, Any], batch: int, tokens: int) -> int:
-    """On every rank: bytes of the distinct non-parameter storages saved for backward by one
-    forward of ``GPT(GPTConfig(**config))`` with its loss, on ``(batch, tokens)`` token ids."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(**config))
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    ids = torch.randint(0, model.config.vocab_size, (batch, tokens + 1), generator=torch.Generator().manual_seed(0))
-    storages: dict[int, int] = {}  # data pointer -> bytes; the graph keeps every one alive meanwhile
+def saved_bytes(module: nn.Module, forward: Callable[[], Any]) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``forward()`` runs, ``module``'s
+    parameters excluded (the graph ``forward`` builds keeps every one alive meanwhile; it is dropped after)."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    storages: dict[int, int] = {}  # data pointer -> bytes
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         s = t.untyped_storage()
@@ -65,9 +64,18 @@ def saved_activation_bytes(config: dict[str, Any], batch: int, tokens: int) -> i
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(ids[:, :-1], ids[:, 1:])
-    del loss
+        result = forward()
+    del result
     return sum(storages.values())
+
+
+def saved_activation_bytes(config: dict[str, Any], batch: int, tokens: int) -> int:
+    """On every rank: bytes of the distinct non-parameter storages saved for backward by one
+    forward of ``GPT(GPTConfig(**config))`` with its loss, on ``(batch, tokens)`` token ids."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**config))
+    ids = torch.randint(0, model.config.vocab_size, (batch, tokens + 1), generator=torch.Generator().manual_seed(0))
+    return saved_bytes(model, lambda: model(ids[:, :-1], ids[:, 1:]))
 
 
 def rank_figures(config: dict[str, Any], batch: int, tokens: int) -> dict[str, int]:

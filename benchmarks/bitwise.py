@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import activation_memory
 import tensorpar
 from layers import GPT, Block, GPTConfig, ParallelMLP
 from results import machine, write_section
@@ -88,21 +89,11 @@ def time_steps(name: str, steps: int) -> list[float]:
 
 
 def saved_bytes(name: str) -> int:
-    """In a pool rank: bytes of the distinct non-parameter storages one forward of ``name`` saves for backward."""
+    """In a pool rank: bytes of the distinct non-parameter storages one step of ``name`` saves for backward."""
     module, step, _ = _workload(name)
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        step()
+    saved = activation_memory.saved_bytes(module, step)
     module.zero_grad(set_to_none=True)
-    return sum(storages.values())
+    return saved
 
 
 def measure(pools: dict[int, World], rounds: int, steps: int) -> tuple[dict[Any, float], dict[Any, int]]:
