@@ -6,6 +6,8 @@ The pipeline cuts the batch into equal micro-batches and sums their mean losses 
 number, so losses, gradients (the tied head included: its two copies are summed over their stages)
 and parameters after AdamW steps agree to round-off."""
 
+import copy
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -17,7 +19,7 @@ from gpt_cases import gpt_configs, key_bias_drift
 from layers import GPT, GPTConfig, PipelinedGPT
 from reference_gpt import RefConfig, RefGPT
 from tensorpar.pipeline import rank_stages, stage_blocks
-from tensorpar.testing import assert_all_close
+from tensorpar.testing import assert_all_close, rel_error
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 NORM_TOLERANCE = {torch.float64: 1e-6, torch.float32: 5e-5}  # see train_against_reference
@@ -63,9 +65,18 @@ def test_a_pipelined_gpt_has_the_gpts_weights_bitwise(worlds, world, pp, stages_
     assert {a for _, a in parts} == {after}
 
 
+def float32_roundoff(ref, idx, targets, grads, scale):
+    """How far the float32 reference's gradients ``grads`` are from the float64 ones at the same
+    weights and batch, relative to the whole gradient's norm ``scale`` where larger."""
+    exact = copy.deepcopy(ref).double()
+    exact.zero_grad()
+    exact(idx, targets).backward()
+    return max(rel_error(grads[k].double(), p.grad, scale) for k, p in exact.named_parameters())
+
+
 def train_against_reference(cfg, dtype, seed, schedule, microbatches, stages_per_rank, sequence_parallel, rows, t):
     """Two AdamW steps with clipping of the pipelined GPT and of the plain one, from the same weights;
-    the relative errors of losses, norms, every gradient and every parameter."""
+    the relative errors of losses, norms, every gradient and every parameter, and the tolerance."""
     torch.manual_seed(seed)
     ref = RefGPT(RefConfig(**cfg)).to(dtype)
     model = PipelinedGPT(GPTConfig(**cfg, sequence_parallel=sequence_parallel), stages_per_rank=stages_per_rank,
@@ -82,7 +93,7 @@ def train_against_reference(cfg, dtype, seed, schedule, microbatches, stages_per
                                  eps=1e-6 if dtype == torch.float32 else 1e-8)
 
     opt, ref_opt = adamw(model), adamw(ref)
-    pairs, norms = {}, {}
+    pairs, norms, roundoff = {}, {}, 0.0
     for step in range(2):
         idx, targets = tokens[step, :, :-1].contiguous(), tokens[step, :, 1:].contiguous()
         loss = pipe.step(idx, targets)
@@ -93,6 +104,8 @@ def train_against_reference(cfg, dtype, seed, schedule, microbatches, stages_per
         ref_grads = {k: p.grad.clone() for k, p in ref.named_parameters()}
         ref_grads["lm_head.weight"] = ref_grads["transformer.wte.weight"]  # the tied head, under its other name
         scale = torch.cat([g.flatten() for g in ref_grads.values()]).norm().item()
+        if dtype == torch.float32:
+            roundoff = max(roundoff, float32_roundoff(ref, idx, targets, ref_grads, scale))
         norm, ref_norm = model.clip_grad_norm_(0.5), torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
         # the reference clipped by our (float32) norm's factor, so that the parameters compare the gradients
         torch.nn.utils.clip_grads_with_norm_(ref.parameters(), 0.5, norm.to(dtype))
@@ -111,12 +124,18 @@ def train_against_reference(cfg, dtype, seed, schedule, microbatches, stages_per
         raise AssertionError(f"key biases moved apart by more than AdamW's steps allow: {drift}")
     size = torch.cat([w.flatten() for w in weights.values()]).norm().item()
     pairs |= {f"parameter {k}": (v, weights[k], size) for k, v in full.items()}
-    errors = assert_all_close(pairs, rtol=TOLERANCE[dtype], what="the pipelined GPT differs from the reference")
+    # The micro-batches sum their gradients in another order than the whole batch does. At widths of 3-24 with
+    # head sizes down to 1, LayerNorm's backward over a few features magnifies such float32 round-off: the float32
+    # reference's own gradients are off the float64 ones by up to ~3e-5 of the gradient norm for some weights
+    # (measured), and the pipelined GPT's land anywhere within that. So the tolerance is the usual one or, where
+    # larger, twice the reference's own float32 error measured at these weights and batches.
+    rtol = max(TOLERANCE[dtype], 2 * roundoff)
+    errors = assert_all_close(pairs, rtol=rtol, what="the pipelined GPT differs from the reference")
     # Gradient norms are accumulated in float32 (as torch's clip_grad_norm_ does in float32); in float32 the
     # micro-batches' gradients are summed in another order than the whole batch's, and at widths of 3-24 the
     # squares of nearly cancelling LayerNorm gradients put that round-off at up to ~1e-5 of the norm.
     errors |= assert_all_close(norms, rtol=NORM_TOLERANCE[dtype], what="the gradient norms differ")
-    return errors
+    return errors, rtol
 
 
 LAYOUTS = [  # world, pp, schedule, stages per rank, sequence parallel
@@ -144,9 +163,9 @@ def test_pipelined_training_equals_the_unsharded_gpt(worlds, world, pp, schedule
     t = data.draw(st.integers(1, cfg["block_size"]), label="T")
     results = worlds[world].run(train_against_reference, cfg, dtype, data.draw(st.integers(0, 2**31)), schedule,
                                 microbatches, stages_per_rank, sequence_parallel, rows, t, pp=pp)
-    for errors in results:
+    for errors, rtol in results:
         worst = {"norm" in k: v for k, v in sorted(errors.items(), key=lambda kv: kv[1])}
-        assert worst.get(False, 0) <= TOLERANCE[dtype] and worst.get(True, 0) <= NORM_TOLERANCE[dtype]
+        assert worst.get(False, 0) <= rtol <= 5e-4 and worst.get(True, 0) <= NORM_TOLERANCE[dtype]
 
 
 def steps_without_unpickling(schedule, stages_per_rank, sequence_parallel):
