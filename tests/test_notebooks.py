@@ -9,6 +9,7 @@ each test waits for its own: while one notebook waits on its ranks, the others
 use the cores.
 """
 
+import os
 import signal
 import subprocess
 import sys
@@ -66,7 +67,8 @@ class NotebookRun:
 
 
 def start_runs(directory: Path) -> dict[Path, NotebookRun]:
-    """Every notebook's run, by path, all started now, each into a folder of its own in ``directory``."""
+    """Every notebook's run, by path, all started now, each into a folder of its own in ``directory``,
+    which is also the run's temporary directory (what a notebook writes there goes with the test's)."""
     runs = {}
     for path in PATHS:
         out = directory / path.stem
@@ -75,7 +77,7 @@ def start_runs(directory: Path) -> dict[Path, NotebookRun]:
         with open(stderr, "w") as err:  # a file, not a pipe: a run that writes much never blocks on it
             process = subprocess.Popen([sys.executable, str(NOTEBOOKS / "run.py"), str(path), "--output-dir",
                                         str(out), f"--timeout={CELL_TIMEOUT}"], stdout=subprocess.DEVNULL,
-                                       stderr=err)
+                                       stderr=err, env=os.environ | {"TMPDIR": str(out)})
         runs[path] = NotebookRun(process, out / path.name, stderr, path.read_bytes())
     return runs
 
