@@ -9,7 +9,8 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-UV     := $(VENV)/bin/uv pip install --compile-bytecode --python $(PY)
+UV_BIN := $(VENV)/bin/uv
+UV     := $(UV_BIN) pip install --compile-bytecode --python $(PY)
 TORCH  := $(VENV)/.torch
 DEMO   := $(VENV)/.installed-demo
 TEST   := $(VENV)/.installed-test
@@ -24,14 +25,18 @@ $(TORCH):
 	  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; \
 	  then $(PY) -m pip install "torch>=2.11,<2.15"; \
 	  else $(PY) -m pip install torch==2.13.0; fi; }
+	touch $@
+
+# its own target, so that a virtualenv made before the extras came through uv gets it too
+$(UV_BIN): $(TORCH)
 	$(PY) -m pip install uv==0.13.9
 	touch $@
 
-$(DEMO): $(TORCH) pyproject.toml Makefile
+$(DEMO): $(UV_BIN) pyproject.toml Makefile
 	$(UV) -e ".[train,plot]"
 	touch $@
 
-$(TEST): $(TORCH) pyproject.toml Makefile
+$(TEST): $(UV_BIN) pyproject.toml Makefile
 	$(UV) -e ".[test,hf,train,plot,tensorboard]"
 	touch $@
 
