@@ -4,12 +4,8 @@ Reading: this module maps configs and keys; :meth:`layers.gpt.GPT.from_hf` build
 the model from them. Writing: :func:`export_gpt2` saves a GPT as a GPT-2 directory
 (``config.json`` and ``model.safetensors``) that ``GPT2LMHeadModel.from_pretrained``
 loads. ``transformers`` is never imported here: a model is read through its config
-and state dict, and written as plain files. ``model.safetensors`` is written by
-tensorpar's own safetensors writer (:func:`tensorpar.checkpoint.safetensors_file.write_file`,
-the one that writes checkpoints), not the ``safetensors`` library: exporting needs
-no extra package (the library comes only with ``transformers``, which reading
-needs and writing does not), and the file is streamed a tensor at a time and
-renamed into place when whole. GPT-2 stores its projections as
+and state dict, and written as plain files. ``model.safetensors`` is written by the
+``safetensors`` package (the extra ``hf``) and renamed into place when whole. GPT-2 stores its projections as
 ``Conv1D`` with weights of shape ``(in, out)`` (transposed against ``nn.Linear``):
 the weights are transposed on the way in and out, and nothing else changes (Q, K and
 V are one ``c_attn`` in both, columns ``[Q | K | V]`` there, rows here).
@@ -165,11 +161,13 @@ def export_gpt2(model: nn.Module, directory: str | os.PathLike[str], *,
     path = Path(directory)
     failure: Exception | None = None
     if dist.get_rank() == 0:
-        from tensorpar.checkpoint.safetensors_file import write_file  # the checkpoint package loads on first use
-
         try:
+            from safetensors.torch import save_file
+
             path.mkdir(parents=True, exist_ok=True)
-            write_file(path / "model.safetensors", gpt2_state_dict(state), metadata={"format": "pt"}, replace=True)
+            tensors = {k: v.contiguous() for k, v in gpt2_state_dict(state).items()}
+            save_file(tensors, str(path / "model.safetensors.partial"), metadata={"format": "pt"})
+            os.replace(path / "model.safetensors.partial", path / "model.safetensors")
             partial = path / "config.json.partial"
             partial.write_text(json.dumps(files, indent=2) + "\n")
             os.replace(partial, path / "config.json")

@@ -1,5 +1,5 @@
 """Checkpoints to test the checkpoint code with: a small trained GPT, every tensor of a checkpoint read
-through torch's own planner, a bitwise picture of everything a load could modify, a save killed
+by torch's own dcp_to_torch_save, a bitwise picture of everything a load could modify, a save killed
 part-way, a model of mixed dtypes, and replacements for every way to unpickle (forgeries of a
 checkpoint are in ``checkpoint_damages``)."""
 
@@ -9,11 +9,12 @@ import hashlib
 import os
 import pickle
 import subprocess
-import warnings
+import tempfile
 from pathlib import Path
 
 import torch
 from torch.distributed import distributed_c10d
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import tensorpar
 from layers import GPT, GPTConfig
@@ -36,17 +37,10 @@ def trained(seed):
 
 
 def everything(path):
-    """Every tensor of a checkpoint, unsharded, read through torch's own DCP load planner."""
-    import torch.distributed.checkpoint as dcp
-
-    index = checkpoint.read_meta(path)["tensors"]
-    dtypes = {"BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64, "I32": torch.int32,
-              "I64": torch.int64, "U8": torch.uint8}
-    tensors = {k: torch.empty(e["size"], dtype=dtypes[e["dtype"]]) for k, e in index.items()}
-    with warnings.catch_warnings():  # that no_dist means one process: here it does
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(tensors, storage_reader=checkpoint.ShardReader.open(path), no_dist=True)
-    return tensors
+    """Every tensor of a checkpoint, unsharded, as torch's ``dcp_to_torch_save`` reads it."""
+    with tempfile.TemporaryDirectory() as scratch:
+        dcp_to_torch_save(checkpoint.resolve(path), Path(scratch) / "all.pt")
+        return torch.load(Path(scratch) / "all.pt", weights_only=True)
 
 
 def disk(root):

@@ -1,6 +1,7 @@
 """Distributed checkpoints through torch.distributed.checkpoint: saved at one (tp, dp), with or
 without FSDP2 or ZeRO, loaded at any other; every rank writes only its own shards; resume at the
-same layout is bitwise; nothing is unpickled; an asynchronous save equals a synchronous one.
+same layout is bitwise; a damaged checkpoint is refused before anything is unpickled; an asynchronous
+save equals a synchronous one; torch's own tools read a checkpoint as it is.
 
 References are independent: the plain ``RefGPT`` trained with torch's AdamW on the same batches,
 the checkpoint's own files read back unsharded, and torch's DTensor chunking read through DCP's
@@ -14,10 +15,12 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -28,7 +31,7 @@ from layers import GPT, GPTConfig
 from reference_gpt import RefConfig, RefGPT
 from tensorpar import checkpoint
 from tensorpar.checkpoint.__main__ import main as checkpoint_command
-from tensorpar.checkpoint.boxes import locate
+from tensorpar.checkpoint.layout import locate
 from tensorpar.full import placements, unshard
 from tensorpar.testing import assert_all_close
 
@@ -179,12 +182,13 @@ def test_resume_at_the_same_layout_is_bitwise(worlds, tmp_path):
 
 def written_and_held(cfg, mode, out):
     """Save; then this rank's bytes written, the bytes of every box it holds, the total bytes of all
-    tensors, and whether each chunk the index gives this rank is a box (or piece of one) this rank holds."""
+    tensors, and whether each chunk DCP's metadata puts in this rank's file is a box (or piece of one)
+    this rank holds."""
     mesh = tensorpar.current_mesh()
     model, optimizer = build(cfg, 0, mode, mesh)
     train_step(model, optimizer, cfg, 0)
     path = checkpoint.save(out, model, optimizer, step=0)
-    meta = checkpoint.read_meta(out)
+    metadata = dcp.FileSystemReader(path).read_metadata()
     where, names = placements(model), {id(p): n for n, p in model.named_parameters()}
     held = {f"model.{k}": locate(v, *where.get(k, (None, None)))[1] for k, v in model.state_dict().items()}
     for p, fields in (optimizer.optim if mode == "zero" else optimizer).state.items():  # ZeRO: the owned state
@@ -192,23 +196,23 @@ def written_and_held(cfg, mode, out):
             name = names[id(p)]
             placement = where.get(name, (None, None)) if v.dim() else (None, None)
             held[f"optim.state.{name}.{field}"] = locate(v, *placement)[1]
-    size = {"F64": 8, "F32": 4, "U8": 1, "I64": 8}
     mine, generators, total, own_boxes = 0, 0, 0, True
-    for name, entry in meta["tensors"].items():
-        element = size[entry["dtype"]]
-        total += math.prod(entry["size"]) * element
-        for rank, offsets, sizes, _ in entry["chunks"]:
-            if rank != mesh.rank:
+    for name, entry in metadata.state_dict_metadata.items():
+        element = entry.properties.dtype.itemsize
+        total += math.prod(entry.size) * element
+        for chunk in entry.chunks:
+            if metadata.storage_data[MetadataIndex(name, chunk.offsets)].relative_path != f"__{mesh.rank}_0.distcp":
                 continue
             if name.startswith("rng."):
-                generators += math.prod(sizes) * element
+                generators += math.prod(chunk.sizes) * element
             else:
-                mine += math.prod(sizes) * element
+                mine += math.prod(chunk.sizes) * element
                 # a box this rank holds (a fused projection's shard: one of its pieces)
-                own_boxes &= (tuple(offsets), tuple(sizes)) in {(b.offsets, b.sizes) for _, b, _ in held[name].parts()}
+                own_boxes &= (tuple(chunk.offsets), tuple(chunk.sizes)) in {(b.offsets, b.sizes)
+                                                                            for _, b, _ in held[name].parts()}
     # the model is float64; the optimizer's step counters are float32 scalars
-    holding = sum(math.prod(b.sizes) * size["F64" if b.sizes else "F32"] for b in held.values())
-    file = path / f"shard-{mesh.rank:05d}-of-{mesh.world_size:05d}.safetensors"
+    holding = sum(math.prod(b.sizes) * (8 if b.sizes else 4) for b in held.values())
+    file = path / f"__{mesh.rank}_0.distcp"
     return mine, generators, holding, total, own_boxes and mine + generators < file.stat().st_size
 
 
@@ -223,22 +227,35 @@ def test_each_rank_writes_only_its_own_shards_once(worlds, tmp_path):
             assert mine <= holding < 0.6 * total, (mine, holding, total)
 
 
-# --- nothing unpickled; asynchronous saves ---------------------------------------------------------
+# --- nothing unpickled from a damaged checkpoint; asynchronous saves -------------------------------
 
-def save_and_load_blocked(cfg, out):
+def damaged_metadata_blocked(cfg, out):
+    """Save, flip a byte of DCP's pickled ``.metadata``: the load is refused by the manifest's hash with
+    nothing unpickled and no object collective, and the model is unchanged."""
     mesh = tensorpar.current_mesh()
     model, optimizer = build(cfg, 0, "fsdp", mesh)
     train_step(model, optimizer, cfg, 0)
+    path = checkpoint.save(out, model, optimizer, step=0)
     other, other_optimizer = build(cfg, 1, "fsdp", mesh)
-    with blocked():
-        checkpoint.save(out, model, optimizer, step=0)
-        checkpoint.load(out, other, other_optimizer)
-    return bitwise_equal(tensorpar.full_state_dict(model), tensorpar.full_state_dict(other))
+    before = tensorpar.full_state_dict(other)
+    dist.barrier()
+    if mesh.rank == 0:
+        data = bytearray((path / ".metadata").read_bytes())
+        data[len(data) // 2] ^= 1
+        (path / ".metadata").write_bytes(data)
+    dist.barrier()
+    try:
+        with blocked():
+            checkpoint.load(out, other, other_optimizer)
+        return "loaded"
+    except checkpoint.CheckpointError as e:
+        refused = ".metadata is corrupt (its SHA-256 does not match meta.json)" in str(e)
+    return refused and bitwise_equal(before, tensorpar.full_state_dict(other))
 
 
-def test_nothing_is_unpickled_and_no_object_collective_runs(worlds, tmp_path):
+def test_a_damaged_metadata_file_is_refused_before_it_is_unpickled(worlds, tmp_path):
     cfg = dict(n_layer=1, n_head=2, n_kv_head=1, n_embd=6, vocab_size=11, block_size=4, bias=False, mlp="gelu")
-    assert BLOCKED and all(worlds[4].run(save_and_load_blocked, cfg, str(tmp_path), tp=2, dp=2))
+    assert BLOCKED and all(r is True for r in worlds[4].run(damaged_metadata_blocked, cfg, str(tmp_path), tp=2, dp=2))
 
 
 def async_against_sync(cfg, out):
@@ -259,8 +276,8 @@ def async_against_sync(cfg, out):
         refused = "is a save of this process still being written" in str(e)
     path = pending.wait()
     after = checkpoint.read_meta(Path(out) / "async")["step"]
-    digests = [{p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in d.glob("shard-*")} for d in (sync, path)]
-    indexes = [checkpoint.read_meta(d)["tensors"] for d in (sync, path)]
+    digests = [{p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in d.glob("*.distcp")} for d in (sync, path)]
+    indexes = [dcp.FileSystemReader(d).read_metadata().state_dict_metadata for d in (sync, path)]
     return before, after, digests[0] == digests[1] and indexes[0] == indexes[1] and refused, pending.done()
 
 
@@ -281,7 +298,7 @@ def dtensor_load(out):
           for k, v in full.items()}
     with warnings.catch_warnings():  # that no_dist means one process: each rank reads its own part
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load({"model": sd}, storage_reader=checkpoint.ShardReader.open(out), no_dist=True)
+        dcp.load({"model": sd}, storage_reader=dcp.FileSystemReader(checkpoint.resolve(out)), no_dist=True)
     return all(torch.equal(sd[k].full_tensor(), v) for k, v in full.items())
 
 
@@ -303,28 +320,31 @@ def test_the_safetensors_export_is_the_unsharded_state_dict(worlds, tmp_path):
 
 
 def train_save_and_gather(cfg, seed, mode, out):
-    """One step, a checkpoint, and the live model's full state dict (gathered, on every rank)."""
+    """One step, a checkpoint, and the live model's and optimizer's full tensors (gathered, on every rank)."""
     model, optimizer = build(cfg, seed, mode, tensorpar.current_mesh())
     train_step(model, optimizer, cfg, seed)
     checkpoint.save(out, model, optimizer, step=1)
-    return tensorpar.full_state_dict(model)
+    return {f"model.{k}": v for k, v in tensorpar.full_state_dict(model).items()} | {
+        f"optim.state.{name}.{field}": v for name, fields in full_optimizer_state(model, optimizer).items()
+        for field, v in fields.items()}
 
 
-def test_torch_s_dcp_tools_read_the_converted_checkpoint(worlds, tmp_path):
-    """A checkpoint of uneven shards (tp=2, FSDP2 over dp=2) converted by ``to_dcp`` (its command line),
-    unpickling nothing: ``dcp_to_torch_save`` and ``dcp.load`` with torch's default reader give bitwise
-    the safetensors export and the live model the checkpoint was saved from."""
+def test_torch_s_dcp_tools_read_a_checkpoint_as_it_is(worlds, tmp_path):
+    """A checkpoint of uneven shards (tp=2, FSDP2 over dp=2) read by torch's ``dcp_to_torch_save``
+    directly: every tensor of the model and the optimizer is bitwise the live one; ``dcp.load`` with
+    torch's default reader and the safetensors export give the same model."""
     cfg = dict(n_layer=1, n_head=3, n_kv_head=1, n_embd=9, vocab_size=19, block_size=5, bias=True, mlp="gelu")
     live = worlds[4].run(train_save_and_gather, cfg, 5, "fsdp", str(tmp_path / "run"), tp=2, dp=2)[0]
-    with blocked():
-        assert checkpoint_command(["to-dcp", str(tmp_path / "run"), str(tmp_path / "dcp")]) == 0
-    exported = safetensors.torch.load_file(checkpoint.export_safetensors(tmp_path / "run", tmp_path / "m.safetensors"))
-    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "model.pt")
+    dcp_to_torch_save(checkpoint.resolve(tmp_path / "run"), tmp_path / "model.pt")
     saved = torch.load(tmp_path / "model.pt", weights_only=True)
-    plain = {k: torch.zeros_like(v) for k, v in RefGPT(RefConfig(**cfg)).double().state_dict().items()}
+    assert live.keys() <= saved.keys() and all(torch.equal(saved[k], v) for k, v in live.items())
+    assert {k for k in saved if not k.startswith("rng.")} == live.keys()
+    exported = safetensors.torch.load_file(checkpoint.export_safetensors(tmp_path / "run", tmp_path / "m.safetensors"))
+    plain = {f"model.{k}": torch.zeros_like(v) for k, v in RefGPT(RefConfig(**cfg)).double().state_dict().items()}
     with warnings.catch_warnings():  # that no_dist means one process
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(plain, checkpoint_id=tmp_path / "dcp", no_dist=True)
-    assert bitwise_equal(saved, exported) and bitwise_equal(plain, exported) and bitwise_equal(live, exported)
-    with pytest.raises(checkpoint.CheckpointError, match="exists"):
-        checkpoint.to_dcp(tmp_path / "run", tmp_path / "dcp")  # never over an existing directory
+        dcp.load(plain, checkpoint_id=checkpoint.resolve(tmp_path / "run"), no_dist=True)
+    assert bitwise_equal({f"model.{k}": v for k, v in exported.items()}, plain)
+    assert bitwise_equal(plain, {k: v for k, v in live.items() if k.startswith("model.")})
+    assert checkpoint_command(["safetensors", str(tmp_path / "run"), str(tmp_path / "cli.safetensors")]) == 0
+    assert bitwise_equal(safetensors.torch.load_file(tmp_path / "cli.safetensors"), exported)

@@ -1,97 +1,152 @@
-"""Loading: each rank reads its own boxes of every tensor through ``torch.distributed.checkpoint``,
-from whatever (tp, dp) wrote them; everything is checked before anything is modified, and the
-ranks agree before any of them does.
-
-On each rank: the manifest is checked (its own hash, its fields, its file list,
-its index covering each tensor); the model's keys, full shapes and dtypes, the
-optimizer's groups and state fields, and the generator states' names and sizes
-are checked against it; ``dcp.load`` plans this rank's reads from the index
-(:class:`~.planner.BoxLoadPlanner`, DCP's resharding) and
-:class:`~.storage.ShardReader` checks the SHA-256 of each chunk it needs before
-reading its rows into fresh buffers; the generator states read are checked. Then
-the ranks share whether they succeeded (:mod:`.agree`): if any failed, every
-rank raises and nothing is modified anywhere; otherwise each copies its buffers
-into the model, the optimizer and the generators.
+"""Loading: the manifest and every file's SHA-256 are checked (the ranks hash the files between them)
+before DCP's ``FileSystemReader`` opens anything; then each rank checks the model, optimizer and
+generator states against the checkpoint's metadata and reads just its own boxes with ``dcp.load``
+(:class:`~.layout.BoxLoadPlanner`: DCP's resharding from whatever layout wrote them). The ranks
+agree before any of them modifies anything: a refused load changes nothing anywhere.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..mesh import Mesh, current_mesh
-from . import optim, rng, state
-from .agree import described, settle, share
-from .boxes import Box
-from .manifest import MANIFEST, check_file
-from .meta import check_config, layout_of, world_of
-from .planner import BoxLoadPlanner
-from .storage import ShardReader, dcp_call
+from . import files, generators
+from .contents import MODEL, Entries, apply_model, model_destinations, optim_destinations
+from .files import MANIFEST, CheckpointError
+from .layout import BoxLoadPlanner, whole
+from .saving import config_dict, described, everyone, settle
+
+
+def _checked(path: str | Path, share: tuple[int, int] = (0, 1)) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint directory ``path`` names and its manifest, after checking the manifest and the
+    files ``share = (first, step)`` picks of its sorted list against their sizes and hashes."""
+    directory = files.resolve(path)
+    meta = files.read_manifest(directory)
+    for name in sorted(meta["files"])[share[0]::share[1]]:
+        files.check_file(directory, name, meta["files"][name])
+    return directory, meta
+
+
+def _read(directory: Path, state: dict[str, torch.Tensor], planner: Any = None) -> None:
+    with warnings.catch_warnings():  # each rank reads alone on purpose
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        try:
+            dcp.load(state, storage_reader=dcp.FileSystemReader(directory), planner=planner, no_dist=True)
+        except dcp.api.CheckpointException as e:  # a BaseException: say which file
+            raise CheckpointError(f"{directory}: cannot be read ({e})") from None
+
+
+def _entries(directory: Path) -> Entries:
+    try:
+        metadata = dcp.FileSystemReader(directory).read_metadata()  # its hash is checked: it may be unpickled
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{directory / '.metadata'} cannot be read: {e}") from None
+    return {k: (tuple(v.size), v.properties.dtype) for k, v in metadata.state_dict_metadata.items()
+            if isinstance(v, TensorStorageMetadata)}
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
-    """The checkpoint's metadata (with ``"path"``: its directory), after checking the manifest's own
-    hash, the type of each field, the chunk index, and every file against its recorded size and
-    SHA-256 (no process group needed)."""
-    reader = ShardReader.open(path)
-    for name in reader.files:
-        check_file(reader.directory, name, reader.listed[name])
-    return {**reader.meta, "path": str(reader.directory)}
+    """The checkpoint's metadata (with ``"path"``: its directory), after checking the manifest and every
+    file against its recorded size and SHA-256 (no process group needed)."""
+    directory, meta = _checked(path)
+    return {**meta, "path": str(directory)}
 
 
 def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
          restore_rng: bool = True, cast: bool = False, mesh: Mesh | None = None) -> dict[str, Any]:
     """Load a checkpoint saved at any (tp, dp, pp), with or without FSDP2, into ``model`` (and
-    ``optimizer``); return its metadata. A collective: every rank calls it. A pipeline rank's model
-    (its stages, under the whole model's names) reads just its own tensors.
+    ``optimizer``); return its metadata. A collective: every rank calls it.
 
-    Every rank reads only its own boxes of each tensor. Generator states are
-    restored when the checkpoint was saved at the same (tp, dp, pp) and
-    ``restore_rng`` is set. A tensor stored in a dtype other than the model's
-    (or than the optimizer keeps) is refused unless ``cast=True``, which
-    converts it. Raises :class:`CheckpointError` on every rank, naming the rank,
-    the file and the field, for a missing, corrupt, edited or mismatched
-    checkpoint; nothing (model, optimizer, generators, files) is then modified
-    on any rank.
+    Each rank reads only its own boxes. Generator states the same on every saving rank (torch's
+    default generator: every dropout mask of the bitwise mode) are restored at any layout; those that
+    differ by rank (the tp streams) only at the saving layout, and otherwise a warning names them. A
+    tensor stored in another dtype than the model's is refused unless ``cast=True``. A missing,
+    corrupt, edited or mismatched checkpoint raises :class:`CheckpointError` on every rank, and
+    nothing (model, optimizer, generators, files) is modified on any rank.
 
     Example::
 
         meta = tensorpar.checkpoint.load("out", model, optimizer)   # the newest one
-        start = meta["step"] + 1
         tensorpar.checkpoint.load("bf16-run", fp32_model, cast=True)  # converts bf16 to float32
     """
     mesh = mesh or current_mesh()
     error: Exception | None = None
     try:
-        reader = ShardReader.open(path)
-        directory, meta, entries = reader.directory, reader.meta, reader.entries
-        where = directory / MANIFEST
-        check_config(meta, model, where)
-        rng.check_index(entries, world_of(meta), where)
-        tensors, boxes = state.destinations(model, entries, where, cast=cast, stage=mesh.pp > 1)
-        optimizer_state = None
-        if optimizer is not None:
-            more, more_boxes, optimizer_state = optim.destinations(meta, entries, where, model, optimizer, cast=cast)
-            tensors, boxes = tensors | more, boxes | more_boxes
-        states: dict[str, torch.Tensor] = {}
-        if restore_rng and layout_of(meta) == (mesh.tp, mesh.dp, mesh.pp):
-            states = rng.destinations(entries, mesh.rank)
-            boxes |= {k: Box((0,) * v.dim(), tuple(v.shape), tuple(v.shape)) for k, v in states.items()}
-        with dcp_call():
-            dcp.load(tensors | states, storage_reader=reader, planner=BoxLoadPlanner(boxes), no_dist=True)
-        if states:
-            rng.check_states(states, directory / reader.files[mesh.rank])
+        directory, meta = _checked(path, (mesh.rank, mesh.world_size))
     except Exception as e:  # noqa: BLE001 - every rank learns of it below, then every rank raises
         error = e
-    settle(share({"error": described(error)}, mesh), error, mesh, "load the checkpoint")
+    settle(everyone(described(error)), error, mesh, "load the checkpoint")
+    saved, states, lost, optimizer_state = (meta["tp"], meta["dp"], meta["pp"]), {}, [], None
+    try:
+        where = directory / MANIFEST
+        ours, theirs = config_dict(model), meta.get("config")
+        if ours is not None and theirs is not None and ours != theirs:
+            diff = ", ".join(f"{k}: checkpoint {theirs.get(k)!r}, model {ours.get(k)!r}"
+                             for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k))
+            raise CheckpointError(f"{where}: config does not match the model's ({diff})")
+        entries = _entries(directory)
+        tensors, boxes = model_destinations(model, entries, where, cast=cast, stage=mesh.pp > 1)
+        if optimizer is not None:
+            more, more_boxes, optimizer_state = optim_destinations(meta, entries, where, model, optimizer, cast=cast)
+            tensors, boxes = tensors | more, boxes | more_boxes
+        states, lost = generators.destinations(entries, saved[0] * saved[1] * saved[2],
+                                               saved == (mesh.tp, mesh.dp, mesh.pp), mesh.rank, where)
+        if not restore_rng:
+            states, lost = {}, []
+        _read(directory, tensors | states, BoxLoadPlanner(boxes | {k: whole(v) for k, v in states.items()}))
+        generators.check(states, where)
+    except Exception as e:  # noqa: BLE001
+        error = e
+    settle(everyone(described(error)), error, mesh, "load the checkpoint")
     # everything is read and checked on every rank: only now is anything modified
-    state.apply(model, tensors)
-    if optimizer is not None and optimizer_state is not None:
-        optimizer.load_state_dict(optimizer_state())
-    if states:
-        rng.restore(states, mesh)
+    apply_model(model, tensors)
+    if optimizer_state is not None:
+        optimizer.load_state_dict(optimizer_state())  # type: ignore[union-attr]
+    if states or lost:
+        generators.restore(states, lost, mesh, saved, directory)
     return {**meta, "path": str(directory)}
+
+
+def export_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's unsharded model state dict, for the plain (unsharded) model (no process group
+    needed).
+
+    Example::
+
+        plain.load_state_dict(tensorpar.checkpoint.export_state_dict("out"))
+    """
+    directory, _ = _checked(path)
+    full = {k: torch.empty(size, dtype=dtype) for k, (size, dtype) in _entries(directory).items()
+            if k.startswith(MODEL)}
+    _read(directory, full)
+    return {k.removeprefix(MODEL): v for k, v in full.items()}
+
+
+def export_safetensors(path: str | Path, out_file: str | Path) -> Path:
+    """Write the checkpoint's unsharded model state dict to the safetensors file ``out_file`` (through the
+    ``safetensors`` package: ``pip install tensorpar[hf]``), replaced atomically when complete.
+
+    Example::
+
+        tensorpar.checkpoint.export_safetensors("out", "model.safetensors")
+        plain.load_state_dict(safetensors.torch.load_file("model.safetensors"))
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out_file)
+    tmp = files.scratch(out.parent, out.name)
+    try:
+        save_file({k: v.contiguous() for k, v in export_state_dict(path).items()}, str(tmp))
+        os.replace(tmp, out)
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+    return out

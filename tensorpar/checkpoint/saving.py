@@ -1,63 +1,93 @@
-"""Saving: every rank writes its own chunks, in parallel, through ``torch.distributed.checkpoint``;
-the first rank then writes the manifest and publishes the directory.
+"""Saving: ``dcp.save`` (or ``dcp.async_save``) of every rank's boxes with torch's ``FileSystemWriter``
+into a temporary directory, then the manifest and the atomic publish (:mod:`.files`).
 
-1. *prepare* (a collective): each rank picks the chunks it writes (:mod:`.state`,
-   :mod:`.optim`, :mod:`.rng`) and checks that its floating-point ones are finite
-   (:mod:`.finite`: a NaN or an infinity anywhere refuses the save on every rank,
-   so a diverged state never replaces good checkpoints); the first rank clears
-   what dead writers left and makes a temporary directory, whose name every rank
-   learns; the ranks compare ``step``, ``keep`` and a SHA-256 of ``extra``, and
-   all refuse when they differ;
-2. *write*: each rank saves its chunks with ``dcp.save`` (no coordination
-   needed: each knows its boxes), :class:`~.planner.BoxSavePlanner` stating
-   their offsets and :class:`~.storage.ShardWriter` streaming them, tensor by
-   tensor, into its own file, hashing as it writes;
-3. *finish* (a collective): the first rank gathers every rank's file hash and
-   chunk list, checks that the chunks of each tensor cover it exactly, writes
-   ``meta.json`` with the index and the hashes, publishes the directory
-   (:mod:`.publish`) and prunes old checkpoints, unless the process that
-   launched it is gone (:func:`tensorpar.lifeline.launcher_gone`: its ranks are
-   about to end, and a restarted job may already be writing there); every rank
-   learns the outcome.
-
-:func:`async_save` copies this rank's chunks to CPU memory (its shard: a
-bounded buffer), runs step 2 in a thread and returns a :class:`PendingSave`
-whose ``wait()`` runs step 3: ``latest`` moves only then, once every file is
-complete on disk.
+1. *prepare* (a collective): each rank gathers its tensors (:mod:`.contents`, :mod:`.generators`)
+   and checks that they are finite; the first rank clears what dead writers left and makes the
+   temporary directory; the ranks compare ``step``, ``keep`` and ``extra`` and all refuse when
+   they differ or when any rank failed, before anything is written;
+2. *write*: ``dcp.save`` with :class:`~.layout.BoxSavePlanner`; for ``async_save``, DCP stages
+   the tensors to CPU memory and writes in a thread, over a process group of its own;
+3. *finish* (a collective): the ranks hash the files between them; the first rank writes
+   ``meta.json``, renames the directory into place, moves ``latest`` and prunes to ``keep``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
-import threading
 from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from ..lifeline import launcher_gone
 from ..mesh import Mesh
-from . import index, optim, publish, rng, state
-from .agree import collect, described, differences, settle, share
-from .boxes import Box
-from .finite import nonfinite
-from .groups import grouped_names, hyperparameters, merged_names
-from .manifest import CheckpointError, canonical_sha256, write_manifest
-from .meta import FORMAT, NAME, as_json, config_dict, dirname, shard_file, shard_files, step_of, whole
-from .planner import BoxSavePlanner
-from .storage import ShardWriter, dcp_call
+from . import files, generators
+from .contents import grouped_names, model_pieces, optim_pieces, param_groups
+from .files import FORMAT, CheckpointError
+from .layout import Box, BoxSavePlanner, whole
 
 _SHOWN = 4  # the names of non-finite tensors an error lists
 
 
+def everyone(value: Any) -> list[Any]:
+    """Every rank's JSON ``value``, in rank order: JSON bytes over one all-gather (nothing pickled)."""
+    data, world = json.dumps(value).encode(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    sizes = torch.zeros(world, dtype=torch.int64, device=device)
+    sizes[dist.get_rank()] = len(data)
+    dist.all_reduce(sizes)
+    send = torch.zeros(int(sizes.max()), dtype=torch.uint8)
+    send[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    rows = [torch.empty_like(send, device=device) for _ in range(world)]
+    dist.all_gather(rows, send.to(device))
+    return [json.loads(bytes(row[:n].tolist())) for row, n in zip(rows, sizes.tolist(), strict=True)]
+
+
+def described(error: BaseException | None) -> str | None:
+    if error is None:
+        return None
+    return (str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}")[:4000]
+
+
+def settle(errors: list[str | None], error: BaseException | None, mesh: Mesh, doing: str) -> None:
+    """Raise on every rank when any rank failed: its own error, or one naming the first that failed."""
+    if error is not None:
+        if isinstance(error, CheckpointError):
+            raise CheckpointError(f"rank {mesh.rank}: {error}") from error
+        raise error
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        raise CheckpointError(f"rank {failed[0][0]}: {failed[0][1]} (so rank {mesh.rank} did not {doing} either)")
+
+
+def config_dict(model: nn.Module) -> dict[str, Any] | None:
+    """The model's ``config`` dataclass as JSON, without fields whose metadata says ``{"state": False}``."""
+    config = getattr(model, "config", None)
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
+        return None
+    kept = {f.name for f in dataclasses.fields(config) if f.metadata.get("state", True)}
+    return json.loads(json.dumps({k: v for k, v in dataclasses.asdict(config).items() if k in kept}))
+
+
+def nonfinite(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """The names of the floating-point ``tensors`` holding a NaN or an infinity (one read per device)."""
+    names = [n for n, v in tensors.items() if v.is_floating_point() and v.numel()]
+    if not names:
+        return []
+    peaks = torch._foreach_norm([tensors[n] for n in names], float("inf"))  # max |x| of each
+    finite = [bool(torch.isfinite(p)) for p in torch.stack([p.float().cpu() for p in peaks])]
+    return [n for n, ok in zip(names, finite, strict=True) if not ok]
+
+
 @dataclass
 class Job:
-    """One save: where it goes, what this rank writes, and the manifest's fields."""
-
     final: Path
     tmp: Path
     fields: dict[str, Any]
@@ -67,159 +97,145 @@ class Job:
     boxes: dict[str, Box] = field(repr=False)
 
 
-def _fields(model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int, extra: Mapping[str, Any] | None,
-            mesh: Mesh) -> dict[str, Any]:
-    fields = {"format": FORMAT, "step": step, "tp": mesh.tp, "dp": mesh.dp, "pp": mesh.pp,
-              "config": config_dict(model), "param_groups": [], "extra": as_json(dict(extra or {}), "extra")}
-    if optimizer is not None:
-        names = grouped_names(model, optimizer)
-        if mesh.pp > 1:  # each stage's parameters: every group names those of all stages
-            names = merged_names(share({"names": names}, mesh), len(names))
-        fields["param_groups"] = [h | {"params": n} for h, n in zip(hyperparameters(optimizer), names, strict=True)]
-    return fields
-
-
 def prepare(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, step: int,
-            extra: Mapping[str, Any] | None, keep: int, mesh: Mesh, stage: bool) -> Job:
-    """Step 1 (a collective); ``stage`` copies this rank's chunks to CPU memory. The ranks must agree on
-    ``step``, ``keep`` and ``extra``: every rank raises the same CheckpointError when they do not."""
-    error: Exception | None = None
-    tmp: Path | None = None
+            extra: Mapping[str, Any] | None, keep: int, mesh: Mesh) -> Job:
+    """Step 1 (a collective): every rank raises the same CheckpointError when any failed or they disagree."""
+    error, tmp, final, fields, tensors, boxes, names, mine = None, None, Path(), {}, {}, {}, None, {}
     try:
-        if not whole(step, 0) or not whole(keep, 1):
+        if type(step) is not int or step < 0 or type(keep) is not int or keep < 1:
             raise CheckpointError(f"step must be an integer >= 0 and keep one >= 1 (got step={step!r}, keep={keep!r})")
-        final = Path(directory) / dirname(step)
-        fields = _fields(model, optimizer, step, extra, mesh)
-        tensors, boxes = state.pieces(model, mesh)
+        final = Path(directory) / f"step-{step:06d}"
+        try:
+            extra = json.loads(json.dumps(dict(extra or {})))
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"extra is not JSON-serialisable: {e}") from None
+        fields = {"format": FORMAT, "step": step, "tp": mesh.tp, "dp": mesh.dp, "pp": mesh.pp,
+                  "config": config_dict(model), "param_groups": [], "extra": extra}
+        tensors, boxes = model_pieces(model)
         if optimizer is not None:
-            more, more_boxes = optim.pieces(model, optimizer, mesh)
+            names = grouped_names(model, optimizer)
+            param_groups(optimizer, [names])  # each rank checks its hyper-parameters
+            more, more_boxes = optim_pieces(model, optimizer)
             tensors, boxes = tensors | more, boxes | more_boxes
-        bad = nonfinite(tensors)
-        if bad:
+        if bad := nonfinite(tensors):
             shown = ", ".join(bad[:_SHOWN]) + (f" and {len(bad) - _SHOWN} more" if len(bad) > _SHOWN else "")
             raise CheckpointError(f"the checkpoint of step {step} would hold NaN or infinite values (in {shown}): "
                                   "not saved, and the checkpoints already in the directory are left as they are")
-        mine = rng.pieces(mesh)
-        tensors |= mine
-        boxes |= {k: Box((0,) * v.dim(), tuple(v.shape), tuple(v.shape)) for k, v in mine.items()}
-        if stage:
-            tensors = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
+        mine = generators.streams(mesh)
         if mesh.rank == 0:
-            for pending in publish.unfinished(final.parent, NAME):
+            for pending in files.unfinished(final.parent):
                 raise CheckpointError(f"{pending} is a save of this process still being written: call the wait() "
                                       "of its async_save before saving again into the same directory")
-            publish.recover(final.parent, NAME)
-            tmp = publish.temporary(final.parent, final.name)
+            files.recover(final.parent)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            tmp = files.scratch(final.parent, final.name)
+            tmp.mkdir()
     except Exception as e:  # noqa: BLE001 - every rank learns of it below, then every rank raises
         error = e
-    arguments = ({"step": step, "keep": keep, "extra's SHA-256": canonical_sha256(fields["extra"])[:16]}
-                 if error is None else {})  # compared across ranks (once none failed)
-    rows = share({"error": described(error), "tmp": tmp.name if tmp is not None else None} | arguments, mesh)
-    disagreement = differences(rows, arguments, "save")
-    if (disagreement or any(row["error"] is not None for row in rows)) and tmp is not None:
-        publish.remove(tmp)
-    settle(rows, error, mesh, "save the checkpoint")
-    if disagreement:
-        raise CheckpointError(disagreement)
-    return Job(final, final.parent / rows[0]["tmp"], fields, keep, mesh, tensors, boxes)
+    arguments = {"step": step, "keep": keep, "extra's SHA-256": files.canonical_sha256(fields.get("extra"))[:16]}
+    rows = everyone({"error": described(error), "tmp": tmp and tmp.name, "names": names,
+                     "rng": generators.digests(mine), **arguments})
+    differ = [f"{k}: " + ", ".join(f"{v} on rank {r}" for r, v in enumerate(row[k] for row in rows))
+              for k in arguments if len({json.dumps(row[k]) for row in rows}) > 1]
+    if (differ or any(row["error"] for row in rows)) and tmp is not None:
+        files.remove(tmp)
+    settle([row["error"] for row in rows], error, mesh, "save the checkpoint")
+    if differ:
+        raise CheckpointError(f"the ranks must save the checkpoint with the same arguments, and they differ "
+                              f"({'; '.join(differ)})")
+    if optimizer is not None:
+        fields["param_groups"] = param_groups(optimizer, [row["names"] for row in rows])
+    states = generators.named(mine, [row["rng"] for row in rows], mesh.rank)
+    return Job(final, final.parent / rows[0]["tmp"], fields, keep, mesh, tensors | states,
+               boxes | {k: whole(v) for k, v in states.items()})
 
 
-def write(job: Job) -> dict[str, Any]:
-    """Step 2: this rank's file; returns its hash entry and its chunks (no collective: any thread)."""
-    writer = ShardWriter(job.tmp / shard_file(job.mesh.rank, job.mesh.world_size))
-    with dcp_call():
-        dcp.save(job.tensors, storage_writer=writer, planner=BoxSavePlanner(job.boxes), no_dist=True)
-    return {"file": writer.entry, "chunks": writer.report}
+def _writer(job: Job) -> dcp.FileSystemWriter:
+    return dcp.FileSystemWriter(job.tmp, single_file_per_rank=True, sync_files=True)
 
 
-def _publish(job: Job, reports: list[dict[str, Any]]) -> None:
-    files = shard_files(job.mesh.world_size)
-    entries = index.merge([r["chunks"] for r in reports])
-    write_manifest(job.tmp, job.fields | {"tensors": index.to_json(entries)},
-                   {name: r["file"] for name, r in zip(files, reports, strict=True)})
-    _launcher_running(job.final, "is not published")
-    publish.publish(job.tmp, job.final)
-    _launcher_running(job.final, "is published, but older checkpoints are not pruned")
-    publish.prune(job.final.parent, NAME, step_of, job.keep, job.final.name)
-
-
-def _launcher_running(final: Path, otherwise: str) -> None:
-    """Raise (saying that ``final`` ``otherwise``) unless the process that launched this rank still runs:
-    a rank whose launcher is gone ends soon (see :mod:`tensorpar.lifeline`) and changes nothing meanwhile."""
-    why = launcher_gone()
-    if why is not None:
-        raise CheckpointError(f"{why}: {final} {otherwise}")
-
-
-def finish(job: Job, written: dict[str, Any] | None, error: BaseException | None) -> Path:
-    """Step 3 (a collective): after every rank's :func:`write` (``written``, or its ``error``)."""
-    mesh = job.mesh
-    reports = collect({"error": described(error), **(written or {})}, mesh)
-    outcome: str | None = None
-    if reports is not None:  # the first rank
-        failed = [(r, row["error"]) for r, row in enumerate(reports) if row["error"] is not None]
+def finish(job: Job, error: BaseException | None) -> Path:
+    """Step 3 (a collective), after every rank's write (or its ``error``)."""
+    mesh, hashed = job.mesh, {}
+    try:
+        if error is None:
+            names = sorted(os.listdir(job.tmp))
+            hashed = {n: files.file_entry(job.tmp / n) for n in names[mesh.rank::mesh.world_size]}
+    except Exception as e:  # noqa: BLE001 - shared below
+        error = e
+    rows, outcome = everyone({"error": described(error), "files": hashed}), None
+    if mesh.rank == 0:
         try:
-            if failed:
+            if failed := [(r, row["error"]) for r, row in enumerate(rows) if row["error"] is not None]:
                 outcome = f"rank {failed[0][0]}: {failed[0][1]}"
             else:
-                _publish(job, reports)
-        except Exception as e:  # noqa: BLE001 - a crash (a BaseException) leaves the directory to the next save's recover()
-            error, outcome = e, f"rank 0: {described(e)}"
+                files.write_manifest(job.tmp, job.fields, {k: v for row in rows for k, v in row["files"].items()})
+                files.publish(job.tmp, job.final)
+                files.prune(job.final.parent, job.keep, job.final.name)
+        except Exception as e:  # noqa: BLE001 - a crash (a BaseException) leaves the directory to the next recover()
+            outcome = f"rank 0: {described(e)}"
         if outcome is not None and os.path.lexists(job.tmp):
-            publish.remove(job.tmp)
-    rows = share({"error": outcome}, mesh)
+            files.remove(job.tmp)
+    result = everyone(outcome)[0]
     if error is not None:
-        settle(rows, error, mesh, "save the checkpoint")
-    if rows[0]["error"] is not None:
-        raise CheckpointError(f"{rows[0]['error']} (so rank {mesh.rank} did not save the checkpoint either)")
+        settle([None], error, mesh, "save the checkpoint")
+    if result is not None:
+        raise CheckpointError(f"{result} (so rank {mesh.rank} did not save the checkpoint either)")
     return job.final
 
 
+def write(job: Job) -> Path:
+    """Steps 2 and 3 of a synchronous save."""
+    error = None
+    try:
+        dcp.save(job.tensors, storage_writer=_writer(job), planner=BoxSavePlanner(job.boxes))
+    except BaseException as e:
+        error = e if isinstance(e, Exception) or type(e).__name__ == "CheckpointException" else None
+        if error is None:
+            raise
+    return finish(job, error)
+
+
 class PendingSave:
-    """A checkpoint being written in the background (from :func:`async_save`).
+    """A checkpoint being written in the background (from :func:`~tensorpar.checkpoint.async_save`).
 
-    Each rank's chunks were copied when the save began, so training may go on
-    and change the model. :meth:`wait` (a collective: every rank calls it)
-    waits for this rank's file, then publishes the checkpoint and returns its
-    path; until then ``latest`` names the previous checkpoint.
-
-    Example::
-
-        pending = tensorpar.checkpoint.async_save("out", model, optimizer, step=step)
-        ...                                    # more training steps
-        path = pending.wait()                  # the checkpoint is complete and latest names it
+    The tensors were copied to CPU memory when the save began, so training may go on. :meth:`wait`
+    (a collective) waits for every rank's file, then publishes the checkpoint and returns its path;
+    until then ``latest`` names the previous checkpoint.
     """
 
     def __init__(self, job: Job) -> None:
-        self._job = job
-        self._result: dict[str, Any] | None = None
+        self._job, self._path, self._failed = job, None, None
+        self._group = dist.new_group(backend="gloo")  # DCP's collectives run in its thread: not on the training's
+        self._future: Future | None = None
         self._error: BaseException | None = None
-        self._path: Path | None = None
-        self._failed: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="tensorpar-checkpoint", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
         try:
-            self._result = write(self._job)
+            result = dcp.async_save(job.tensors, storage_writer=_writer(job), planner=BoxSavePlanner(job.boxes),
+                                    process_group=self._group)
+            self._future = getattr(result, "upload_completion", result)
         except BaseException as e:  # noqa: BLE001 - reported by wait()
             self._error = e
-        finally:
-            self._job.tensors = {}  # the staged copy is written: free it
+        job.tensors = {}
 
     def done(self) -> bool:
-        """Whether this rank's file is written (the checkpoint is published by :meth:`wait`)."""
-        return not self._thread.is_alive()
+        """Whether this rank's part is written (the checkpoint is published by :meth:`wait`)."""
+        return self._future is None or self._future.done()
 
     def wait(self) -> Path:
         """Finish the save on every rank (a collective) and return the checkpoint's path."""
         if self._failed is not None:
             raise self._failed
         if self._path is None:
-            self._thread.join()
             try:
-                self._path = finish(self._job, self._result, self._error)
+                if self._future is not None:
+                    self._future.result()
+            except BaseException as e:  # noqa: BLE001 - shared in finish()
+                self._error = e
+            try:
+                self._path = finish(self._job, self._error)
             except BaseException as e:
                 self._failed = e
                 raise
+            finally:
+                dist.destroy_process_group(self._group)
         return self._path

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from ..bitwise import DEFAULT_TP_SIZES
-from ..checkpoint import CheckpointError, ShardReader
+from ..checkpoint import CheckpointError
+from ..checkpoint import files as checkpoint_files
 from ..mesh import default_backend
 from .data import SCANNED_TOKENS, VOCAB_SIZE, open_splits
 from .device import DTYPES, local_ranks
@@ -310,7 +311,7 @@ def _check_resume(cfg: TrainConfig) -> None:
     if cfg.out is None:
         raise ValueError("--resume needs --out (the directory holding the checkpoint)")
     try:
-        meta = ShardReader.open(cfg.out).meta  # the manifest only: each rank checks the files it reads
+        meta = checkpoint_files.read_manifest(checkpoint_files.resolve(cfg.out))  # the manifest only: load checks the files
     except CheckpointError as e:
         if cfg.resume == "auto" and not Path(cfg.out, "latest").exists() and not Path(cfg.out, "meta.json").exists():
             return

@@ -27,9 +27,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..checkpoint.agree import share
-from ..checkpoint.manifest import MANIFEST
-from ..checkpoint.meta import NAME
+import torch.distributed as dist
+
+from ..checkpoint import MANIFEST, NAME
 from ..mesh import Mesh
 
 LOCK = "run.lock"
@@ -159,7 +159,9 @@ def hold(out: str | None, *, resume: str, overwrite: bool, prog: str, mesh: Mesh
                 if aside is not None:
                     print(f"--overwrite: the earlier run's files in {out} are now in {aside}", flush=True)
         if out is not None and mesh is not None and mesh.world_size > 1:
-            refusal = share({"refusal": refusal}, mesh)[0]["refusal"]  # JSON over a tensor: nothing pickled
+            rows: list[str | None] = [None] * mesh.world_size
+            dist.all_gather_object(rows, refusal)
+            refusal = rows[0]
         if refusal is not None:
             if mesh is None or mesh.rank == 0:
                 print(f"{prog}: error: {refusal}", file=sys.stderr, flush=True)

@@ -1,0 +1,158 @@
+"""Where a rank's tensor lies in the full tensor, stated to ``torch.distributed.checkpoint``.
+
+DCP describes a ``DTensor``'s part by ``torch.chunk``'s rule (10 rows over 4 ranks: 3, 3, 3, 1);
+tensorpar's tp shards are balanced (3, 3, 2, 2), and under FSDP2 (``tensorpar.fully_shard_dp``)
+chunked again over dp by torch's rule, in the coordinates of the tp shard. :func:`locate` composes
+the two into a :class:`Box` of the full tensor::
+
+    full (10, 4) --tp=4--> rows [6, 8) --FSDP2, dp=2--> rows [6, 7) and [7, 8)
+
+A fused projection's tp shard is several pieces of the full tensor laid end to end
+(:meth:`tensorpar.Shard.pieces`): its box lists them, each written as a chunk of its own. The
+planners take plain local tensors with their boxes: a save plan of one ``WriteItem`` per piece (DCP
+keeps one copy of a piece several ranks hold), and a load plan from DCP's own resharding, which
+reads each local box from whatever chunks were written, at whatever layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch.distributed import ProcessGroup
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from ..full import is_dtensor
+from ..mesh import group_rank_size
+from ..sharding import Shard
+
+
+@dataclass(frozen=True)
+class Box:
+    """``sizes`` elements from ``offsets`` of a full tensor of size ``size``; a local tensor made of
+    several boxes laid end to end along ``dim`` lists ``pieces``: ``(start in the local tensor, start
+    in the full tensor, length, whether this rank writes it)`` of each (a piece every tp rank holds,
+    a fused projection's replicated tail, is written by tp rank 0: under FSDP2 the other ranks' dp
+    chunks of it start elsewhere)."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    size: tuple[int, ...]
+    dim: int = 0
+    pieces: tuple[tuple[int, int, int, bool], ...] = ()
+
+    def parts(self) -> list[tuple[int, Box, bool]]:
+        """``(start along dim in the local tensor, single box, written)`` of each part of the local tensor."""
+        if not self.pieces:
+            return [(0, self, True)]
+        d = self.dim
+        return [(local, Box((*self.offsets[:d], full, *self.offsets[d + 1:]), (*self.sizes[:d], n, *self.sizes[d + 1:]),
+                            self.size), write) for local, full, n, write in self.pieces]
+
+
+def whole(value: torch.Tensor) -> Box:
+    return Box((0,) * value.dim(), tuple(value.shape), tuple(value.shape))
+
+
+def locate(value: torch.Tensor, placement: Shard | None, group: ProcessGroup | None) -> tuple[torch.Tensor, Box]:
+    """``(local tensor, its box in the full tensor)`` for ``value``, a plain tensor or an FSDP2 ``DTensor``,
+    whose tp placement is ``placement`` over ``group`` (None: replicated over tp)."""
+    if is_dtensor(value):
+        local = value.to_local()
+        (chunk,) = value.__create_chunk_list__()  # this rank's chunk of the tp shard
+        offsets = list(chunk.offsets)
+    else:
+        local, offsets = value, [0] * value.dim()
+    full = list(value.shape)  # the tp shard's shape (a DTensor's global shape)
+    if placement is None or group is None:
+        return local, Box(tuple(offsets), tuple(local.shape), tuple(full))
+    rank, n = group_rank_size(group)
+    dim = placement.dim % value.dim()
+    lo, hi = offsets[dim], offsets[dim] + local.shape[dim]  # the chunk's rows of the tp shard
+    pieces: list[tuple[int, int, int, bool]] = []
+    at, last = 0, None  # where each piece starts in the tp shard; whether the last one is held by every rank
+    everyone = set(placement.pieces(n, 0)).intersection(*(placement.pieces(n, r) for r in range(1, n)))
+    for start, length in placement.pieces(n, rank):
+        a, b = max(lo, at), min(hi, at + length)  # the piece's overlap with this rank's chunk
+        shared = (start, length) in everyone and n > 1  # a replicated tail: a chunk of its own
+        if pieces and a < b and pieces[-1][1] + pieces[-1][2] == start + a - at and last == shared:
+            pieces[-1] = (*pieces[-1][:2], pieces[-1][2] + b - a, pieces[-1][3])  # runs on from the last one
+        elif a < b or (not pieces and a == b == lo):
+            pieces.append((a - lo, start + a - at, b - a, not shared or rank == 0))
+        at, last = at + length, shared
+    assert at == full[dim], (full, placement, n, rank)
+    pieces = [p for p in pieces if p[2]] or pieces[:1]
+    full[dim], offsets[dim] = placement.size, pieces[0][1]
+    keep = len(pieces) > 1 or not pieces[0][3]
+    return local, Box(tuple(offsets), tuple(local.shape), tuple(full), dim, tuple(pieces) if keep else ())
+
+
+def _chunk(box: Box) -> ChunkStorageMetadata:
+    return ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes))
+
+
+def _parts(name: str, tensor: torch.Tensor, box: Box) -> list[tuple[tuple[str, tuple[int, ...]], torch.Tensor, Box]]:
+    return [((name, part.offsets), tensor.narrow(box.dim, at, part.sizes[box.dim]) if box.pieces else tensor, part, write)
+            for at, part, write in box.parts()]
+
+
+class BoxSavePlanner(DefaultSavePlanner):
+    """Writes each tensor of the flat state dict as the box ``boxes[name]`` of its full tensor."""
+
+    def __init__(self, boxes: Mapping[str, Box]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.boxes, self.views = dict(boxes), {}
+
+    def create_local_plan(self) -> SavePlan:
+        items, self.views = [], {}
+        for name, tensor in self.state_dict.items():
+            if 0 in self.boxes[name].sizes and 0 not in self.boxes[name].size:
+                continue  # an empty FSDP2 chunk
+            for key, view, box, write in _parts(name, tensor, self.boxes[name]):
+                if not write:
+                    continue
+                self.views[key] = view
+                items.append(WriteItem(index=MetadataIndex(name, box.offsets), type=WriteItemType.SHARD,
+                                       tensor_data=TensorWriteData(chunk=_chunk(box), size=torch.Size(box.size),
+                                                                   properties=TensorProperties.create_from_tensor(view))))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> torch.Tensor:
+        view = self.views[index.fqn, tuple(index.offset or ())].detach()
+        return view.clone(memory_format=torch.contiguous_format) if view.is_cuda or view.untyped_storage().nbytes() \
+            != view.numel() * view.element_size() else view  # torch.save writes a view's whole storage
+
+
+class BoxLoadPlanner(DefaultLoadPlanner):
+    """Reads into each tensor of the flat state dict the box ``boxes[name]`` of its full tensor (whose
+    size and dtype are checked before, against the checkpoint's metadata)."""
+
+    def __init__(self, boxes: Mapping[str, Box]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.boxes, self.views = dict(boxes), {}
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        items: list[ReadItem] = []
+        for name in self.state_dict:
+            stored, box = self.metadata.state_dict_metadata[name], self.boxes[name]
+            assert isinstance(stored, TensorStorageMetadata) and tuple(stored.size) == box.size, (name, box)
+            if 0 in box.sizes:
+                continue  # nothing to read
+            parts = _parts(name, self.state_dict[name], box)
+            self.views |= {key: view for key, view, _, _ in parts}
+            items += create_read_items_for_chunk_list(name, stored, [_chunk(part) for _, _, part, _ in parts])
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.views[index.fqn, tuple(index.offset or ())]
