@@ -13,6 +13,7 @@ V are one ``c_attn`` in both, columns ``[Q | K | V]`` there, rows here).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from collections.abc import Mapping
@@ -157,6 +158,9 @@ def export_gpt2(model: nn.Module, directory: str | os.PathLike[str], *,
     if dtype not in _EXPORTED_DTYPES:
         raise TypeError(f"export_gpt2 writes {', '.join(map(str, _EXPORTED_DTYPES))} weights, not {dtype}")
     files = gpt2_config(config, dtype, eos_token_id=eos_token_id)  # raises before any collective
+    if importlib.util.find_spec("safetensors") is None:  # alike on every rank
+        raise ImportError("export_gpt2 writes model.safetensors with the safetensors package: "
+                          "pip install 'tensorpar[hf]'")
     state = model.full_state_dict()  # a collective over each tp group
     path = Path(directory)
     failure: Exception | None = None

@@ -1,12 +1,17 @@
 """A checkpoint's forgeries: edits of its directory as a careless hand or a forger would make them
-(a forger rewrites the hashes too), each with the words its refusal must contain."""
+(a forger rewrites the hashes too, and rewrites data files with torch's own DCP tools), each with the
+words its refusal must contain."""
 
+import copy
 import hashlib
 import json
+import pickle
 import shutil
-import struct
+import warnings
 
-import safetensors.torch
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 
 def canonical_sha256(meta):
@@ -23,54 +28,53 @@ def edit_meta(path, edit, rehash=True):
     (path / "meta.json").write_text(json.dumps(meta))
 
 
-SHARD = "shard-00000-of-00001.safetensors"  # the one data file of a checkpoint saved by one rank
+SHARD, METADATA = "__0_0.distcp", ".metadata"  # rank 0's data file, and DCP's (pickled) index
 
 
-def digests(path):
-    """The SHA-256 of each tensor's bytes in a safetensors file, from its header's offsets."""
-    data = path.read_bytes()
-    length = struct.unpack("<Q", data[:8])[0]
-    header, start = json.loads(data[8:8 + length]), 8 + length
-    return {k: hashlib.sha256(data[start + v["data_offsets"][0]:start + v["data_offsets"][1]]).hexdigest()
-            for k, v in header.items() if k != "__metadata__"}
-
-
-def edit_tensors(path, edit, index_edit=None):
-    """Apply ``edit`` to the data file's dict (and ``index_edit`` to meta.json's index) and record the
-    new file and its chunks' hashes in meta.json as a forger would."""
-    tensors = safetensors.torch.load_file(path / SHARD)
-    edit(tensors)
-    safetensors.torch.save_file(tensors, path / SHARD)
-    data, chunks = (path / SHARD).read_bytes(), digests(path / SHARD)
-    entry = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-
+def rehash_files(path):
+    """Record every data file's size and SHA-256 in meta.json, as a forger would."""
     def forge(meta):
-        meta["files"][SHARD] = entry
-        if index_edit:
-            index_edit(meta["tensors"])
-        for name, e in meta["tensors"].items():
-            if name in chunks:
-                e["chunks"][0][3] = chunks[name]
+        for name in meta["files"]:
+            data = (path / name).read_bytes()
+            meta["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
     edit_meta(path, forge)
 
 
-def flip_last_bytes(path):
-    data = bytearray((path / SHARD).read_bytes())
-    data[-4:] = bytes(255 - b for b in data[-4:])
-    (path / SHARD).write_bytes(data)
+def rewrite(edit):
+    """A forger's rewrite of the checkpoint's tensors: every tensor read by torch's dcp_to_torch_save,
+    ``edit`` applied to the flat dict, written back by ``dcp.save`` as rank 0's file, hashes recorded."""
+    def damage(path):
+        dcp_to_torch_save(path, path.parent / "all.pt")
+        tensors = torch.load(path.parent / "all.pt", weights_only=True)
+        (path.parent / "all.pt").unlink()
+        edit(tensors)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+        rehash_files(path)
+    return damage
+
+
+def in_metadata(edit):
+    """A forger's edit of DCP's ``.metadata`` (unpickled, edited, pickled again), hashes recorded."""
+    def damage(path):
+        metadata = pickle.loads((path / METADATA).read_bytes())
+        edit(metadata.state_dict_metadata)
+        (path / METADATA).write_bytes(pickle.dumps(metadata))
+        rehash_files(path)
+    return damage
+
+
+def flip_last_bytes(name):
+    def damage(path):
+        data = bytearray((path / name).read_bytes())
+        data[-4:] = bytes(255 - b for b in data[-4:])
+        (path / name).write_bytes(data)
+    return damage
 
 
 def in_meta(edit, rehash=True):
     return lambda path: edit_meta(path, edit, rehash)
-
-
-def in_index(edit):
-    """A forger's edit of the chunk index (meta.json's tensors), rehashed."""
-    return in_meta(lambda meta: edit(meta["tensors"]))
-
-
-def in_file(edit, index_edit=None):
-    return lambda path: edit_tensors(path, edit, index_edit)
 
 
 def group(key, value):
@@ -82,15 +86,12 @@ def pointer(text):
     return lambda path: (path.parent / "latest").write_text(text)
 
 
-def replace_file(path, name, data):
-    (path / name).write_bytes(data)
-    digest = hashlib.sha256(data).hexdigest()
-    edit_meta(path, lambda meta: meta["files"].update({name: {"sha256": digest, "bytes": len(data)}}))
-
-
-def garbage(path):
-    """Bytes of the size of ``path`` that no safetensors reader can read (a header of 16 bytes of garbage)."""
-    return (b"\x10" + b"\0" * 7 + b"garbage!").ljust(path.stat().st_size, b"\0")
+def garbage(name):
+    """The file replaced by bytes of its size that no reader can read, its hash recorded."""
+    def damage(path):
+        (path / name).write_bytes((b"garbage!" * (1 + (path / name).stat().st_size // 8))[:(path / name).stat().st_size])
+        rehash_files(path)
+    return damage
 
 
 def link_outside(path, name):
@@ -125,29 +126,22 @@ def to_bf16(tensors):
     tensors.update({k: v.bfloat16() for k, v in tensors.items() if k.startswith("model.")})
 
 
-def bf16_index(index):
-    for name, entry in index.items():
-        if name.startswith("model."):
-            entry["dtype"] = "BF16"
+def pop_first(suffix):
+    return lambda t: t.pop(first(t, suffix))
 
 
-def scalar(dtype, size):
-    return {"dtype": dtype, "size": [size], "chunks": [[0, [0], [size], "0" * 64]]}
+def declared(name, size):
+    """DCP's metadata declares tensor ``name`` of ``size`` elements, in one chunk (no data behind it)."""
+    def edit(entries):
+        entries[name].size = torch.Size([size])
+        entries[name].chunks = [type(entries[name].chunks[0])(offsets=torch.Size([0]), sizes=torch.Size([size]))]
+    return edit
 
 
-def add(name, entry):
-    return in_index(lambda t: t.update({name: entry}))
-
-
-def huge_cuda_state(meta, file_bytes=None):
-    """A CUDA generator state of 2**40 bytes for rank 0 (and, with ``file_bytes``, its file listed that large)."""
-    meta["tensors"]["rng.rank0.cuda"] = scalar("U8", 2**40)
-    if file_bytes:
-        meta["files"][SHARD]["bytes"] = file_bytes
-
-
-def resize_rank0_cpu(index):
-    index["rng.rank0.cpu"] = scalar("U8", 100)
+def huge_cuda_state(entries):
+    """A CUDA generator state of 2**40 bytes declared in DCP's metadata."""
+    entries["rng.cuda"] = copy.deepcopy(entries["rng.cpu"])
+    declared("rng.cuda", 2**40)(entries)
 
 
 GROUP0, NO_SHA = "meta.json: param_groups[0]", "meta.json was modified (its SHA-256 does not match)"
@@ -160,9 +154,8 @@ DAMAGES = {
     "weight decay edited": (in_meta(group("weight_decay", 9.1), rehash=False), [NO_SHA]),
     "betas edited": (in_meta(group("betas", "x"), rehash=False), [NO_SHA]),
     "sha256 entry removed": (in_meta(lambda m: m["files"].pop(SHARD), rehash=False), [NO_SHA]),
-    "index edited": (in_meta(lambda m: m["tensors"].pop(WTE), rehash=False), [NO_SHA]),
-    "old format": (in_meta(lambda m: m.update(format="tensorpar-checkpoint/2"), rehash=False),
-                   ["is not a tensorpar-checkpoint/3 checkpoint (format 'tensorpar-checkpoint/2')"]),
+    "old format": (in_meta(lambda m: m.update(format="tensorpar-checkpoint/3"), rehash=False),
+                   ["is not a tensorpar-checkpoint/4 checkpoint (format 'tensorpar-checkpoint/3')"]),
     "forged betas": (in_meta(group("betas", "x")), [f"{GROUP0}.betas must be a list of 2", "(it is 'x')"]),
     "forged betas of 3": (in_meta(group("betas", [0.9, 0.9, 0.9])), [f"{GROUP0}.betas must be a list of 2"]),
     "forged weight decay": (in_meta(group("weight_decay", "0.1")), [f"{GROUP0}.weight_decay must be float"]),
@@ -172,63 +165,58 @@ DAMAGES = {
     "forged missing lr": (in_meta(lambda m: m["param_groups"][0].pop("lr")), [f"{GROUP0} lacks ['lr']"]),
     "forged step": (in_meta(lambda m: m.update(step=-1)), ["meta.json: step must be an integer >= 0"]),
     "forged tp": (in_meta(lambda m: m.update(tp="1")), ["meta.json: tp must be an integer >= 1"]),
-    "forged world": (in_meta(lambda m: m.update(tp=2)), [FILES, "shard-00000-of-00002.safetensors"]),
+    "forged world": (in_meta(lambda m: m.update(tp=2)), [FILES, "__1_0.distcp"]),
+    "forged huge world": (in_meta(lambda m: m.update(tp=2**20)), ["meta.json: tp x dp x pp must be at most"]),
     "forged groups": (in_meta(lambda m: m.update(param_groups={})), ["meta.json: param_groups must be a list"]),
     "forged files": (in_meta(lambda m: m["files"].pop(SHARD)), [FILES, SHARD]),
     "absolute file name": (in_meta(lambda m: m["files"].update({"/etc/hostname": m["files"][SHARD]})),
                            [FILES, "/etc/hostname"]),
     "dotdot file name": (in_meta(lambda m: m["files"].update({"../meta.json": m["files"].pop(SHARD)})),
                          [FILES, "../meta.json"]),
+    "a file added": (lambda p: (p / "extra.distcp").write_bytes(b"x"), [FILES, "extra.distcp"]),
     "bad files entry": (in_meta(lambda m: m["files"][SHARD].update(bytes="12")),
                         [f"meta.json: files['{SHARD}'] must be"]),
     "meta not json": (lambda p: (p / "meta.json").write_text("{not json"), ["meta.json is not valid JSON"]),
     "meta a list": (lambda p: (p / "meta.json").write_text("[]"), ["meta.json does not hold a JSON object"]),
     "shard truncated": (lambda p: (p / SHARD).write_bytes((p / SHARD).read_bytes()[:99]),
                         [f"{SHARD} is corrupt or truncated (its size does not match meta.json)"]),
-    "shard bytes flipped": (flip_last_bytes, [f"{SHARD}: ", " is corrupt (its SHA-256 does not match meta.json)"]),
-    "shard garbage": (lambda p: replace_file(p, SHARD, garbage(p / SHARD)),
-                      [f"{SHARD}", "cannot be read"]),
+    "shard bytes flipped": (flip_last_bytes(SHARD), [f"{SHARD} is corrupt (its SHA-256 does not match meta.json)"]),
+    "metadata bytes flipped": (flip_last_bytes(METADATA),
+                               [f"{METADATA} is corrupt (its SHA-256 does not match meta.json)"]),
+    "shard garbage": (garbage(SHARD), ["its files cannot be read"]),
+    "metadata garbage": (garbage(METADATA), [f"{METADATA} cannot be read"]),
     "shard a link outside": (lambda p: link_outside(p, SHARD), [f"{SHARD} is not a regular"]),
-    "index not an object": (in_meta(lambda m: m.update(tensors=[])), ["meta.json: tensors must be an object"]),
-    "index entry malformed": (in_index(lambda t: t[WTE].update(dtype="F13")), [f"meta.json: tensors['{WTE}'] must be"]),
-    "chunk of another rank": (in_index(lambda t: t[WTE]["chunks"][0].__setitem__(0, 1)),
-                              [f"meta.json: tensors['{WTE}']: chunk [1, ",
-                               "must be [a rank of 0-0, 2 offsets, 2 sizes, 64 hex digits]"]),
-    "chunk missing": (in_index(lambda t: t[WTE].update(chunks=[])), [f"meta.json: {WTE}: the chunks hold 0 of its"]),
-    "chunk outside": (in_index(lambda t: t[WTE]["chunks"][0][1].__setitem__(0, 1)),
-                      [f"meta.json: {WTE}: chunk [1, 0] + ", "lies outside its size"]),
-    "chunk not in its file": (in_file(lambda t: t.update({WTE: t[WTE][:3]})),
-                              [f"{SHARD}: {WTE} is torch.float32 of shape (3, 16), meta.json says"]),
-    "model lacks a key": (in_index(lambda t: t.pop("model.lm_head.weight")),
+    "metadata a link outside": (lambda p: link_outside(p, METADATA), [f"{METADATA} is not a regular"]),
+    "chunk missing": (in_metadata(lambda e: setattr(e[WTE], "chunks", [])),
+                      [f"{METADATA}: the chunks of {WTE} do not cover its size"]),
+    "chunk outside": (in_metadata(lambda e: setattr(e[WTE], "chunks", [type(e[WTE].chunks[0])(
+        offsets=torch.Size([1, 0]), sizes=e[WTE].chunks[0].sizes)])), [f"the chunks of {WTE} do not cover"]),
+    "a tensor of 2**40 elements": (in_metadata(declared(WTE, 2**40)),
+                                   [f"{METADATA}: {WTE} of size [1099511627776] would hold more than the"]),
+    "model lacks a key": (rewrite(lambda t: t.pop("model.lm_head.weight")),
                           ["meta.json: the checkpoint lacks ['lm_head.weight']"]),
-    "model holds another key": (add("model.x", scalar("F32", 1)),
+    "model holds another key": (rewrite(lambda t: t.update({"model.x": torch.zeros(1)})),
                                 ["meta.json: the checkpoint holds ['x'], which the model lacks"]),
-    "model in bf16": (in_file(to_bf16, bf16_index),
-                      ["meta.json: model.", " is stored as torch.bfloat16, the model's is torch.float32"]),
-    "optimizer lacks a key": (in_index(lambda t: t.pop(first(t, ".exp_avg"))),
+    "model in bf16": (rewrite(to_bf16), ["meta.json: model.", " is stored as torch.bfloat16, the model's is torch.float32"]),
+    "optimizer lacks a key": (rewrite(pop_first(".exp_avg")),
                               ["meta.json: the state of ", " holds ['exp_avg_sq', 'step'], the optimizer's holds "
                                "['exp_avg', "]),
-    "optimizer holds another key": (add("optim.state.x", scalar("F32", 1)),
+    "optimizer holds another key": (rewrite(lambda t: t.update({"optim.state.x": torch.zeros(1)})),
                                     ["meta.json: optim.state.x is not the state of a parameter"]),
-    "optimizer state misshapen": (in_index(lambda t: t.update({first(t, ".exp_avg"): scalar("F32", 3)})),
+    "optimizer state misshapen": (rewrite(lambda t: t.update({first(t, ".exp_avg"): torch.zeros(3)})),
                                   ["meta.json: optim.state.", ".exp_avg: the checkpoint holds shape (3,)"]),
-    "rng state wrong size": (in_index(resize_rank0_cpu),
-                             ["meta.json: rng.rank0.cpu must be ", " bytes (it is torch.uint8 of shape (100,))"]),
-    "rng state garbage": (in_file(lambda t: t["rng.rank0.tp.cpu"].fill_(255)),
-                          [f"{SHARD}: rng.rank0.tp.cpu is no valid generator state"]),
-    "rng state of 2**40 bytes": (in_meta(huge_cuda_state),
-                                 ["meta.json: tensors['rng.rank0.cuda']: chunk [0] + [1099511627776] of rank 0 holds "
-                                  f"1099511627776 bytes, more than its file {SHARD} ("]),
-    "rng state of 2**40 bytes in a file listed larger": (in_meta(lambda m: huge_cuda_state(m, 2**41)),
-                                                         ["meta.json: rng.rank0.cuda must be a generator state of at "
-                                                          "most ",
-                                                          " bytes (it is torch.uint8 of shape (1099511627776,))"]),
+    "rng state wrong size": (rewrite(lambda t: t.update({"rng.cpu": torch.zeros(100, dtype=torch.uint8)})),
+                             ["meta.json: rng.cpu must be ", "(it is torch.uint8 of shape (100,))"]),
+    "rng state garbage": (rewrite(lambda t: t["rng.tp.cpu"].fill_(255)),
+                          ["meta.json: rng.tp.cpu is no valid generator state"]),
+    "rng state of 2**40 bytes": (in_metadata(huge_cuda_state),
+                                 [f"{METADATA}: rng.cuda of size [1099511627776] would hold more than the"]),
     "model config forged": (in_meta(lambda m: m["config"].update(n_embd=24)),
                             ["meta.json: config does not match the model's (n_embd: checkpoint 24, model 16)"]),
     "optimizer groups forged": (in_meta(lambda m: m["param_groups"][0]["params"].pop()),
                                 ["meta.json: param_groups[0] lacks ['", "(its parameters, or their grouping, differ"]),
-    "rng rank missing": (in_index(lambda t: t.pop("rng.rank0.cpu")), ["meta.json: rng.rank0.cpu is missing"]),
-    "rng rank unknown": (add("rng.rank7.cpu", scalar("U8", 5056)),
+    "rng missing": (rewrite(lambda t: t.pop("rng.cpu")), ["meta.json: rng.rank0.cpu is missing"]),
+    "rng rank unknown": (rewrite(lambda t: t.update({"rng.rank7.cpu": t["rng.cpu"]})),
                          ["meta.json: rng.rank7.cpu is not a generator state of ranks 0-0"]),
     "latest outside": (lambda p: latest_outside(p, via_link=False), ["latest must hold one checkpoint name"]),
     "latest absolute": (pointer("/etc\n"), ["latest must hold one checkpoint name"]),
@@ -236,6 +224,6 @@ DAMAGES = {
                               ["latest names step-000999, which is no directory in"]),
     "latest names nothing": (pointer("step-000042\n"), ["latest names step-000042, which does not exist"]),
     "latest itself a link": (latest_a_link, ["latest is not a regular file"]),
-    RANK1: (in_meta(lambda m: [m["tensors"].pop(k) for k in list(m["tensors"]) if k.startswith("rng.rank1.")]),
-            ["meta.json: rng.rank1.cpu is missing"]),
+    RANK1: (rewrite(lambda t: [t.pop(k) for k in list(t) if k.startswith("rng.rank1.")]),
+            ["meta.json: rng.rank1.tp.cpu is missing"]),
 }

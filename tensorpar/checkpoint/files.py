@@ -28,7 +28,6 @@ from typing import Any
 MANIFEST, SELF_HASH, LATEST = "meta.json", "meta_sha256", "latest"
 FORMAT = "tensorpar-checkpoint/4"
 NAME = re.compile(r"step-\d{6,}")  # a checkpoint directory's name
-DATA = re.compile(r"\.metadata|__\d+_\d+\.distcp")  # the files FileSystemWriter writes
 _ENTRY = re.compile(r"\.(tmp|old)-(\d+)-([A-Za-z0-9_.]*)-([0-9a-f]{8})-(.+)")
 _MAX_MANIFEST = 64 << 20
 
@@ -112,11 +111,15 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
             raise CheckpointError(f"{path}: param_groups[{i}] must be an object with a list of parameter "
                                   f"names under 'params' (it is {group!r})")
-    files, present = meta.get("files"), sorted(set(os.listdir(directory)) - {MANIFEST})
-    if not isinstance(files, dict) or sorted(files) != present or not all(map(DATA.fullmatch, present)):
+    world, files = meta["tp"] * meta["dp"] * meta["pp"], meta.get("files")
+    if world > 1 << 16:
+        raise CheckpointError(f"{path}: tp x dp x pp must be at most {1 << 16} (it is {world})")
+    names = [".metadata"] + [f"__{r}_0.distcp" for r in range(world)]  # what FileSystemWriter writes
+    present = sorted(set(os.listdir(directory)) - {MANIFEST})
+    if not isinstance(files, dict) or sorted(files) != sorted(names) or present != sorted(names):
         listed = sorted(files) if isinstance(files, dict) else files
-        raise CheckpointError(f"{path}: files must list exactly the directory's data files {present[:6]} "
-                              f"(it lists {listed!r})"[:2000])
+        raise CheckpointError(f"{path}: files must list exactly {names[:4]}{'...' * (world > 3)}, the files of "
+                              f"the directory (it lists {listed!r}; the directory holds {present[:5]})"[:2000])
     for name, entry in files.items():
         if not (isinstance(entry, dict) and set(entry) == {"sha256", "bytes"} and isinstance(entry["sha256"], str)
                 and re.fullmatch(r"[0-9a-f]{64}", entry["sha256"]) and _whole(entry["bytes"], 0)):

@@ -70,10 +70,11 @@ def destinations(entries: Mapping[str, tuple[tuple[int, ...], torch.dtype]], wor
             tensors[key] = torch.empty(size, dtype=dtype)
         elif not same_layout:
             lost.add(stream)
-    if "cpu" not in found:
+    ranked = {s.partition("@")[0] for s in found if "@" in s}  # every rank must have each stream that differs
+    for stream in sorted(ranked | ({"cpu"} - found)):
         for r in range(world):
-            if f"cpu@{r}" not in found:
-                raise CheckpointError(f"{where}: {RNG}rank{r}.cpu is missing")
+            if f"{stream}@{r}" not in found:
+                raise CheckpointError(f"{where}: {RNG}rank{r}.{stream} is missing")
     return tensors, sorted(lost)
 
 

@@ -7,6 +7,7 @@ agree before any of them modifies anything: a refused load changes nothing anywh
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..mesh import Mesh, current_mesh
@@ -40,17 +42,34 @@ def _read(directory: Path, state: dict[str, torch.Tensor], planner: Any = None) 
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         try:
             dcp.load(state, storage_reader=dcp.FileSystemReader(directory), planner=planner, no_dist=True)
-        except dcp.api.CheckpointException as e:  # a BaseException: say which file
-            raise CheckpointError(f"{directory}: cannot be read ({e})") from None
+        except CheckpointException as e:  # a BaseException
+            raise CheckpointError(f"{directory}: its files cannot be read ({e})") from None
 
 
-def _entries(directory: Path) -> Entries:
+def _entries(directory: Path, stored: int) -> Entries:
+    """Each tensor's full size and dtype from DCP's ``.metadata`` (hashed: it may be unpickled), after
+    checking that its chunks cover it exactly and that it fits in the ``stored`` bytes of the files."""
     try:
-        metadata = dcp.FileSystemReader(directory).read_metadata()  # its hash is checked: it may be unpickled
-    except Exception as e:  # noqa: BLE001
+        metadata = dcp.FileSystemReader(directory).read_metadata()
+    except Exception as e:  # noqa: BLE001 - what unpickling a damaged file raises
         raise CheckpointError(f"{directory / '.metadata'} cannot be read: {e}") from None
-    return {k: (tuple(v.size), v.properties.dtype) for k, v in metadata.state_dict_metadata.items()
-            if isinstance(v, TensorStorageMetadata)}
+    entries = {}
+    for name, value in metadata.state_dict_metadata.items():
+        if not isinstance(value, TensorStorageMetadata):
+            continue
+        size, boxes = tuple(value.size), [(tuple(c.offsets), tuple(c.sizes)) for c in value.chunks]
+        if math.prod(size) * value.properties.dtype.itemsize > stored:
+            raise CheckpointError(f"{directory / '.metadata'}: {name} of size {list(size)} would hold more than "
+                                  f"the {stored} bytes of the checkpoint's files")
+        inside = all(len(o) == len(s) == len(size) and all(0 <= a and a + b <= n for a, b, n in zip(o, s, size))
+                     for o, s in boxes)
+        apart = all(any(a + b <= c or c + d <= a for a, b, c, d in zip(o, s, p, q))
+                    for i, (o, s) in enumerate(boxes) for p, q in boxes[:i])
+        if not (inside and apart and sum(math.prod(s) for _, s in boxes) == math.prod(size)):
+            raise CheckpointError(f"{directory / '.metadata'}: the chunks of {name} do not cover its size "
+                                  f"{list(size)} exactly ({boxes[:4]})")
+        entries[name] = (size, value.properties.dtype)
+    return entries
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
@@ -92,7 +111,7 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
             diff = ", ".join(f"{k}: checkpoint {theirs.get(k)!r}, model {ours.get(k)!r}"
                              for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k))
             raise CheckpointError(f"{where}: config does not match the model's ({diff})")
-        entries = _entries(directory)
+        entries = _entries(directory, sum(f["bytes"] for f in meta["files"].values()))
         tensors, boxes = model_destinations(model, entries, where, cast=cast, stage=mesh.pp > 1)
         if optimizer is not None:
             more, more_boxes, optimizer_state = optim_destinations(meta, entries, where, model, optimizer, cast=cast)
@@ -123,8 +142,9 @@ def export_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 
         plain.load_state_dict(tensorpar.checkpoint.export_state_dict("out"))
     """
-    directory, _ = _checked(path)
-    full = {k: torch.empty(size, dtype=dtype) for k, (size, dtype) in _entries(directory).items()
+    directory, meta = _checked(path)
+    entries = _entries(directory, sum(f["bytes"] for f in meta["files"].values()))
+    full = {k: torch.empty(size, dtype=dtype) for k, (size, dtype) in entries.items()
             if k.startswith(MODEL)}
     _read(directory, full)
     return {k.removeprefix(MODEL): v for k, v in full.items()}
@@ -139,7 +159,10 @@ def export_safetensors(path: str | Path, out_file: str | Path) -> Path:
         tensorpar.checkpoint.export_safetensors("out", "model.safetensors")
         plain.load_state_dict(safetensors.torch.load_file("model.safetensors"))
     """
-    from safetensors.torch import save_file
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise ImportError("export_safetensors needs the safetensors package: pip install 'tensorpar[hf]'") from None
 
     out = Path(out_file)
     tmp = files.scratch(out.parent, out.name)

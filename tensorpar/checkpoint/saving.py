@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 
 from ..mesh import Mesh
@@ -135,13 +136,19 @@ def prepare(directory: str | Path, model: nn.Module, optimizer: torch.optim.Opti
     arguments = {"step": step, "keep": keep, "extra's SHA-256": files.canonical_sha256(fields.get("extra"))[:16]}
     rows = everyone({"error": described(error), "tmp": tmp and tmp.name, "names": names,
                      "rng": generators.digests(mine), **arguments})
-    differ = [f"{k}: " + ", ".join(f"{v} on rank {r}" for r, v in enumerate(row[k] for row in rows))
-              for k in arguments if len({json.dumps(row[k]) for row in rows}) > 1]
+    differ = []
+    for key in arguments:
+        ranks: dict[str, list[str]] = {}
+        for r, row in enumerate(rows):
+            ranks.setdefault(json.dumps(row[key]), []).append(str(r))
+        if len(ranks) > 1:
+            differ.append(f"{key}: " + ", ".join(f"{v} on rank{'s' * (len(rs) > 1)} {', '.join(rs)}"
+                                                 for v, rs in ranks.items()))
     if (differ or any(row["error"] for row in rows)) and tmp is not None:
         files.remove(tmp)
     settle([row["error"] for row in rows], error, mesh, "save the checkpoint")
     if differ:
-        raise CheckpointError(f"the ranks must save the checkpoint with the same arguments, and they differ "
+        raise CheckpointError(f"the ranks must save with the same arguments, and they differ "
                               f"({'; '.join(differ)})")
     if optimizer is not None:
         fields["param_groups"] = param_groups(optimizer, [row["names"] for row in rows])
@@ -189,10 +196,11 @@ def write(job: Job) -> Path:
     error = None
     try:
         dcp.save(job.tensors, storage_writer=_writer(job), planner=BoxSavePlanner(job.boxes))
-    except BaseException as e:
-        error = e if isinstance(e, Exception) or type(e).__name__ == "CheckpointException" else None
-        if error is None:
-            raise
+    except (Exception, CheckpointException) as e:  # DCP's (a BaseException) wraps every rank's failure
+        mine = (getattr(e, "failures", {}).get(job.mesh.rank) or (None,))[0]  # (exception, its stack)
+        if mine is not None and not isinstance(mine, Exception):
+            raise mine from None  # this rank was interrupted (KeyboardInterrupt, SystemExit): not a failed save
+        error = e
     return finish(job, error)
 
 
