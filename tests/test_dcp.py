@@ -348,3 +348,54 @@ def test_torch_s_dcp_tools_read_a_checkpoint_as_it_is(worlds, tmp_path):
     assert bitwise_equal(plain, {k: v for k, v in live.items() if k.startswith("model.")})
     assert checkpoint_command(["safetensors", str(tmp_path / "run"), str(tmp_path / "cli.safetensors")]) == 0
     assert bitwise_equal(safetensors.torch.load_file(tmp_path / "cli.safetensors"), exported)
+
+
+# --- generator states across layouts ------------------------------------------------------------------
+
+DROPOUT = dict(n_layer=1, n_head=4, n_kv_head=4, n_embd=16, vocab_size=23, block_size=6, bias=True, mlp="gelu",
+               dropout=0.1)
+
+
+def dropout_run(out, resume):
+    """A GPT with dropout 0.1 and AdamW: steps 0 and 1, a checkpoint, steps 2 and 3 (or, with ``resume``,
+    a fresh model whose generators moved on, the checkpoint loaded, steps 2 and 3): the last two losses,
+    the full weights after them, and the warnings the load gave."""
+    def step(s):
+        idx, targets = batch(DROPOUT, 2, DROPOUT["block_size"], s)
+        loss = model(idx, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.item()
+
+    torch.manual_seed(0)
+    tensorpar.manual_seed(0)
+    model = GPT(GPTConfig(**DROPOUT))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        if resume:
+            torch.rand(5)
+            with tensorpar.current_mesh().rng.fork():
+                torch.rand(5)
+            checkpoint.load(out, model, optimizer)
+        else:
+            step(0), step(1)
+            checkpoint.save(out, model, optimizer, step=1)
+    losses = [step(2), step(3)]
+    return losses, tensorpar.full_state_dict(model), [str(w.message) for w in said]
+
+
+def test_the_bitwise_mode_resumes_dropout_bitwise_at_another_tp_and_a_lost_stream_is_named(worlds, tmp_path):
+    """Saved at tp=2 and resumed at tp=4 in the bitwise mode (dropout 0.1), the run goes on exactly as
+    the uninterrupted one: its dropout masks come from torch's generator, the same on every rank and
+    restored at any layout. In the default mode the attention's tp streams differ by rank: resumed at
+    another tp they cannot be restored, and the load says so, naming them."""
+    (losses, weights, _), _ = worlds[2].run(dropout_run, str(tmp_path / "bitwise"), False, tp=2, bitwise=True)
+    for resumed, resumed_weights, said in worlds[4].run(dropout_run, str(tmp_path / "bitwise"), True, tp=4,
+                                                        bitwise=True):
+        assert resumed == losses and bitwise_equal(resumed_weights, weights) and not said, (resumed, losses, said)
+    worlds[2].run(dropout_run, str(tmp_path / "default"), False, tp=2)
+    for *_, said in worlds[4].run(dropout_run, str(tmp_path / "default"), True, tp=4):
+        assert any("saved at (tp, dp, pp) = (2, 1, 1), this run is (4, 1, 1): the generator streams ['tp.cpu'] "
+                   "differ by rank and are not restored" in s for s in said), said
