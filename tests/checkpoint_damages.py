@@ -89,7 +89,8 @@ def pointer(text):
 def garbage(name):
     """The file replaced by bytes of its size that no reader can read, its hash recorded."""
     def damage(path):
-        (path / name).write_bytes((b"garbage!" * (1 + (path / name).stat().st_size // 8))[:(path / name).stat().st_size])
+        size = (path / name).stat().st_size
+        (path / name).write_bytes((b"garbage!" * (1 + size // 8))[:size])
         rehash_files(path)
     return damage
 
@@ -197,7 +198,8 @@ DAMAGES = {
                           ["meta.json: the checkpoint lacks ['lm_head.weight']"]),
     "model holds another key": (rewrite(lambda t: t.update({"model.x": torch.zeros(1)})),
                                 ["meta.json: the checkpoint holds ['x'], which the model lacks"]),
-    "model in bf16": (rewrite(to_bf16), ["meta.json: model.", " is stored as torch.bfloat16, the model's is torch.float32"]),
+    "model in bf16": (rewrite(to_bf16),
+                      ["meta.json: model.", " is stored as torch.bfloat16, the model's is torch.float32"]),
     "optimizer lacks a key": (rewrite(pop_first(".exp_avg")),
                               ["meta.json: the state of ", " holds ['exp_avg_sq', 'step'], the optimizer's holds "
                                "['exp_avg', "]),

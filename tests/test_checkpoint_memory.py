@@ -14,7 +14,6 @@ from checkpoint_cases import bitwise_equal
 from layers import ColumnParallelLinear, RowParallelLinear
 from tensorpar import checkpoint
 
-
 # --- whole checkpoints against the live model and optimizer -------------------------------------------
 
 class Strided(nn.Module):

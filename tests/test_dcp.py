@@ -12,7 +12,6 @@ import math
 import warnings
 from pathlib import Path
 
-import pytest
 import safetensors.torch
 import torch
 import torch.distributed as dist

@@ -91,7 +91,7 @@ def load_back(seed):
     """A dense GPT-2's state dict loaded into another seed's sharded copy gives back that state dict
     and its logits; the fused ``c_attn``'s shard is a piece of each of its three blocks (how a checkpoint holds it)."""
     from layers import parallelize_hf
-    from tensorpar.checkpoint.boxes import locate
+    from tensorpar.checkpoint.layout import locate
 
     dense = build("gpt2", GPT2, torch.float64, seed).eval()
     model = parallelize_hf(build("gpt2", GPT2, torch.float64, seed + 1)).eval()

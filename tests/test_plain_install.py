@@ -1,8 +1,9 @@
-"""A plain ``pip install .`` (torch and einops only) runs every README example that needs no extra,
+"""A plain ``pip install .`` (torch, einops and numpy) runs every README example that needs no extra,
 and each extra, when missing, is named by the error that its absence causes.
 
 The examples run in a subprocess in which hypothesis, safetensors, tqdm, matplotlib and
-transformers cannot be found (numpy is a dependency: torch.distributed.checkpoint's collectives need it): a ``sitecustomize`` on ``PYTHONPATH`` replaces ``sys.meta_path``'s
+transformers cannot be found (numpy is a dependency: torch.distributed.checkpoint needs it): a
+``sitecustomize`` on ``PYTHONPATH`` replaces ``sys.meta_path``'s
 path finder by one blind to them, so the ranks that ``tensorpar.spawn`` starts are blind too. On
 2 ranks they run the layers (a ColumnParallelLinear backward and a RowParallelLinear forward
 through the shared-memory all-reduce), ``layers.parallelize``, a GPT (loss, gradients, clipping,

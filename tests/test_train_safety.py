@@ -13,14 +13,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 import tensorpar
+from checkpoint_cases import everything
 from tensorpar import checkpoint
-from tensorpar.checkpoint.safetensors_file import Reader
 from tensorpar.testing import run_script
 from tensorpar.training import plot
 from test_training import ROOT, SCRIPT, SMALL, _ranks, flags, metrics
@@ -56,13 +55,8 @@ def refused(capsys, main, *argv):
 
 
 def optimizer_steps(path):
-    """AdamW's step count of every parameter in the checkpoint at ``path`` (read from its files)."""
-    steps = set()
-    for file in Path(path).glob("shard-*.safetensors"):
-        with Reader(file) as reader:
-            steps |= {reader.read(k).item() for k in reader.keys()  # noqa: SIM118 - a Reader is no mapping
-                       if k.startswith("optim.") and k.endswith(".step")}
-    return steps
+    """AdamW's step count of every parameter in the checkpoint at ``path`` (read by torch's DCP tools)."""
+    return {v.item() for k, v in everything(path).items() if k.startswith("optim.") and k.endswith(".step")}
 
 
 def test_a_diverging_run_stops_or_skips_at_each_non_finite_step_and_keeps_its_checkpoints(worlds, tmp_path):

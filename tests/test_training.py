@@ -139,8 +139,8 @@ def check_bad_checkpoints(out):
         except checkpoint.CheckpointError as e:
             messages[name] = str(e)
     if tensorpar.current_mesh().rank == 0:
-        data = (path / "shard-00000-of-00002.safetensors").read_bytes()
-        (path / "shard-00000-of-00002.safetensors").write_bytes(data[: len(data) // 2])  # a crash mid-copy, say
+        data = (path / "__0_0.distcp").read_bytes()
+        (path / "__0_0.distcp").write_bytes(data[: len(data) // 2])  # a crash mid-copy, say
     torch.distributed.barrier()
     files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in path.iterdir()}
     try:
@@ -163,7 +163,7 @@ def test_broken_checkpoints_get_clear_errors_and_change_nothing(worlds, tmp_path
         "meta.json: config does not match the model's (n_embd: checkpoint 32, model 64)")
     assert messages["vocab"].startswith("rank 0: ") and messages["vocab"].endswith(
         "meta.json: config does not match the model's (vocab_size: checkpoint 256, model 300)")
-    assert messages["truncated"].endswith("shard-00000-of-00002.safetensors is corrupt or truncated (its size does "
+    assert messages["truncated"].endswith("__0_0.distcp is corrupt or truncated (its size does "
                                           "not match meta.json)")
     assert messages["missing"].startswith("rank 0: no checkpoint at ")
 

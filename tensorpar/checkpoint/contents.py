@@ -38,7 +38,8 @@ def model_pieces(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, B
 def _check(name: str, entries: Entries, box: Box, dtype: torch.dtype, where: Path, cast: bool) -> None:
     size, stored = entries[name]
     if size != box.size:
-        raise CheckpointError(f"{where}: {name}: the checkpoint holds shape {size}, the model's full shape is {box.size}")
+        raise CheckpointError(f"{where}: {name}: the checkpoint holds shape {size}, "
+                              f"the model's full shape is {box.size}")
     if stored != dtype and not cast:
         raise CheckpointError(f"{where}: {name} is stored as {stored}, the model's is {dtype} "
                               "(load(..., cast=True) converts it)")
@@ -132,7 +133,8 @@ def _conform(saved: Any, current: Any, where: str) -> Any:
     """``saved`` in the structure and type of ``current``, or a CheckpointError naming ``where``."""
     if isinstance(current, (list, tuple)):
         if isinstance(saved, list) and len(saved) == len(current):
-            return type(current)(_conform(s, c, f"{where}[{i}]") for i, (s, c) in enumerate(zip(saved, current)))
+            return type(current)(_conform(s, c, f"{where}[{i}]")
+                                 for i, (s, c) in enumerate(zip(saved, current, strict=True)))
     elif current is None or isinstance(current, bool):
         if saved is None or isinstance(saved, bool):
             return saved
@@ -159,7 +161,7 @@ def _groups(meta: Mapping[str, Any], where: Path, model: nn.Module, optimizer: t
         raise CheckpointError(f"{where}: param_groups lists {len(saved)} group{'s' * (len(saved) != 1)}, "
                               f"the optimizer has {len(ours)}")
     groups, start = [], 0
-    for i, (group, current, names) in enumerate(zip(saved, optimizer.param_groups, ours)):
+    for i, (group, current, names) in enumerate(zip(saved, optimizer.param_groups, ours, strict=True)):
         held = set(group["params"]) & mine  # a pipeline stage holds some of the checkpoint's parameters
         if held != set(names):
             lacks, others = sorted(set(names) - held), sorted(held - set(names))

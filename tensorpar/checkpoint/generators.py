@@ -38,7 +38,8 @@ def streams(mesh: Mesh) -> dict[str, torch.Tensor]:
 
 
 def digests(mine: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    return {k: hashlib.sha256(bytes(v.contiguous().view(-1).view(torch.uint8).tolist())).hexdigest() for k, v in mine.items()}
+    return {k: hashlib.sha256(bytes(v.contiguous().view(-1).view(torch.uint8).tolist())).hexdigest()
+            for k, v in mine.items()}
 
 
 def named(mine: Mapping[str, torch.Tensor], every: list[dict[str, str]], rank: int) -> dict[str, torch.Tensor]:

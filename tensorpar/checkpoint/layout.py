@@ -100,9 +100,12 @@ def _chunk(box: Box) -> ChunkStorageMetadata:
     return ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes))
 
 
-def _parts(name: str, tensor: torch.Tensor, box: Box) -> list[tuple[tuple[str, tuple[int, ...]], torch.Tensor, Box]]:
-    return [((name, part.offsets), tensor.narrow(box.dim, at, part.sizes[box.dim]) if box.pieces else tensor, part, write)
-            for at, part, write in box.parts()]
+Part = tuple[tuple[str, tuple[int, ...]], torch.Tensor, Box, bool]  # (key, view, single box, written)
+
+
+def _parts(name: str, tensor: torch.Tensor, box: Box) -> list[Part]:
+    return [((name, part.offsets), tensor.narrow(box.dim, at, part.sizes[box.dim]) if box.pieces else tensor,
+             part, write) for at, part, write in box.parts()]
 
 
 class BoxSavePlanner(DefaultSavePlanner):
@@ -110,7 +113,7 @@ class BoxSavePlanner(DefaultSavePlanner):
 
     def __init__(self, boxes: Mapping[str, Box]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.boxes, self.views = dict(boxes), {}
+        self.boxes, self.views = dict(boxes), dict[tuple[str, tuple[int, ...]], torch.Tensor]()
 
     def create_local_plan(self) -> SavePlan:
         items, self.views = [], {}
@@ -139,7 +142,7 @@ class BoxLoadPlanner(DefaultLoadPlanner):
 
     def __init__(self, boxes: Mapping[str, Box]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.boxes, self.views = dict(boxes), {}
+        self.boxes, self.views = dict(boxes), dict[tuple[str, tuple[int, ...]], torch.Tensor]()
 
     def create_local_plan(self) -> LoadPlan:
         assert self.metadata is not None

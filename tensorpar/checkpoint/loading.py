@@ -32,8 +32,9 @@ def _checked(path: str | Path, share: tuple[int, int] = (0, 1)) -> tuple[Path, d
     files ``share = (first, step)`` picks of its sorted list against their sizes and hashes."""
     directory = files.resolve(path)
     meta = files.read_manifest(directory)
-    for name in sorted(meta["files"])[share[0]::share[1]]:
-        files.check_file(directory, name, meta["files"][name])
+    names = sorted(meta["files"])
+    for name in names:  # sizes everywhere (a stat each); each rank hashes its share
+        files.check_file(directory, name, meta["files"][name], hash=name in names[share[0]::share[1]])
     return directory, meta
 
 
@@ -61,9 +62,10 @@ def _entries(directory: Path, stored: int) -> Entries:
         if math.prod(size) * value.properties.dtype.itemsize > stored:
             raise CheckpointError(f"{directory / '.metadata'}: {name} of size {list(size)} would hold more than "
                                   f"the {stored} bytes of the checkpoint's files")
-        inside = all(len(o) == len(s) == len(size) and all(0 <= a and a + b <= n for a, b, n in zip(o, s, size))
+        inside = all(len(o) == len(s) == len(size) and all(a >= 0 and a + b <= n
+                                                            for a, b, n in zip(o, s, size, strict=True))
                      for o, s in boxes)
-        apart = all(any(a + b <= c or c + d <= a for a, b, c, d in zip(o, s, p, q))
+        apart = all(any(a + b <= c or c + d <= a for a, b, c, d in zip(o, s, p, q, strict=True))
                     for i, (o, s) in enumerate(boxes) for p, q in boxes[:i])
         if not (inside and apart and sum(math.prod(s) for _, s in boxes) == math.prod(size)):
             raise CheckpointError(f"{directory / '.metadata'}: the chunks of {name} do not cover its size "
@@ -103,7 +105,9 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     except Exception as e:  # noqa: BLE001 - every rank learns of it below, then every rank raises
         error = e
     settle(everyone(described(error)), error, mesh, "load the checkpoint")
-    saved, states, lost, optimizer_state = (meta["tp"], meta["dp"], meta["pp"]), {}, [], None
+    saved, optimizer_state = (meta["tp"], meta["dp"], meta["pp"]), None
+    states: dict[str, torch.Tensor] = {}
+    lost: list[str] = []
     try:
         where = directory / MANIFEST
         ours, theirs = config_dict(model), meta.get("config")

@@ -20,13 +20,13 @@ from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..mesh import Mesh
 from . import files, generators
@@ -101,7 +101,9 @@ class Job:
 def prepare(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, step: int,
             extra: Mapping[str, Any] | None, keep: int, mesh: Mesh) -> Job:
     """Step 1 (a collective): every rank raises the same CheckpointError when any failed or they disagree."""
-    error, tmp, final, fields, tensors, boxes, names, mine = None, None, Path(), {}, {}, {}, None, {}
+    error: Exception | None = None
+    tmp, final, names, fields = None, Path(), None, dict[str, Any]()
+    tensors, boxes, mine = dict[str, torch.Tensor](), dict[str, Box](), dict[str, torch.Tensor]()
     try:
         if type(step) is not int or step < 0 or type(keep) is not int or keep < 1:
             raise CheckpointError(f"step must be an integer >= 0 and keep one >= 1 (got step={step!r}, keep={keep!r})")
@@ -196,7 +198,7 @@ def write(job: Job) -> Path:
     error = None
     try:
         dcp.save(job.tensors, storage_writer=_writer(job), planner=BoxSavePlanner(job.boxes))
-    except (Exception, CheckpointException) as e:  # DCP's (a BaseException) wraps every rank's failure
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's (a BaseException) wraps every rank's failure
         mine = (getattr(e, "failures", {}).get(job.mesh.rank) or (None,))[0]  # (exception, its stack)
         if mine is not None and not isinstance(mine, Exception):
             raise mine from None  # this rank was interrupted (KeyboardInterrupt, SystemExit): not a failed save
@@ -213,14 +215,16 @@ class PendingSave:
     """
 
     def __init__(self, job: Job) -> None:
-        self._job, self._path, self._failed = job, None, None
+        self._job: Job = job
+        self._path: Path | None = None
+        self._failed: BaseException | None = None
         self._group = dist.new_group(backend="gloo")  # DCP's collectives run in its thread: not on the training's
         self._future: Future | None = None
         self._error: BaseException | None = None
         try:
             result = dcp.async_save(job.tensors, storage_writer=_writer(job), planner=BoxSavePlanner(job.boxes),
                                     process_group=self._group)
-            self._future = getattr(result, "upload_completion", result)
+            self._future = cast(Future, getattr(result, "upload_completion", result))  # torch >= 2.9 may wrap it
         except BaseException as e:  # noqa: BLE001 - reported by wait()
             self._error = e
         job.tensors = {}
