@@ -150,9 +150,9 @@ def _conform(saved: Any, current: Any, where: str) -> Any:
     raise CheckpointError(f"{where} must be {kind} like the optimizer's {current!r} (it is {saved!r})")
 
 
-def _groups(meta: Mapping[str, Any], where: Path, model: nn.Module, optimizer: torch.optim.Optimizer
-            ) -> tuple[list[dict[str, Any]], list[list[str]]]:
-    """The checkpoint's groups as ``load_state_dict`` takes them, and the optimizer's names per group."""
+def _groups(meta: Mapping[str, Any], where: Path, model: nn.Module,
+            optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The checkpoint's groups as ``load_state_dict`` takes them."""
     saved, stored = meta["param_groups"], {n for g in meta["param_groups"] for n in g["params"]}
     copies = getattr(model, "tied_copies", {})  # a copy of a tied parameter may be stored as the original only
     ours = [[copies.get(n, n) if n not in stored else n for n in g] for g in grouped_names(model, optimizer)]
@@ -177,7 +177,7 @@ def _groups(meta: Mapping[str, Any], where: Path, model: nn.Module, optimizer: t
         groups.append({k: _conform(group[k], current[k], f"{where}: param_groups[{i}].{k}") for k in sorted(keys)}
                       | {"params": list(range(start, start + len(names)))})
         start += len(names)
-    return groups, ours
+    return groups
 
 
 def optim_destinations(meta: Mapping[str, Any], entries: Entries, where: Path, model: nn.Module,
@@ -185,8 +185,8 @@ def optim_destinations(meta: Mapping[str, Any], entries: Entries, where: Path, m
                        ) -> tuple[dict[str, torch.Tensor], dict[str, Box], Callable[[], dict[str, Any]]]:
     """``(tensors to read into, their boxes, the optimizer's state dict once they are read)``, after
     checking the groups and, for every parameter with state, its fields, full shapes and dtypes."""
-    groups, ours = _groups(meta, where, model, optimizer)
-    order = {n: i for i, n in enumerate(n for g in ours for n in g)}
+    groups = _groups(meta, where, model, optimizer)
+    order = {n: i for i, n in enumerate(n for g in grouped_names(model, optimizer) for n in g)}
     params, found, local = dict(model.named_parameters()), placements(model), _local(optimizer)
     names = {id(p): n for n, p in params.items()}
     current = {names[id(p)]: {k: v for k, v in f.items() if v is not None} for p, f in local.state.items() if f}
