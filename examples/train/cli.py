@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 
-from ..bitwise import DEFAULT_TP_SIZES
-from ..checkpoint import CheckpointError
-from ..checkpoint import files as checkpoint_files
-from ..mesh import default_backend
+from tensorpar.bitwise import DEFAULT_TP_SIZES
+from tensorpar.checkpoint import CheckpointError
+from tensorpar.checkpoint import files as checkpoint_files
+from tensorpar.mesh import default_backend
+
 from .data import SCANNED_TOKENS, VOCAB_SIZE, open_splits
 from .device import DTYPES, local_ranks
 from .output import read_log

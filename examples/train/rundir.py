@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ..checkpoint import MANIFEST, NAME
-from ..mesh import Mesh
+from tensorpar.checkpoint import MANIFEST, NAME
+from tensorpar.mesh import Mesh
 
 LOCK = "run.lock"
 #: what a run writes into its directory, besides its checkpoints (``step-NNNNNN``)
