@@ -79,12 +79,16 @@ def config_dict(model: nn.Module) -> dict[str, Any] | None:
 
 def nonfinite(tensors: Mapping[str, torch.Tensor]) -> list[str]:
     """The names of the floating-point ``tensors`` holding a NaN or an infinity (one read per device)."""
-    names = [n for n, v in tensors.items() if v.is_floating_point() and v.numel()]
-    if not names:
-        return []
-    peaks = torch._foreach_norm([tensors[n] for n in names], float("inf"))  # max |x| of each
-    finite = [bool(torch.isfinite(p)) for p in torch.stack([p.float().cpu() for p in peaks])]
-    return [n for n, ok in zip(names, finite, strict=True) if not ok]
+    by_device: dict[torch.device, list[str]] = {}
+    for name, value in tensors.items():
+        if value.is_floating_point() and value.numel():
+            by_device.setdefault(value.device, []).append(name)
+    bad = set()
+    for names in by_device.values():
+        peaks = torch._foreach_norm([tensors[n] for n in names], float("inf"))  # max |x| of each
+        bad |= {n for n, ok in zip(names, torch.stack([torch.isfinite(p) for p in peaks]).tolist(), strict=True)
+                if not ok}
+    return [name for name in tensors if name in bad]
 
 
 @dataclass
