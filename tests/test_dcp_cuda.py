@@ -4,8 +4,8 @@ world size 2, saved at one and loaded at the other; a GPT-2 124M model with its 
 generators; a run stopped and resumed against the same run uninterrupted.
 
 Skipped where no CUDA device is present. The same code paths run on CPU in test_checkpoint_memory
-(tensors staged from any strides: on CUDA every tensor is copied to the host block by block by the
-same ``copy_``) and test_dcp (resharding, resuming with the generators restored)."""
+(tensors of any strides; on CUDA each chunk is copied to the host before DCP writes it) and test_dcp
+(resharding, resuming with the generators restored)."""
 
 import os
 
