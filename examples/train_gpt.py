@@ -240,6 +240,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 loss.backward()
             loss_sum += loss.detach()
         if isinstance(model, PipelinedGPT):  # the whole model's norm, over the stages too
+            model.finish_gradients()  # averaged over dp (unless FSDP2 did), the tied head's copies summed
             norm = model.clip_grad_norm_(cfg.clip) if cfg.clip else model.grad_norm()
         else:
             norm = tensorpar.clip_grad_norm_(model, cfg.clip) if cfg.clip else tensorpar.grad_norm(model)
