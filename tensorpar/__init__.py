@@ -11,7 +11,7 @@ holds helpers for training loops (data, LR schedule) outside the core. The
 
 ``import tensorpar`` loads the mesh, sharding, the collectives and what a
 model's forward and backward use. The checkpoint store, the launcher
-(:func:`spawn`), the offloading optimizer, FSDP2, pipelines, the test kit
+(:func:`spawn`), FSDP2, pipelines, the test kit
 and the training helpers load on first use (``tensorpar.checkpoint``,
 ``tensorpar.spawn``, ...), and so do ``torch.distributed.checkpoint`` and
 DTensor, which only they need.
@@ -84,7 +84,6 @@ _ON_FIRST_USE = (
     ("training", "tensorpar.training", None),
     ("spawn", "tensorpar.launch", "spawn"),
     ("RankError", "tensorpar.launch", "RankError"),
-    ("OffloadedOptimizer", "tensorpar.offload", "OffloadedOptimizer"),
     ("fully_shard_dp", "tensorpar.fsdp", "fully_shard_dp"),
 )
 
@@ -95,7 +94,6 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr_
     from . import training as training
     from .fsdp import fully_shard_dp
     from .launch import RankError, spawn
-    from .offload import OffloadedOptimizer
 
 
 def __getattr__(name: str) -> Any:
@@ -116,7 +114,6 @@ __all__ = [
     "CollectiveError",
     "CollectiveRecord",
     "Mesh",
-    "OffloadedOptimizer",
     "RNGStatesTracker",
     "RankError",
     "Shard",
