@@ -226,11 +226,9 @@ class PipelinedGPT(nn.Module):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grad = local_part(p.grad)
-            if grad.device.type == self.mesh.device.type:
-                dist.all_reduce(grad, group=self._embedding_group)
-            else:  # in host memory (FSDP2's CPU offload): reduced on the mesh's device, as NCCL needs
-                summed = grad.to(self.mesh.device)
-                dist.all_reduce(summed, group=self._embedding_group)
+            summed = grad.to(self.mesh.device)  # itself, unless FSDP2 offloads it to the host (NCCL needs the device)
+            dist.all_reduce(summed, group=self._embedding_group)
+            if summed is not grad:
                 grad.copy_(summed)
 
     def _check_finished(self, what: str) -> None:
