@@ -115,3 +115,12 @@ def test_the_training_script_offloads_through_fsdp2(worlds, extra):
     for flags, kind, stepped in worlds[2].run(built_by_the_script, argv, tp=1, dp=2):
         assert flags and all(flags) and kind is torch.optim.AdamW and kind is not ZeroRedundancyOptimizer
         assert stepped
+
+
+def test_the_options_say_what_offloading_implies(capsys):
+    parse_args = runpy.run_path(str(SCRIPT), run_name="train_gpt")["parse_args"]
+    cfg = parse_args(["--tp=1", "--dp=2", "--offload-optimizer", "--zero"])
+    assert cfg.fsdp and not cfg.zero  # FSDP2's dp shards of the AdamW state stand for ZeRO's
+    with pytest.raises(SystemExit):
+        parse_args(["--offload-optimizer", "--bitwise"])
+    assert "--bitwise does not take --offload-optimizer: it runs through FSDP2" in capsys.readouterr().err
