@@ -214,7 +214,7 @@ class ColumnParallelLinear(_ParallelLinear):
         else:  # f was applied by the caller, or there is no other rank
             y = F.linear(x, weight, bias)
         if self.gather_output:
-            y = tensorpar.gather_from_tp(y, -1, self.out_features, self.tp_group)  # (*, out)
+            y = self._gather_units(y)  # (*, out)
         return y
 
     def _bitwise_forward(self, x: torch.Tensor, seq_len: int | None) -> torch.Tensor:
@@ -227,8 +227,15 @@ class ColumnParallelLinear(_ParallelLinear):
             x = tensorpar.all_gather_sequence(x, seq_len, self.tp_group)
         y = segmented_column_linear(x, self.weight, self.bias, self.segments, self.tp_group)  # (*, out / tp)
         if self.gather_output:
-            y = tensorpar.gather_from_tp(y, -1, self.out_features, self.tp_group)  # (*, out)
+            y = self._gather_units(y)  # (*, out)
         return y
+
+    def _gather_units(self, y: torch.Tensor) -> torch.Tensor:
+        """Every rank's output features, gathered by the layer's split in whole units."""
+        assert isinstance(self.unit, int)  # a tuple unit with gather_output is refused at construction
+        units = y.unflatten(-1, (-1, self.unit))  # (*, out / tp / unit, unit)
+        full = tensorpar.gather_from_tp(units, -2, self.out_features // self.unit, self.tp_group)
+        return full.flatten(-2)  # (*, out)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, gather_output={self.gather_output}, copy_input={self.copy_input}"

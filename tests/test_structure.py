@@ -132,14 +132,13 @@ print(tuple(y.shape), tensorpar.reduce_from_tp(torch.ones(2)).tolist(), tensorpa
 
 #: what ``import tensorpar`` leaves for first use: attribute -> the module it loads
 ON_FIRST_USE = {"checkpoint": "tensorpar.checkpoint", "spawn": "tensorpar.launch", "RankError": "tensorpar.launch",
-                "OffloadedOptimizer": "tensorpar.offload", "fully_shard_dp": "tensorpar.fsdp",
-                "pipeline": "tensorpar.pipeline", "testing": "tensorpar.testing"}
+                "fully_shard_dp": "tensorpar.fsdp", "pipeline": "tensorpar.pipeline", "testing": "tensorpar.testing"}
 HEAVY = ("torch.distributed.checkpoint", "torch.distributed.tensor", "torch.distributed.fsdp")
 
 
 def test_the_core_loads_light_and_its_test_kit_imports_without_hypothesis(tmp_path):
     """``import tensorpar`` loads the mesh, sharding and collectives, not the checkpoint store, the
-    launcher, offloading, FSDP2, pipelines, the test kit, nor torch's DCP and DTensor; each loads on
+    launcher, FSDP2, pipelines, the test kit, nor torch's DCP and DTensor; each loads on
     first use and is the module's own object. The pool and comparisons of ``tensorpar.testing`` need
     neither ``hypothesis`` nor the layer package; the strategies say what they need."""
     (tmp_path / "hypothesis.py").write_text("raise ImportError('no hypothesis here')\n")
