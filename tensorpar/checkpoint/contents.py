@@ -215,17 +215,16 @@ def optim_destinations(meta: Mapping[str, Any], entries: Entries, where: Path, m
     tensors, boxes, into = {}, {}, {}
     for name in sorted(set(sources) & wanted, key=order.__getitem__):
         param, source = params[name], sources[name]
-        home = getattr(local, "state_like", lambda p: p)(param)  # where the optimizer keeps state like param
         for field in sorted(stored[source]):
             key = f"{OPTIM}{source}.{field}"
             size, dtype = entries[key]
             box = locate(param, *found.get(name, (None, None)))[1] if size else Box((), (), ())
             now = current.get(name, {}).get(field)
-            want = home.dtype if size and home.is_floating_point() and dtype.is_floating_point else \
+            want = param.dtype if size and param.is_floating_point() and dtype.is_floating_point else \
                 now.dtype if isinstance(now, torch.Tensor) else dtype
             _check(key, entries, box, want, where, cast)
             tensors[key], boxes[key] = torch.empty(box.sizes, dtype=dtype), box
-            into[key] = (order[name], field, home if size else None, want)
+            into[key] = (order[name], field, param if size else None, want)  # a state shaped like param lies like it
 
     def state_dict() -> dict[str, Any]:
         state: dict[int, dict[str, torch.Tensor]] = {}
