@@ -50,10 +50,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils import skip_init
 
 import tensorpar
+from tensorpar.bitwise.attention import attention_dropped
 from tensorpar.checks import check_int
 
 from . import numerics
-from .heads import attention_dropped, head_layout
+from .heads import head_layout
 from .linear import ColumnParallelLinear, RowParallelLinear, check_activation
 from .regions import RegionInput
 from .sequence import ShardedDropout, tp_stream

@@ -14,16 +14,13 @@ KV head ``i // g``), the heads are split in one of two ways:
 
 :class:`~layers.attention.ParallelSelfAttention` and
 :func:`~layers.hf_parallel.parallelize_hf` both split their heads by
-:func:`head_layout`; :func:`attention_dropped` is attention with a given dropout mask.
+:func:`head_layout`.
 """
 
 from __future__ import annotations
 
 import collections
-import math
 from dataclasses import dataclass
-
-import torch
 
 from tensorpar.checks import check_int
 from tensorpar.sharding import partition_bounds
@@ -77,13 +74,3 @@ def head_layout(n_head: int, n_kv_head: int, tp: int, rank: int) -> HeadLayout:
         query, kv_held = range(lo, lo + count), range(n_kv_head)
     return HeadLayout(query=query, kv_held=kv_held, kv_read=tuple(q // g for q in query),
                       kv_replicated=n_kv_head < tp)
-
-
-def attention_dropped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
-    """Causal attention whose probabilities are dropped where ``keep`` is False and scaled by ``1 / (1 - p)``:
-    ``(B, h, T, d)`` each and ``keep`` ``(B, h, T, T)`` -> ``(B, h, T, d)``."""
-    t, d = q.shape[-2:]
-    scores = (q @ k.transpose(-2, -1)) / math.sqrt(d)  # (B, h, T, T)
-    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
-    return (probs * keep / (1 - p)) @ v

@@ -34,8 +34,7 @@ from . import numerics
 
 class CopyToTP(nn.Module):
     """``f``: the input unchanged; backward all-reduces its gradient over the tp group. In bitwise mode the
-    identity both ways: the column maps behind it sum the input gradient by their segments' tree
-    (:func:`layers.numerics.region_entry`)."""
+    identity both ways: the column maps behind it sum the input gradient by their segments' tree."""
 
     def __init__(self, *, group: ProcessGroup | None = None) -> None:
         super().__init__()

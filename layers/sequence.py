@@ -46,8 +46,9 @@ class ParallelLayerNorm(nn.LayerNorm):
     With ``sequence_parallel=True`` it normalises this rank's tokens ``(..., T_r, C)``, and the gradients
     of its weight and bias, each rank's over its own tokens, are summed over the tp group (one all-reduce
     of both together; without that sum each rank would step its copy with a different part of the
-    gradient and the copies would drift apart). In bitwise mode (:class:`~layers.numerics.TokenwiseNorm`) both
-    are tree sums over canonical segments of the sequence, the same bits with or without sequence parallelism.
+    gradient and the copies would drift apart). In bitwise mode (:class:`tensorpar.bitwise.norm.TokenwiseNorm`)
+    both are tree sums over canonical segments of the sequence, the same bits with or without sequence
+    parallelism.
     ``forward(x, seq_len=T)`` names the full length (else, with sequence parallelism in bitwise mode, one
     small collective finds it).
 
