@@ -32,10 +32,7 @@ from tensorpar.sharding import Shard
 from .heads import head_layout
 
 T = TypeVar("T")
-#: every rank's pieces ``(offset, length)`` of a split dim at a tp: ``pieces_at(tp, rank)``
-PiecesAt = Callable[[int, int], Sequence[Piece]]
-#: ``(x, fn) -> fn(x)``, an elementwise ``fn`` on a column-parallel output
-Elementwise = Callable[[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]], torch.Tensor]
+Elementwise = Callable[[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]], torch.Tensor]  # (x, fn) -> fn(x)
 
 
 def chosen(default: T, twin: Callable[[], T]) -> T:
@@ -57,7 +54,10 @@ def mark(model: nn.Module) -> nn.Module:
     return model
 
 
-def _placed(placement: Shard, group: ProcessGroup, mode: Bitwise, pieces_at: PiecesAt | None = None) -> PlacedTree:
+def _placed(placement: Shard, group: ProcessGroup, mode: Bitwise,
+            pieces_at: Callable[[int, int], Sequence[Piece]] | None = None) -> PlacedTree:
+    """The canonical segments of ``placement``'s dim, cut where ``pieces_at(tp, rank)`` (default: the
+    placement's own pieces) has a boundary at any tp of the mode, placed over ``group``."""
     rank, tp = tensorpar.group_rank_size(group)
     return placed_split(pieces_at or placement.pieces, placement.size, tp, rank, mode.tp_sizes)
 
@@ -82,11 +82,7 @@ def region_entry(default: T, group: ProcessGroup, *, sequence_parallel: bool = F
     whose backward keeps this rank's tokens)."""
     if tensorpar.current_bitwise() is None:
         return default
-    return functools.partial(_gathered_tokens, group=group) if sequence_parallel else _identity
-
-
-def _gathered_tokens(x: torch.Tensor, seq_len: int | None = None, *, group: ProcessGroup) -> torch.Tensor:
-    return tensorpar.all_gather_sequence(x, seq_len, group)  # (..., T_r, C) -> (..., T, C)
+    return functools.partial(tensorpar.all_gather_sequence, group=group) if sequence_parallel else _identity
 
 
 def _identity(x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
