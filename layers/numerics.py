@@ -40,11 +40,6 @@ def chosen(default: T, twin: Callable[[], T]) -> T:
     return default if tensorpar.current_bitwise() is None else twin()
 
 
-def adds_tokens_by_segments() -> bool:
-    """Whether layers built now add their sums over tokens by segments of the sequence (the bitwise mode)."""
-    return tensorpar.current_bitwise() is not None
-
-
 def mark(model: nn.Module) -> nn.Module:
     """In the bitwise mode, record it on ``model`` (built or converted here) as ``model.numerics``, which
     :func:`tensorpar.clip_grad_norm_` reads once. Returns ``model``."""

@@ -104,11 +104,11 @@ def layer_norm(n_embd: int, *, bias: bool, sequence_parallel: bool, group: Proce
                device: torch.device | str | None, dtype: torch.dtype | None) -> nn.LayerNorm:
     """A block's or the GPT's LayerNorm: ``nn.LayerNorm``, or where the tokens its gradients add are
     split (sequence parallelism) or added by segments (bitwise mode), a :class:`ParallelLayerNorm`."""
-    if not sequence_parallel and not numerics.adds_tokens_by_segments():
-        return nn.LayerNorm(n_embd, bias=bias, device=device, dtype=dtype)
-    cls = SequenceParallelLayerNorm if sequence_parallel else functools.partial(ParallelLayerNorm,
-                                                                                 sequence_parallel=False)
-    return cls(n_embd, bias=bias, group=group, device=device, dtype=dtype)
+    if sequence_parallel:
+        return SequenceParallelLayerNorm(n_embd, bias=bias, group=group, device=device, dtype=dtype)
+    cls = numerics.chosen(nn.LayerNorm, lambda: functools.partial(ParallelLayerNorm, sequence_parallel=False,
+                                                                  group=group))
+    return cls(n_embd, bias=bias, device=device, dtype=dtype)
 
 
 class ShardedDropout(nn.Dropout):

@@ -87,8 +87,9 @@ def current_bitwise() -> Bitwise | None:
 
 @contextlib.contextmanager
 def use_bitwise(mode: bool | Bitwise | Sequence[int] | None) -> Iterator[Bitwise | None]:
-    """Build modules in ``mode`` inside the ``with`` block (see :meth:`Bitwise.of`; no collective: the
-    caller makes every rank ask for the same mode)."""
+    """Build modules in ``mode`` inside the ``with`` block (see :meth:`Bitwise.of`). Neither compared
+    across ranks nor setting the thread count, as :func:`enable` does: the caller makes every rank ask for
+    the same mode, with the same threads."""
     token = _mode.set(Bitwise.of(mode))
     try:
         yield _mode.get()
