@@ -125,15 +125,18 @@ def test_enable_sets_the_mode_checks_it_and_compares_it_across_ranks(worlds):
         worlds[2].run(init_with, (1, 4), mesh=False)
 
 
-def init_per_rank():
+def init_per_rank(first, others):
     tensorpar.init(tp=2)
-    tensorpar.bitwise.enable(os.environ["RANK"] == "0")
+    tensorpar.bitwise.enable(first if os.environ["RANK"] == "0" else others)
 
 
 def test_ranks_that_disagree_on_the_mode_all_raise(worlds):
     disagree = r"different bitwise modes \(rank 0: tp sizes \[1, 2, 3, 4\], threads 1; rank 1: off\)"
     with pytest.raises(tensorpar.RankError, match=disagree):
-        worlds[2].run(init_per_rank, mesh=False)
+        worlds[2].run(init_per_rank, True, False, mesh=False)
+    # a mode that leaves out tp 2 on rank 0 alone: both ranks raise the disagreement, neither waits for the other
+    with pytest.raises(tensorpar.RankError, match=r"different bitwise modes \(rank 0: tp sizes \[1, 4\]"):
+        worlds[2].run(init_per_rank, (1, 4), True, mesh=False)
 
 
 # ---------------------------------------------------------------- layers

@@ -104,9 +104,9 @@ def enable(mode: bool | Bitwise | Sequence[int] = True) -> Bitwise | None:
     (``Bitwise.threads``)."""
     chosen = Bitwise.of(mode)
     mesh = current_mesh()
+    _agree(chosen)  # first: then a mode that leaves out this tp raises on every rank alike
     if chosen is not None:
         chosen.check_tp(mesh.tp)
-    _agree(chosen)
     if chosen is not None and chosen.threads is not None and mesh.device.type == "cpu":
         torch.set_num_threads(chosen.threads)
     _mode.set(chosen)
