@@ -41,7 +41,7 @@ def chosen(default: T, twin: Callable[[], T]) -> T:
 
 
 def mark(model: nn.Module) -> nn.Module:
-    """In the bitwise mode, record it on ``model`` (built or converted here) as ``model.numerics``, which
+    """In the bitwise mode, record the mode on ``model`` (built or converted here) as ``model.numerics``, which
     :func:`tensorpar.clip_grad_norm_` reads once. Returns ``model``."""
     mode = tensorpar.current_bitwise()
     if mode is not None:
