@@ -338,7 +338,8 @@ def _sample(model: GPT, cfg: TrainConfig, mesh: tensorpar.Mesh, val: TokenData) 
 
 def spawned(cfg: TrainConfig) -> dict[str, Any]:
     """One rank of a local run started by ``tensorpar.spawn``."""
-    tensorpar.init(cfg.tp, cfg.dp, pp=cfg.pp, bitwise=cfg.bitwise)
+    tensorpar.init(cfg.tp, cfg.dp, pp=cfg.pp)
+    tensorpar.bitwise.enable(cfg.bitwise)
     torch.set_num_threads(1)
     return train(cfg)
 
@@ -349,7 +350,8 @@ def main(argv: list[str] | None = None) -> None:
     began = time.perf_counter()
     held = functools.partial(hold, cfg.out, resume=cfg.resume, overwrite=cfg.overwrite, prog=Path(__file__).name)
     if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank; rank 0 holds --out
-        mesh = tensorpar.init(cfg.tp, cfg.dp, pp=cfg.pp, bitwise=cfg.bitwise)
+        mesh = tensorpar.init(cfg.tp, cfg.dp, pp=cfg.pp)
+        tensorpar.bitwise.enable(cfg.bitwise)  # the mode its layers are built in (off without --bitwise)
         with held(mesh=mesh):
             result = train(cfg)
         if mesh.rank:

@@ -103,6 +103,7 @@ class PipelinedGPT(nn.Module):
         if stages_per_rank > 1 and mesh.pp == 1:
             raise ValueError(f"stages_per_rank ({stages_per_rank}) > 1 needs pipeline ranks to loop over: pp is 1")
         self.config, self.tp_group = config, mesh.tp_group
+        self.numerics = tensorpar.current_bitwise()  # its bitwise mode (None: off): its loss and norm follow
         n_stages = mesh.pp * stages_per_rank
         split = stage_blocks(config.n_layer, n_stages)
         self.stage_ids = rank_stages(mesh.pp_rank, mesh.pp, stages_per_rank)
@@ -201,7 +202,7 @@ class PipelinedGPT(nn.Module):
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return tensorpar.vocab_parallel_cross_entropy(logits, targets, self.config.vocab_size, ignore_index=-1,
-                                                      group=self.tp_group, bitwise=self.lm_head.bitwise is not None)
+                                                      group=self.tp_group, bitwise=self.numerics or False)
 
     def _tied(self) -> Iterator[nn.Parameter]:
         if "wte" in self.transformer:

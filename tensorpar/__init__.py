@@ -24,6 +24,7 @@ import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
 from . import tiled_init
+from .bitwise.settings import current_bitwise
 from .clipping import clip_grad_norm_, grad_norm
 from .comm import (
     CollectiveCounter,
@@ -52,7 +53,6 @@ from .cross_entropy import vocab_parallel_cross_entropy
 from .full import full_grads, full_state_dict, load_full_state_dict, shard_geometry, unshard
 from .mesh import (
     Mesh,
-    current_bitwise,
     current_mesh,
     group_rank_size,
     init,

@@ -69,6 +69,22 @@ def test_imports_have_no_cycles_and_flow_from_layers_to_tensorpar():
             visit(name)
 
 
+def test_layers_choose_their_numerics_once_and_the_mesh_knows_no_numerics():
+    """No layer's forward tests the bitwise mode or its segments (each layer chose its computation when it
+    was built, through ``layers/numerics.py``), and the mesh imports nothing of the bitwise mode."""
+    offenders = []
+    for path in sorted((ROOT / "layers").glob("*.py")):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if isinstance(fn, ast.FunctionDef) and fn.name == "forward":
+                offenders += [f"{path.name}:{node.lineno}" for node in ast.walk(fn)
+                              if isinstance(node, (ast.If, ast.IfExp))
+                              and re.search(r"bitwise|segments", ast.unparse(node.test))]
+    assert not offenders, f"a forward branches on the numerics: {offenders}"
+    modules = library_modules()
+    mesh = imports_of("tensorpar.mesh", modules["tensorpar.mesh"], modules)
+    assert not {m for m in mesh if m.startswith("tensorpar.bitwise")}, mesh
+
+
 def test_the_core_and_the_packaging_never_name_the_layer_package():
     word = re.compile(r"\blayers\b")
     offenders = [str(p.relative_to(ROOT)) for p in [*(ROOT / "tensorpar").rglob("*.py"), ROOT / "pyproject.toml"]
