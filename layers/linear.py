@@ -186,7 +186,7 @@ class ColumnParallelLinear(_ParallelLinear):
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         if sequence_parallel and not copy_input:
             raise ValueError("ColumnParallelLinear: sequence_parallel=True gathers the tokens itself; with "
-                             "copy_input=False the input is already gathered (a GatherSequence shared by several "
+                             "copy_input=False the input is already gathered (an AllGatherSequence shared by several "
                              "layers): leave sequence_parallel off there")
         if gather_output and (isinstance(unit, tuple) or replicated):
             raise ValueError("ColumnParallelLinear: gather_output=True needs a plain split (an int unit, nothing "
@@ -220,11 +220,11 @@ class ColumnParallelLinear(_ParallelLinear):
     def _bitwise_forward(self, x: torch.Tensor, seq_len: int | None) -> torch.Tensor:
         """The bitwise mode: one product per segment of the output features; backward, the input
         gradient's tree sum over the group stands for ``f``, whether this layer applies ``f`` itself or a
-        :class:`~layers.regions.RegionInput` in front of it would. Replicated rows must be given whole
+        :class:`~layers.regions.CopyToTP` in front of it would. Replicated rows must be given whole
         gradients (attention sums its key/value gradients by the tree before they reach here)."""
         assert self.segments is not None
         if self.sequence_parallel:  # (..., T_r, in) -> (..., T, in); backward keeps this rank's tokens
-            x = tensorpar.all_gather_sequence(x, seq_len, self.tp_group)
+            x = tensorpar.gather_sequence(x, seq_len, self.tp_group)
         y = segmented_column_linear(x, self.weight, self.bias, self.segments, self.tp_group)  # (*, out / tp)
         if self.gather_output:
             y = tensorpar.gather_from_tp(y, -1, self.out_features, self.tp_group)  # (*, out)

@@ -25,10 +25,11 @@ Example (a pytest test)::
         WORLDS[tp].run(check, n, seed)
 """
 
+from .comm_counts import CollectiveLog, CollectiveRecord, count_collectives
 from .compare import TOLERANCES, assert_all_close, assert_close, assert_sharded_equivalent, rel_error
 from .debugger import find_divergence, group_of_one
 from .findings import DivergenceReport, Finding
 from .pool import World, Worlds, run_script
 
-__all__ = ["TOLERANCES", "DivergenceReport", "Finding", "World", "Worlds", "assert_all_close", "assert_close",
-           "assert_sharded_equivalent", "find_divergence", "group_of_one", "rel_error", "run_script"]
+__all__ = ["TOLERANCES", "CollectiveLog", "CollectiveRecord", "DivergenceReport", "Finding", "World", "Worlds", "assert_all_close", "assert_close",
+           "assert_sharded_equivalent", "count_collectives", "find_divergence", "group_of_one", "rel_error", "run_script"]
