@@ -4,8 +4,8 @@ and each extra, when missing, is named by the error that its absence causes.
 The examples run in a subprocess in which numpy, hypothesis, safetensors, tqdm, matplotlib and
 transformers cannot be found: a ``sitecustomize`` on ``PYTHONPATH`` replaces ``sys.meta_path``'s
 path finder by one blind to them, so the ranks that ``tensorpar.spawn`` starts are blind too. On
-2 ranks they run the layers (a ColumnParallelLinear backward and a RowParallelLinear forward
-through the shared-memory all-reduce), ``layers.parallelize``, a GPT (loss, gradients, clipping,
+2 ranks they run the layers (a ColumnParallelLinear backward and a RowParallelLinear forward,
+one all-reduce each), ``layers.parallelize``, a GPT (loss, gradients, clipping,
 full state dict, generation, export to GPT-2 files) and a short ``examples/train_gpt.py`` run (on
 the same ranks, as torchrun runs it); the launching process then asks for each extra. This file
 is also that subprocess's program: ``python tests/test_plain_install.py DIR``.
@@ -39,8 +39,7 @@ from torch import nn
 import tensorpar
 from layers import GPT, Block, ColumnParallelLinear, GPTConfig, RowParallelLinear, parallelize
 from layers.hf import export_gpt2
-from tensorpar.comm import shm
-from tensorpar.testing import TOLERANCES, assert_sharded_equivalent, rel_error, run_script
+from tensorpar.testing import TOLERANCES, assert_sharded_equivalent, count_collectives, rel_error, run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 OPTIONAL_PACKAGES = ("hypothesis", "matplotlib", "numpy", "safetensors", "tqdm", "transformers")
@@ -103,23 +102,9 @@ class DenseMLP(nn.Module):
         return x
 
 
-def shm_calls() -> list[int]:
-    """Count every all-reduce that goes through a shared-memory channel from now on (this process)."""
-    calls = [0]
-    original = shm.SharedMemoryChannel.all_reduce_
-
-    def counted(self: shm.SharedMemoryChannel, x: torch.Tensor, op: object) -> bool:
-        calls[0] += 1
-        return original(self, x, op)
-
-    shm.SharedMemoryChannel.all_reduce_ = counted
-    return calls
-
-
 def readme_examples(directory: str) -> dict[str, object]:
     """The README's examples that need no extra, each measured against torch's own result."""
-    mesh = tensorpar.init(tp=2)
-    calls = shm_calls()
+    tensorpar.init(tp=2)
     errors, routes = {}, {}
     torch.manual_seed(0)  # the same dense model and inputs on every rank
     d, hidden = 6, 9  # 9 hidden features: 5 + 4
@@ -134,20 +119,18 @@ def readme_examples(directory: str) -> dict[str, object]:
     column = ColumnParallelLinear.from_linear(fc1)
     errors.update(assert_sharded_equivalent(column, fc1, x, output_shard=tensorpar.Shard(-1, hidden)))
     xs = x.clone().requires_grad_()
-    before = calls[0]
-    column(xs).sum().backward()  # f's backward: one all-reduce of the input gradient
-    routes["column backward"] = calls[0] - before
+    with count_collectives() as counts:
+        column(xs).sum().backward()  # f's backward: one all-reduce of the input gradient
+    routes["column backward"] = counts.count("all_reduce")
     xd = x.clone().requires_grad_()
     fc1(xd).sum().backward()
     errors["column input grad"] = rel_error(xs.grad, xd.grad)
     row = RowParallelLinear.from_linear(fc2, input_is_parallel=False)
     h = torch.randn(3, hidden)
-    before = calls[0]
-    y = row(h)  # g: one all-reduce of the output
-    routes["row forward"] = calls[0] - before
+    with count_collectives() as counts:
+        y = row(h)  # g: one all-reduce of the output
+    routes["row forward"] = counts.count("all_reduce")
     errors["row forward"] = rel_error(y, fc2(h))
-    channel = mesh.channels.get(mesh.tp_group)
-    routes["channel open"] = int(isinstance(channel, shm.SharedMemoryChannel) and not channel.broken)
 
     block = Block(GPTConfig(n_embd=12, n_head=3))  # 2. a sharded transformer block ...
     errors["block finite"] = float(not torch.isfinite(block(torch.randn(2, 5, 12))).all())
@@ -235,7 +218,7 @@ def test_readme_examples_run_and_each_missing_extra_is_named_without_any_extra(t
     assert ranks[0]["tokens"] == ranks[1]["tokens"]
     for rank in ranks:
         assert all(err <= TOLERANCES[torch.float32] for err in rank["errors"].values()), rank["errors"]
-        assert rank["routes"] == {"column backward": 1, "row forward": 1, "channel open": 1}
+        assert rank["routes"] == {"column backward": 1, "row forward": 1}
         assert rank["files"] == ["config.json", "model.safetensors"] and rank["found"] == []
         assert rank["version"] == importlib.metadata.version("tensorpar")
     assert "tqdm is not installed (pip install 'tensorpar[train]'): no progress bar" in train
