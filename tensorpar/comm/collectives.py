@@ -7,12 +7,14 @@ caller computes until ``wait()``; in a graph Dynamo records both ops and the com
 between them. Nothing here reads the environment, looks up a mesh, counts, or depends on who watches:
 ``CommDebugMode`` counts these ops and ``torch.profiler`` records them as they run unwatched.
 
-Agreement across ranks is torch's: with ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` set before the process group
-is made, c10d compares each collective's op, dtype and shape across the group first, and every rank
-raises where they differ. Without it, a collective whose byte sizes differ across ranks aborts gloo
-("Is there a distributed collective mismatch in your code?") and so ends every rank, while one of the
-same byte size with another dtype returns garbage. A peer that stops ends the others at the group's
-collective timeout. CUDA tensors on a gloo group travel through host memory.
+Agreement across ranks is torch's: a collective whose byte sizes differ across ranks aborts gloo ("Is
+there a distributed collective mismatch in your code?") and so ends every rank; one of the same byte size
+with another dtype returns garbage unless ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` was set before the process
+group was made: c10d then compares each all-reduce's (and broadcast's) op, dtype and shape across the
+group first, and every rank raises where they differ. An all-gather against a reduce-scatter of the same
+bytes is compared by neither and ends at the group's timeout, as does a stopped peer. A wrong split that
+only one rank can see raises a ``ValueError`` there, its peers waiting for the timeout. CUDA tensors on a
+gloo group travel through host memory.
 
 gloo cannot all-gather tensors of unequal sizes, so uneven shards travel padded to the largest and are
 trimmed afterwards. A tensor is viewed as ``(pre, n, post)`` around the split dim, so that shard ``r``
@@ -37,14 +39,15 @@ REDUCE_OPS = ("sum", "max")
 
 
 class Pending:
-    """A collective in flight; ``wait()`` returns its result."""
+    """A collective in flight (``in_flight=False``: the result of a group of one); ``wait()`` returns its
+    result, moved back to ``device`` and finished by ``finish`` where given."""
 
     def __init__(self, started: torch.Tensor, finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 device: torch.device | None = None) -> None:
-        self._started, self._finish, self._device = started, finish, device
+                 device: torch.device | None = None, *, in_flight: bool = True) -> None:
+        self._started, self._finish, self._device, self._in_flight = started, finish, device, in_flight
 
     def wait(self) -> torch.Tensor:
-        out = _functional.wait_tensor(self._started)
+        out = _functional.wait_tensor(self._started) if self._in_flight else self._started
         if self._device is not None:  # staged through host memory
             out = out.to(self._device)
         return out if self._finish is None else self._finish(out)
@@ -66,7 +69,7 @@ def start_all_reduce_(x: torch.Tensor, group: ProcessGroup, *, op: str = "sum") 
     if op not in REDUCE_OPS:
         raise ValueError(f"all-reduce: op {op!r} is neither 'sum' nor 'max'")
     if dist.get_world_size(group) == 1:
-        return Pending(x)
+        return Pending(x, in_flight=False)
     sent = _host(x, group)
     return Pending(_functional.all_reduce(sent, op, group.group_name), device=_back(x, sent))
 
@@ -115,7 +118,7 @@ def start_all_gather_along(x: torch.Tensor, dim: int, sizes: Sequence[int], grou
         raise ValueError(f"all-gather along dim {dim}: rank {rank} of {n} holds {local} elements there "
                          f"but the split is {list(sizes)}")
     if n == 1:
-        return Pending(x.clone(memory_format=torch.contiguous_format))
+        return Pending(x.clone(memory_format=torch.contiguous_format), in_flight=False)
     big = max(sizes)
     send = x3.new_zeros(pre, big, post) if local < big else x3.contiguous()  # (pre, big, post)
     if local < big:
@@ -149,7 +152,7 @@ def start_reduce_scatter_along(x: torch.Tensor, dim: int, sizes: Sequence[int], 
         raise ValueError(f"reduce-scatter along dim {dim}: size {full} does not match "
                          f"the split {list(sizes)} over {n} ranks")
     if n == 1:
-        return Pending(x.clone(memory_format=torch.contiguous_format))
+        return Pending(x.clone(memory_format=torch.contiguous_format), in_flight=False)
     big = max(sizes)
     if all(s == big for s in sizes):
         send = x3.reshape(pre, n, big, post).transpose(0, 1).contiguous()  # (n, pre, big, post)
