@@ -2,8 +2,8 @@
 
     python benchmarks/accounting.py [--tokens 256] [--batch 2] [--write]
 
-* Communication: the collective counter records every collective of one block's
-  forward+backward, and of the whole model's, at tp=2. Megatron-LM's count for
+* Communication: torch's ``CommDebugMode`` (``tensorpar.testing.count_collectives``) records every
+  collective of one block's forward+backward, and of the whole model's, at tp=2. Megatron-LM's count for
   a block is 2 all-reduces of B·T·C forward and 2 backward; the model adds the
   embedding's (forward), the tied LM head's (backward) and the vocab-parallel
   loss's 3 of B·T. The ratio of recorded bytes to that formula must be 1.000.
@@ -23,6 +23,7 @@ import torch
 import tensorpar
 from layers import GPT, GPTConfig
 from results import machine, write_section
+from tensorpar.testing import count_collectives
 
 
 def traffic_shapes(t: int) -> list[tuple[int, int]]:
@@ -41,9 +42,9 @@ def count_bytes(b: int, t: int) -> dict[str, object]:
     model = GPT(config)
     idx = torch.randint(0, config.vocab_size, (b, t))
     x = torch.randn(b, t, config.n_embd, requires_grad=True)
-    with tensorpar.count_collectives() as block:
+    with count_collectives() as block:
         model.transformer.h[0](x).sum().backward()
-    with tensorpar.count_collectives() as whole:
+    with count_collectives() as whole:
         model(idx, idx).backward()
     act, tokens = b * t * config.n_embd * 4, b * t * 4  # float32 bytes
     return dict(
@@ -72,14 +73,17 @@ def sequence_traffic(b: int, t: int) -> dict[str, float]:
         block = GPT(GPTConfig(**(GPT2_SMALL | dict(n_layer=1, sequence_parallel=sp)))).transformer.h[0]
         local = tensorpar.sequence_sizes(t, n)[mesh.tp_rank] if sp else t
         x = torch.randn(b, local, c, requires_grad=True)
-        with tensorpar.count_collectives() as counts:
+        with count_collectives() as counts:
             block(x, t).sum().backward()
-        activation = [r for r in counts.records if r.numel == b * t * c]
+        # an activation's collectives move B·T·C, uneven token shards padded to the largest
+        logical = b * t * c
+        padded = b * n * max(tensorpar.sequence_sizes(t, n)) * c if sp else logical
+        activation = [r for r in counts.records if r.numel in (logical, padded)]
         regathers = counts.traffic("all_gather", "backward") / 2  # of the 4 backward all-gathers, 2 gather inputs
         key = "sequence" if sp else "plain"
-        figures[f"{key} activations"] = sum(r.traffic() for r in activation) - (regathers if sp else 0)
-        figures[f"{key} activations padded"] = sum(r.traffic(True) for r in activation) - (
-            counts.traffic("all_gather", "backward", padded=True) / 2 if sp else 0)
+        moved = sum(r.traffic() for r in activation) - (regathers if sp else 0)
+        figures[f"{key} activations"] = moved * logical / padded
+        figures[f"{key} activations padded"] = moved
         figures[f"{key} all"] = counts.traffic()
         figures[f"{key} count"] = counts.count()
     ring = (n - 1) / n * b * t * c * 4  # one all-gather or reduce-scatter of B·T·C floats

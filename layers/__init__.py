@@ -11,10 +11,10 @@ from .mlp import ParallelMLP
 from .numerics import SegmentwiseActivation
 from .parallelize import STYLES, HeadRow, QKVColumn, Segmentwise, parallelize
 from .pipeline import GPTStage, PipelinedGPT
-from .regions import CopyToTP, GatherSequence, ReduceFromTP, ReduceScatterSequence
+from .regions import AllGatherSequence, CopyToTP, ReduceFromTP, ReduceScatterSequence
 from .sequence import ParallelLayerNorm, SequenceParallelLayerNorm, ShardedDropout
 
-__all__ = ["GPT", "STYLES", "Block", "ColumnParallelLinear", "CopyToTP", "GPTConfig", "GPTStage", "GatherSequence",
+__all__ = ["GPT", "STYLES", "AllGatherSequence", "Block", "ColumnParallelLinear", "CopyToTP", "GPTConfig", "GPTStage",
            "HeadRow", "ParallelLayerNorm", "ParallelMLP", "ParallelSelfAttention", "PipelinedGPT", "QKVColumn",
            "ReduceFromTP", "ReduceScatterSequence", "ReplicatedLinear", "RowParallelLinear",
            "Segmentwise", "SegmentwiseActivation", "SequenceParallelLayerNorm", "ShardedDropout",

@@ -56,7 +56,7 @@ from tensorpar.checks import check_int
 from . import numerics
 from .heads import head_layout
 from .linear import ColumnParallelLinear, RowParallelLinear, check_activation
-from .regions import RegionInput
+from .regions import CopyToTP
 from .sequence import ShardedDropout, tp_stream
 
 
@@ -101,7 +101,7 @@ class ParallelSelfAttention(nn.Module):
         factory = dict(group=group, device=device, dtype=dtype)
 
         self.sequence_parallel = sequence_parallel
-        self.copy_in = RegionInput(sequence_parallel=sequence_parallel, group=group)
+        self.copy_in = CopyToTP(sequence_parallel=sequence_parallel, group=group)
         self.heads = heads = head_layout(n_head, n_kv_head, tp, rank)
         self.kv_replicated = heads.kv_replicated
         self.q_lo, self.local_heads = heads.query.start, len(heads.query)

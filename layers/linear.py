@@ -173,7 +173,7 @@ class ColumnParallelLinear(_ParallelLinear):
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         if sequence_parallel and not copy_input:
             raise ValueError("ColumnParallelLinear: sequence_parallel=True gathers the tokens itself; with "
-                             "copy_input=False the input is already gathered (a GatherSequence shared by several "
+                             "copy_input=False the input is already gathered (an AllGatherSequence shared by several "
                              "layers): leave sequence_parallel off there")
         if gather_output and (isinstance(unit, tuple) or replicated):
             raise ValueError("ColumnParallelLinear: gather_output=True needs a plain split (an int unit, nothing "

@@ -22,7 +22,7 @@ from tensorpar.checks import check_int
 
 from . import numerics
 from .linear import ColumnParallelLinear, RowParallelLinear, check_activation
-from .regions import RegionInput
+from .regions import CopyToTP
 from .sequence import ShardedDropout
 
 ACTIVATIONS = ("gelu", "swiglu")
@@ -57,7 +57,7 @@ class ParallelMLP(nn.Module):
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         self.activation, self.sequence_parallel = activation, sequence_parallel
         factory = dict(group=group, device=device, dtype=dtype)
-        self.copy_in = RegionInput(sequence_parallel=sequence_parallel, group=group)
+        self.copy_in = CopyToTP(sequence_parallel=sequence_parallel, group=group)
         self.c_fc = ColumnParallelLinear(n_embd, hidden, bias, copy_input=False, **factory)
         gated = activation == "swiglu"
         self.c_gate = ColumnParallelLinear(n_embd, hidden, bias, copy_input=False, **factory) if gated else None

@@ -77,7 +77,7 @@ def region_entry(default: T, group: ProcessGroup, *, sequence_parallel: bool = F
     whose backward keeps this rank's tokens)."""
     if tensorpar.current_bitwise() is None:
         return default
-    return functools.partial(tensorpar.all_gather_sequence, group=group) if sequence_parallel else _identity
+    return functools.partial(tensorpar.gather_sequence, group=group) if sequence_parallel else _identity
 
 
 def _identity(x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:

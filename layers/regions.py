@@ -2,7 +2,7 @@
 
 A module that feeds one replicated input to several column-parallel layers
 (attention's Q, K and V; an MLP's up and gate projections) enters the
-tensor-parallel region once with :class:`CopyToTP` and builds the layers with
+tensor-parallel region once with :class:`CopyToTP` (``f``) and builds the layers with
 ``copy_input=False``: one all-reduce of the summed input gradient serves them
 all, and whatever runs inside the region, an adapter wrapped around a
 projection included, contributes to that sum as it would in the dense model.
@@ -10,12 +10,12 @@ projection included, contributes to that sum as it would in the dense model.
 the token and position embeddings' partial lookups, added first and reduced once.
 
 With sequence parallelism (:mod:`tensorpar.comm.sequence`) the same boundaries
-move tokens instead: :class:`GatherSequence` (``f̄``) all-gathers this rank's
+move tokens instead: :class:`AllGatherSequence` (``f̄``) all-gathers this rank's
 tokens into the region, :class:`ReduceScatterSequence` (``ḡ``) leaves it with
-this rank's tokens of the sum. :class:`RegionInput` is the entry of a region
-whose input several column maps share, either way: the module calls it
-whatever its layout, as torchtitan's ``PrepareModuleInput`` prepares a
-module's input.
+this rank's tokens of the sum. ``CopyToTP(sequence_parallel=True)`` is ``f̄`` at the
+entry of a region whose input several column maps share: the module calls its
+``copy_in`` whatever its layout, as torchtitan's ``PrepareModuleInput`` prepares
+a module's input.
 """
 
 from __future__ import annotations
@@ -32,23 +32,6 @@ import tensorpar
 from . import numerics
 
 
-class CopyToTP(nn.Module):
-    """``f``: the input unchanged; backward all-reduces its gradient over the tp group. In bitwise mode the
-    identity both ways: the column maps behind it sum the input gradient by their segments' tree."""
-
-    def __init__(self, *, group: ProcessGroup | None = None) -> None:
-        super().__init__()
-        self.tp_group = tensorpar.tp_group(group)
-        self.tp = tensorpar.group_rank_size(self.tp_group)[1]
-        self.enter = numerics.region_entry(self._copy, self.tp_group)  # chosen once
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.enter(x)
-
-    def _copy(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.tp == 1 else tensorpar.copy_to_tp(x, self.tp_group)  # the identity on a group of one
-
-
 class ReduceFromTP(nn.Module):
     """``g``: the sum of the input over the tp group; backward passes the gradient through."""
 
@@ -61,7 +44,7 @@ class ReduceFromTP(nn.Module):
         return x if self.tp == 1 else tensorpar.reduce_from_tp(x, self.tp_group)  # the identity on a group of one
 
 
-class GatherSequence(nn.Module):
+class AllGatherSequence(nn.Module):
     """``f̄``: every rank's tokens, ``(..., T_r, C) -> (..., T, C)``; backward reduce-scatters the gradient.
     ``forward(x, seq_len=T)`` names the full length (else one small collective finds it)."""
 
@@ -70,7 +53,7 @@ class GatherSequence(nn.Module):
         self.tp_group = tensorpar.tp_group(group)
 
     def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
-        return tensorpar.gather_sequence(x, seq_len, self.tp_group)
+        return tensorpar.all_gather_sequence(x, seq_len, self.tp_group)
 
 
 class ReduceScatterSequence(nn.Module):
@@ -85,16 +68,17 @@ class ReduceScatterSequence(nn.Module):
         return tensorpar.reduce_scatter_sequence(x, self.tp_group)
 
 
-class RegionInput(nn.Module):
-    """The entry of a tensor-parallel region whose input several column-parallel maps share
-    (attention's ``c_attn``, an MLP's up and gate projections, built with ``copy_input=False``).
+class CopyToTP(nn.Module):
+    """``f``: the entry of a tensor-parallel region, the input unchanged; backward all-reduces its gradient
+    over the tp group. Several column-parallel maps may share it (attention's ``c_attn``, an MLP's up and
+    gate projections, built with ``copy_input=False``).
 
-    ``forward(x)``: ``f`` on a replicated ``x`` (:class:`CopyToTP`); with
-    ``sequence_parallel=True``, ``f̄`` on this rank's tokens ``(..., T_r, C)``, all of
-    them ``(..., T, C)`` (:class:`GatherSequence`; ``forward(x, seq_len=T)`` names
-    the full length, else one small collective finds it). :meth:`entered` gives the
-    same input to the maps run inside its block, which with sequence parallelism
-    keep only this rank's tokens for backward (:func:`tensorpar.save_sequence_shard`).
+    With ``sequence_parallel=True`` it is ``f̄`` on this rank's tokens ``(..., T_r, C)``: all of them
+    ``(..., T, C)``, the gradient reduce-scattered (:class:`AllGatherSequence`; ``forward(x, seq_len=T)``
+    names the full length, else one small collective finds it). :meth:`entered` gives the same input to
+    the maps run inside its block, which with sequence parallelism keep only this rank's tokens for
+    backward (:func:`tensorpar.save_sequence_shard`). In bitwise mode the gradient passes through: the
+    column maps behind it sum the input gradient by their segments' tree.
 
     Example::
 
@@ -115,7 +99,7 @@ class RegionInput(nn.Module):
 
     def _entry(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         if self.sequence_parallel:
-            return tensorpar.gather_sequence(x, seq_len, self.tp_group)  # f̄: (..., T, C)
+            return tensorpar.all_gather_sequence(x, seq_len, self.tp_group)  # f̄: (..., T, C)
         return x if self.tp == 1 else tensorpar.copy_to_tp(x, self.tp_group)  # f
 
     @contextlib.contextmanager

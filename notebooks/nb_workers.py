@@ -18,7 +18,7 @@ from torch import nn
 
 import layers
 import tensorpar
-from tensorpar.testing import rel_error
+from tensorpar.testing import count_collectives, rel_error
 
 # --------------------------------------------------------------------------- 01: column and row parallel
 
@@ -57,7 +57,7 @@ def mlp_column_then_row(d: int, hidden: int, tokens: int, seed: int = 0) -> dict
     b1 = dense[0].bias.detach()[lo:hi].clone().requires_grad_()        # (hidden_r,)
     w2 = dense[2].weight.detach()[:, lo:hi].clone().requires_grad_()   # (d, hidden_r)
     x_hand = x.clone().requires_grad_()
-    with tensorpar.count_collectives() as hand_counts:
+    with count_collectives() as hand_counts:
         h = F.gelu(tensorpar.copy_to_tp(x_hand) @ w1.T + b1)            # f, then (tokens, hidden_r): no communication
         y_hand = tensorpar.reduce_from_tp(h @ w2.T) + dense[2].bias     # partial sums (tokens, d), then g
         y_hand.square().sum().backward()
@@ -65,7 +65,7 @@ def mlp_column_then_row(d: int, hidden: int, tokens: int, seed: int = 0) -> dict
     # 2. With the layers: parallelize swaps the nn.Linears in place, keeping the weights.
     sharded = layers.parallelize(copy.deepcopy(dense), {"0": "column", "2": "row"})
     x_tp = x.clone().requires_grad_()
-    with tensorpar.count_collectives() as tp_counts:
+    with count_collectives() as tp_counts:
         y_tp = sharded(x_tp)
         y_tp.square().sum().backward()
 

@@ -27,14 +27,10 @@ from . import tiled_init
 from .bitwise.settings import current_bitwise
 from .clipping import clip_grad_norm_, grad_norm
 from .comm import (
-    CollectiveCounter,
-    CollectiveError,
-    CollectiveRecord,
     all_gather,
     all_gather_sequence,
     column_parallel_linear,
     copy_to_tp,
-    count_collectives,
     gather_from_tp,
     gather_sequence,
     reduce_from_tp,
@@ -108,9 +104,6 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "CollectiveCounter",
-    "CollectiveError",
-    "CollectiveRecord",
     "Mesh",
     "RNGStatesTracker",
     "RankError",
@@ -121,7 +114,6 @@ __all__ = [
     "clip_grad_norm_",
     "column_parallel_linear",
     "copy_to_tp",
-    "count_collectives",
     "current_bitwise",
     "current_mesh",
     "full_grads",

@@ -2,8 +2,8 @@
 counts (:func:`check_int`) and ids within a range (:func:`check_ids`). The core and the modules built
 on it check their arguments with these.
 
-Whether the ranks of a group called a collective alike is another check, made by comparing their calls
-across the group: :mod:`tensorpar.comm.checks`.
+Whether the ranks of a group called a collective alike is torch's check, made under
+``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (see :mod:`tensorpar.comm.collectives`).
 """
 
 from __future__ import annotations

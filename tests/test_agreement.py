@@ -1,23 +1,18 @@
 """Arguments that only some ranks can check are compared across ranks, so every rank raises together.
 
-``init`` compares its arguments always (once per mesh). Collectives compare
-theirs under the debugging switch (``TENSORPAR_CHECK_COLLECTIVES=1``, or
-``TORCH_DISTRIBUTED_DEBUG=DETAIL``); without it a rank that finds its own
-arguments wrong raises alone.
+``init`` compares its arguments always (once per mesh). Collectives are compared by torch under
+``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (see ``tests/test_faults.py``); arguments every rank can check
+(a bad ``dim``, a split that fits no rank's shard: ``tests/test_comm.py``) raise before any collective.
 """
 
-import contextlib
 import os
 import subprocess
 import sys
 
-import pytest
 import torch
 import torch.distributed as dist
 
 import tensorpar
-from tensorpar.comm import checks
-from tensorpar.comm.collectives import start_all_reduce_
 
 
 def _error(fn):
@@ -68,46 +63,6 @@ def test_a_failed_init_leaves_no_process_group_behind():
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines() == ["refused: tp (2) does not divide the world size (1)",
                                         "initialised after the failure: False", "then: tp=1 world=1"]
-
-
-@contextlib.contextmanager
-def _env(**values):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-
-
-def gather_with_a_wrong_size_on_rank_zero(switch):
-    mesh = tensorpar.current_mesh()
-    size = 7 if mesh.tp_rank == 0 else 6  # rank 0 alone believes the full size is 7
-    local = torch.ones(2, 3)  # 6 split over 2 ranks: 3 each
-    with _env(**switch):
-        gather = _error(lambda: tensorpar.gather_from_tp(local, -1, size))
-        with tensorpar.use_mesh(None):  # no shared memory: gloo's own all-reduce, which would abort
-            numel = (4, 8)[mesh.tp_rank]
-            reduce = _error(lambda: start_all_reduce_(torch.ones(numel), mesh.tp_group).wait())
-    return gather, reduce
-
-
-@pytest.mark.parametrize("switch", [{"TENSORPAR_CHECK_COLLECTIVES": "1"}, {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}])
-def test_with_checks_on_every_rank_raises_when_one_rank_finds_a_collective_wrong(worlds, switch):
-    (gather0, reduce0), (gather1, reduce1) = worlds[2].run(gather_with_a_wrong_size_on_rank_zero, switch)
-    assert gather0 == gather1 and gather0.startswith("ValueError: all-gather: the ranks' calls do not match")
-    assert "rank 0: sizes[0]=4, sizes[1]=3" in gather0.replace("dtype=float32, before=2, along=0, after=1, ", "")
-    assert "rank 0: all-gather along dim -1: rank 0 of 2 holds 3 elements there but the split is [4, 3]" in gather0
-    assert reduce0 == reduce1 == ("ValueError: all-reduce: the ranks' calls do not match (rank 0: numel=4, "
-                                  "dtype=float32, op=sum; rank 1: numel=8, dtype=float32, op=sum)")
-
-
-def test_the_checks_are_off_unless_asked_for():
-    with _env(TENSORPAR_CHECK_COLLECTIVES="0", TORCH_DISTRIBUTED_DEBUG="INFO"):
-        assert not checks.enabled()
-    with _env(TENSORPAR_CHECK_COLLECTIVES="1"):
-        assert checks.enabled()
 
 
 def functional_linears_with_bad_arguments():

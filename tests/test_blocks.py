@@ -13,7 +13,7 @@ import reference_gpt as ref
 import tensorpar
 from gpt_cases import gpt_configs
 from layers import Block, ColumnParallelLinear, CopyToTP, GPTConfig, ParallelMLP, ParallelSelfAttention
-from tensorpar.testing import TOLERANCES, assert_all_close, assert_sharded_equivalent
+from tensorpar.testing import TOLERANCES, assert_all_close, assert_sharded_equivalent, count_collectives
 from tensorpar.testing.strategies import dtypes, tp_sizes
 
 
@@ -77,7 +77,7 @@ def check_linears(n_in, outs, used, seed):
     sharded = [ColumnParallelLinear.from_linear(d, copy_input=False) for d in dense]
     x = torch.randn(2, 3, n_in, dtype=torch.float64)
     x_dense, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
-    with tensorpar.count_collectives() as counts:
+    with count_collectives() as counts:
         shared = CopyToTP()(x_ours)
         ys = [s(shared) for s in sharded]
         full = [tensorpar.gather_from_tp(y, -1, o) for y, o in zip(ys, outs, strict=True)]

@@ -5,7 +5,7 @@ and equals the plain twin.
 Most examples compile through AOTAutograd with graph-recording compilers (the graphs AOTAutograd
 hands to inductor, run as they are), which is fast enough to draw many shapes; the functional
 collectives in the forward and backward graphs are counted there and must equal what
-``count_collectives`` records for the eager module. The inductor examples then run the real CPU
+``CommDebugMode`` (``count_collectives``) records for the eager module. The inductor examples then run the real CPU
 backend on a Block and a GPT.
 """
 
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import tensorpar
 from gpt_cases import batch, gpt_configs, twins
 from layers import GPT, ColumnParallelLinear, GPTConfig, RowParallelLinear, VocabParallelEmbedding
-from tensorpar.testing import TOLERANCES, assert_all_close, assert_sharded_equivalent
+from tensorpar.testing import TOLERANCES, assert_all_close, assert_sharded_equivalent, count_collectives
 from tensorpar.testing.strategies import batch_shapes, features, tp_sizes
 from test_blocks import sharded_twin
 from test_fsdp import run_training, train_here
@@ -53,7 +53,7 @@ def recording_backend(graphs):
 
 def eager_counts(run):
     """The collectives ``run()`` issues eagerly, by phase and op."""
-    with tensorpar.count_collectives() as counts:
+    with count_collectives() as counts:
         run()
     out = {"forward": collections.Counter(), "backward": collections.Counter()}
     for r in counts.records:

@@ -9,7 +9,8 @@ weights add one all-reduce of their gradients (weights and biases) per block.
 
 With sequence parallelism each of those all-reduces becomes a reduce-scatter
 and an all-gather of the same B·T·C (Megatron's ``ḡ``/``f̄``; together they
-send what one all-reduce sends); each column region's input is gathered once
+send what one all-reduce sends; where T does not divide by tp, the shards travel
+padded to the largest, B·tp·ceil(T/tp)·C); each column region's input is gathered once
 more in backward, where it was kept as this rank's tokens; and each LayerNorm
 sums its weight and bias gradients in one all-reduce of C (or 2C) elements.
 """
@@ -23,6 +24,7 @@ from hypothesis import strategies as st
 import tensorpar
 from gpt_cases import batch, gpt_configs
 from layers import GPT, GPTConfig
+from tensorpar.testing import count_collectives
 from tensorpar.testing.strategies import tp_sizes
 
 
@@ -33,9 +35,9 @@ def count_gpt(cfg, b, t, sequence_parallel=False):
     mesh = tensorpar.current_mesh()
     local = tensorpar.sequence_sizes(t, mesh.tp)[mesh.tp_rank] if sequence_parallel else t
     x = torch.randn(b, local, cfg["n_embd"], requires_grad=True)
-    with tensorpar.count_collectives() as block:
+    with count_collectives() as block:
         model.transformer.h[0](x, t).sum().backward()
-    with tensorpar.count_collectives() as whole:
+    with count_collectives() as whole:
         model(idx, targets).backward()
     return block.summary(), whole.summary()
 
@@ -44,10 +46,11 @@ def expected_counts(cfg, b, t, tp, sequence_parallel=False):
     if tp == 1:
         return Counter(), Counter()
     f32, act, tokens = torch.float32, b * t * cfg["n_embd"], b * t
+    padded = b * tp * max(tensorpar.sequence_sizes(t, tp)) * cfg["n_embd"]  # an activation's shards as they travel
     norm = ("backward", "all_reduce", f32, cfg["n_embd"] * (1 + cfg["bias"]))  # a LayerNorm's weight and bias
     if sequence_parallel:
-        block = Counter({("forward", "all_gather", f32, act): 2, ("forward", "reduce_scatter", f32, act): 2,
-                         ("backward", "reduce_scatter", f32, act): 2, ("backward", "all_gather", f32, act): 4,
+        block = Counter({("forward", "all_gather", f32, padded): 2, ("forward", "reduce_scatter", f32, padded): 2,
+                         ("backward", "reduce_scatter", f32, padded): 2, ("backward", "all_gather", f32, padded): 4,
                          norm: 2})
     else:
         block = Counter({("forward", "all_reduce", f32, act): 2, ("backward", "all_reduce", f32, act): 2})
@@ -56,10 +59,10 @@ def expected_counts(cfg, b, t, tp, sequence_parallel=False):
         block[("backward", "all_reduce", f32, kv * (cfg["n_embd"] + cfg["bias"]))] += 1
     whole = Counter({k: v * cfg["n_layer"] for k, v in block.items()})
     if sequence_parallel:
-        whole[("forward", "reduce_scatter", f32, act)] += 1  # token + position embedding
-        whole[("backward", "all_gather", f32, act)] += 2  # its gradient; the LM head's input, again
-        whole[("forward", "all_gather", f32, act)] += 1  # LM head (f̄)
-        whole[("backward", "reduce_scatter", f32, act)] += 1
+        whole[("forward", "reduce_scatter", f32, padded)] += 1  # token + position embedding
+        whole[("backward", "all_gather", f32, padded)] += 2  # its gradient; the LM head's input, again
+        whole[("forward", "all_gather", f32, padded)] += 1  # LM head (f̄)
+        whole[("backward", "reduce_scatter", f32, padded)] += 1
         whole[norm] += 1  # ln_f
     else:
         whole[("forward", "all_reduce", f32, act)] += 1  # token + position embedding

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import tensorpar
 from layers import ColumnParallelLinear, RowParallelLinear
 from reference import DenseMLP
-from tensorpar.testing import World, assert_sharded_equivalent
+from tensorpar.testing import World, assert_sharded_equivalent, count_collectives
 from tensorpar.testing.strategies import tp_sizes
 
 
@@ -46,14 +46,14 @@ def test_a_rank_that_raises_fails_fast_and_the_pool_recovers(pair):
 
 
 def all_hang():
-    if dist.get_rank() == 0:  # in a shared-memory all-reduce that its peer never joins
+    if dist.get_rank() == 0:  # in an all-reduce that its peer never joins
         tensorpar.reduce_from_tp(torch.ones(1000))
     time.sleep(30)
 
 
 def test_a_hung_example_is_killed_and_the_pool_restarted(pair):
     segments = set(os.listdir("/dev/shm"))
-    pair.run(tensorpar.reduce_from_tp, torch.ones(3))  # the shared-memory channel is open
+    pair.run(tensorpar.reduce_from_tp, torch.ones(3))  # the group is connected
     start = time.monotonic()  # a timeout of this call's own, shorter than the pool's: all_hang never finishes
     with pytest.raises(TimeoutError, match=r"all_hang did not finish within 1.0 s on ranks \[0, 1\]"):
         pair.run(all_hang, timeout=1.0)
@@ -148,7 +148,7 @@ def count_mlp_collectives(d, hidden, tokens):
     torch.manual_seed(0)
     mlp = torch.nn.Sequential(ColumnParallelLinear(d, hidden), torch.nn.GELU(), RowParallelLinear(hidden, d))
     x = torch.randn(tokens, d, requires_grad=True)
-    with tensorpar.count_collectives() as counts:
+    with count_collectives() as counts:
         mlp(x).sum().backward()
     return sorted(counts.summary().items(), key=str)
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import tensorpar
 from layers import GPT, GPTConfig
 from layers.hf import export_gpt2, gpt_config
-from tensorpar.testing import TOLERANCES, assert_all_close
+from tensorpar.testing import TOLERANCES, assert_all_close, count_collectives
 from tensorpar.testing.strategies import tp_sizes
 
 pytest.importorskip("transformers", reason="the hf extra is not installed")
@@ -147,7 +147,7 @@ def check_refusals(directory):
     cases = [GPTConfig(vocab_size=11, block_size=4, n_layer=1, n_head=4, n_embd=8, **kw)
              for kw in ({"mlp": "swiglu"}, {"n_kv_head": 2}, {"sequence_parallel": True, "mlp": "swiglu",
                                                                         "n_kv_head": 1, "bias": False})]
-    with tensorpar.count_collectives() as counter:
+    with count_collectives() as counter:
         for config in cases:
             model = GPT(config)
             try:

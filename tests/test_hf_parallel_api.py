@@ -9,6 +9,7 @@ import transformers  # the hf extra: make test installs it, so a missing one fai
 import tensorpar
 from hf_cases import build
 from tensorpar.sharding import Shard
+from tensorpar.testing import count_collectives
 
 LLAMA = dict(vocab_size=19, attn="eager", num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
              hidden_size=8, intermediate_size=6)
@@ -38,7 +39,7 @@ def refusals():
         parallelize_hf(transformers.GPT2LMHeadModel(transformers.GPT2Config(
             vocab_size=19, n_layer=1, n_head=3, n_embd=6, n_positions=8, add_cross_attention=True)))
 
-    with tensorpar.count_collectives() as counter:
+    with count_collectives() as counter:
         messages = [attempt(make) for make in (
             lambda: parallelize_hf(torch.nn.Linear(2, 2)),
             lambda: parallelize_hf(build("gpt2", GPT2, torch.float32, 0).transformer),

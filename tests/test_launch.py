@@ -2,7 +2,6 @@
 function that new processes cannot find refused by name before any rank starts."""
 
 import contextlib
-import dataclasses
 import json
 import multiprocessing
 import os
@@ -12,7 +11,6 @@ import subprocess
 import sys
 import time
 import types
-import weakref
 from pathlib import Path
 
 import pytest
@@ -129,33 +127,6 @@ def test_ranks_are_forked_with_the_launchers_environment_and_run_its_exit_handle
     assert variable == "set after the server started" and cwd == str(tmp_path) and not loaded
     assert parent != os.getpid()  # the fork server's child, not this process's
     assert (tmp_path / "exit").read_text() == "exit handlers ran on rank 0"
-
-
-def open_channels_and_check_without_unpickling():
-    from tensorpar.comm import checks  # noqa: F401 - used through the collectives below
-    from tensorpar.comm.collectives import start_all_reduce_
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("data from a peer was unpickled")
-
-    c10d = dist.distributed_c10d
-    saved = c10d._tensor_to_object
-    c10d._tensor_to_object = refuse
-    mesh = dataclasses.replace(tensorpar.current_mesh(), channels=weakref.WeakKeyDictionary())
-    os.environ["TENSORPAR_CHECK_COLLECTIVES"] = "1"
-    try:
-        with tensorpar.use_mesh(mesh):
-            out = start_all_reduce_(torch.ones(5), mesh.tp_group).wait()
-            out = start_all_reduce_(torch.ones(300_000), mesh.tp_group).wait()[:5] + out  # grows the channel
-    finally:
-        c10d._tensor_to_object = saved
-        del os.environ["TENSORPAR_CHECK_COLLECTIVES"]
-    return out.tolist(), mesh.channels[mesh.tp_group] is not None
-
-
-def test_setting_up_shared_memory_and_checking_calls_unpickle_nothing(worlds):
-    for out, shared in worlds[2].run(open_channels_and_check_without_unpickling):
-        assert out == [4.0] * 5 and shared
 
 
 # ---------------------------------------------------------------- functions a new process cannot find

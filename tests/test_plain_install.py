@@ -5,8 +5,8 @@ The examples run in a subprocess in which hypothesis, safetensors, tqdm, matplot
 transformers cannot be found (numpy is a dependency: torch.distributed.checkpoint needs it): a
 ``sitecustomize`` on ``PYTHONPATH`` replaces ``sys.meta_path``'s
 path finder by one blind to them, so the ranks that ``tensorpar.spawn`` starts are blind too. On
-2 ranks they run the layers (a ColumnParallelLinear backward and a RowParallelLinear forward
-through the shared-memory all-reduce), ``layers.parallelize``, a GPT (loss, gradients, clipping,
+2 ranks they run the layers (a ColumnParallelLinear backward and a RowParallelLinear forward,
+one all-reduce each), ``layers.parallelize``, a GPT (loss, gradients, clipping,
 full state dict, generation; the export to GPT-2 files names its extra) and a short ``examples/train_gpt.py`` run (on
 the same ranks, as torchrun runs it); the launching process then asks for each extra. This file
 is also that subprocess's program: ``python tests/test_plain_install.py DIR``.
@@ -36,11 +36,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import tensorpar
 from layers import GPT, Block, ColumnParallelLinear, GPTConfig, RowParallelLinear, parallelize
 from layers.hf import export_gpt2
-from tensorpar.comm import shm
 from tensorpar.testing import TOLERANCES, assert_sharded_equivalent, rel_error, run_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,23 +104,21 @@ class DenseMLP(nn.Module):
         return x
 
 
-def shm_calls() -> list[int]:
-    """Count every all-reduce that goes through a shared-memory channel from now on (this process)."""
-    calls = [0]
-    original = shm.SharedMemoryChannel.all_reduce_
+class AllReduces(TorchDispatchMode):
+    """Counts the all-reduces dispatched inside it (torch's ``CommDebugMode`` needs numpy, an extra)."""
 
-    def counted(self: shm.SharedMemoryChannel, x: torch.Tensor, op: object) -> bool:
-        calls[0] += 1
-        return original(self, x, op)
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
 
-    shm.SharedMemoryChannel.all_reduce_ = counted
-    return calls
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.count += func._overloadpacket in (torch.ops._c10d_functional.all_reduce, torch.ops.c10d.allreduce_)
+        return func(*args, **(kwargs or {}))
 
 
 def readme_examples(directory: str) -> dict[str, object]:
     """The README's examples that need no extra, each measured against torch's own result."""
-    mesh = tensorpar.init(tp=2)
-    calls = shm_calls()
+    tensorpar.init(tp=2)
     errors, routes = {}, {}
     torch.manual_seed(0)  # the same dense model and inputs on every rank
     d, hidden = 6, 9  # 9 hidden features: 5 + 4
@@ -135,20 +133,18 @@ def readme_examples(directory: str) -> dict[str, object]:
     column = ColumnParallelLinear.from_linear(fc1)
     errors.update(assert_sharded_equivalent(column, fc1, x, output_shard=tensorpar.Shard(-1, hidden)))
     xs = x.clone().requires_grad_()
-    before = calls[0]
-    column(xs).sum().backward()  # f's backward: one all-reduce of the input gradient
-    routes["column backward"] = calls[0] - before
+    with AllReduces() as counts:
+        column(xs).sum().backward()  # f's backward: one all-reduce of the input gradient
+    routes["column backward"] = counts.count
     xd = x.clone().requires_grad_()
     fc1(xd).sum().backward()
     errors["column input grad"] = rel_error(xs.grad, xd.grad)
     row = RowParallelLinear.from_linear(fc2, input_is_parallel=False)
     h = torch.randn(3, hidden)
-    before = calls[0]
-    y = row(h)  # g: one all-reduce of the output
-    routes["row forward"] = calls[0] - before
+    with AllReduces() as counts:
+        y = row(h)  # g: one all-reduce of the output
+    routes["row forward"] = counts.count
     errors["row forward"] = rel_error(y, fc2(h))
-    channel = mesh.channels.get(mesh.tp_group)
-    routes["channel open"] = int(isinstance(channel, shm.SharedMemoryChannel) and not channel.broken)
 
     block = Block(GPTConfig(n_embd=12, n_head=3))  # 2. a sharded transformer block ...
     errors["block finite"] = float(not torch.isfinite(block(torch.randn(2, 5, 12))).all())
@@ -240,7 +236,7 @@ def test_readme_examples_run_and_each_missing_extra_is_named_without_any_extra(t
     assert ranks[0]["tokens"] == ranks[1]["tokens"]
     for rank in ranks:
         assert all(err <= TOLERANCES[torch.float32] for err in rank["errors"].values()), rank["errors"]
-        assert rank["routes"] == {"column backward": 1, "row forward": 1, "channel open": 1}
+        assert rank["routes"] == {"column backward": 1, "row forward": 1}
         assert rank["found"] == [] and rank["exported"] == ("export_gpt2 writes model.safetensors with the "
                                                             "safetensors package: pip install 'tensorpar[hf]'")
         assert rank["version"] == importlib.metadata.version("tensorpar")

@@ -8,7 +8,7 @@ from torch import nn
 
 import tensorpar
 from layers import VocabParallelEmbedding
-from tensorpar.testing import TOLERANCES, assert_all_close, rel_error
+from tensorpar.testing import TOLERANCES, assert_all_close, count_collectives, rel_error
 from tensorpar.testing.strategies import dtypes, tp_sizes
 
 
@@ -53,7 +53,7 @@ def check_cross_entropy(vocab, shape, dtype, ignore_index, reduction, scale, see
     targets.view(-1)[0] = 1 if ignore_index == 0 else 0  # at least one counted target
     local = tensorpar.scatter_to_tp(full, -1).detach().requires_grad_()
     dense = full.clone().requires_grad_()
-    with tensorpar.count_collectives() as counts:
+    with count_collectives() as counts:
         loss = tensorpar.vocab_parallel_cross_entropy(local, targets, vocab, ignore_index=ignore_index,
                                                       reduction=reduction)
     expected = F.cross_entropy(dense.reshape(-1, vocab), targets.reshape(-1), ignore_index=ignore_index,

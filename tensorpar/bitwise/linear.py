@@ -30,7 +30,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from ..comm.linear import autocast_inputs
-from ..comm.sequence import all_gather_sequence, scatter_sequence
+from ..comm.sequence import gather_sequence, scatter_sequence
 from .segments import PlacedTree, placed_tokens
 from .tree_sum import start_tree_sum, tree_sum
 
@@ -227,7 +227,7 @@ class SegmentedColumn:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  seq_len: int | None = None) -> torch.Tensor:
         if self.sequence_parallel:  # (..., T_r, in) -> (..., T, in); backward keeps this rank's tokens
-            x = all_gather_sequence(x, seq_len, self.group)
+            x = gather_sequence(x, seq_len, self.group)
         return segmented_column_linear(x, weight, bias, self.placed, self.group)  # (*, out / tp)
 
 

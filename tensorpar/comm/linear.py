@@ -3,10 +3,8 @@
 Fusing lets the communication work on buffers the op owns: the column-parallel
 backward reduces its freshly computed input gradient in place while the weight
 gradient is computed, and the row-parallel forward reduces its freshly
-computed partial product in place and adds the bias once, after the sum. No
-autograd input is ever written to. The row-parallel forward computes and
-reduces its output in chunks of columns, each reduced while the next is
-computed. Both equal the unfused compositions
+computed partial product and adds the bias once, after the sum. No
+autograd input is ever written to. Both equal the unfused compositions
 ``F.linear(copy_to_tp(x), W, b)`` and ``reduce_from_tp(F.linear(x, W)) + b``.
 
 Several column-parallel maps of one input (Q, K and V) share one ``f``
@@ -27,25 +25,9 @@ from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from ..mesh import group_rank_size, tp_group
-from . import traced
 from .collectives import start_all_reduce_
-from .counter import active_counters, record
 
 Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]
-ROW_CHUNKS = 2  # column chunks of a row layer's output, each reduced while the next is computed
-CHUNK_BYTES = 1 << 20  # the smallest output split in chunks
-
-
-def row_chunks(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """A row layer's weight ``(out, in / tp)`` in chunks of output features, whose partial products
-    are reduced one while the next is computed. Each output column is reduced whole, so chunks change
-    no result. One chunk for an output under ``CHUNK_BYTES`` (the latency of one more round would
-    cost more than it hides), in a traced graph (the compiler schedules there) and under a dispatch
-    mode such as ``CommDebugMode`` (it counts Megatron's calls, one per layer: see :mod:`.traced`)."""
-    small = x[..., :1].numel() * weight.shape[0] * x.element_size() < CHUNK_BYTES
-    if small or traced.tracing() or traced.dispatch_watched():
-        return (weight,)
-    return weight.split(-(-weight.shape[0] // ROW_CHUNKS))
 
 
 def autocast_inputs(x: torch.Tensor, *tensors: torch.Tensor | None) -> list[Any]:
@@ -70,12 +52,9 @@ def weight_grads(grad: torch.Tensor, x2: torch.Tensor, needs_weight: bool,
 
 
 def add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``y + bias``, into ``y`` (a buffer the caller owns) eagerly. In a traced graph a new tensor:
-    compiled by torch 2.11, a Function whose forward returns a tensor it wrote in place gets zero
-    gradients."""
-    if bias is None:
-        return y
-    return y + bias if traced.tracing() else y.add_(bias)
+    """``y + bias``, a new tensor (compiled by torch 2.11, a Function whose forward returns a tensor
+    it wrote in place gets zero gradients)."""
+    return y if bias is None else y + bias
 
 
 class _ColumnParallelLinear(torch.autograd.Function):
@@ -87,7 +66,7 @@ class _ColumnParallelLinear(torch.autograd.Function):
                 group: ProcessGroup) -> torch.Tensor:
         x, weight, bias = autocast_inputs(x, weight, bias)
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.counters, ctx.has_bias = group, active_counters(), bias is not None
+        ctx.group, ctx.has_bias = group, bias is not None
         with torch.autocast(x.device.type, enabled=False):
             return F.linear(x, weight, bias)  # (*, out / tp)
 
@@ -96,7 +75,7 @@ class _ColumnParallelLinear(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> Grads:
         x, weight = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        pending = start_all_reduce_(grad @ weight, ctx.group, ctx.counters) if needs[0] else None  # (*, in)
+        pending = start_all_reduce_(grad @ weight, ctx.group) if needs[0] else None  # (*, in)
         # while the input gradient is summed
         grad_w, grad_b = weight_grads(grad, x.reshape(-1, x.shape[-1]), needs[1], ctx.has_bias and needs[2])
         return (pending.wait() if pending else None), grad_w, grad_b, None
@@ -111,10 +90,8 @@ class _RowParallelLinear(torch.autograd.Function):
         x, weight, bias = autocast_inputs(x, weight, bias)
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        record("all_reduce", x.dtype, x[..., :1].numel() * weight.shape[0], group_rank_size(group)[1])
-        with torch.autocast(x.device.type, enabled=False):  # each chunk summed while the next is computed
-            y = torch.cat([p.wait() for p in [start_all_reduce_(F.linear(x, w), group, counted=False)
-                                              for w in row_chunks(x, weight)]], -1)  # (*, out)
+        with torch.autocast(x.device.type, enabled=False):
+            y = start_all_reduce_(F.linear(x, weight), group).wait()  # (*, out), summed over the group
         return add_bias(y, bias)
 
     @staticmethod

@@ -8,9 +8,15 @@ Megatron-LM (Shoeybi et al., 2019) names two conjugate operators:
 * ``g`` = :func:`reduce_from_tp`: all-reduce forward, identity backward. It
   leaves the region: each rank holds a partial sum of the output.
 
-The split/gather pairs move a tensor between "replicated" and "sharded along
-``dim``"; the reduce-scatter/all-gather pair does the same for sequence
-parallelism, where the replicated side holds partial sums. Every function takes
+The scatter/gather pair moves a tensor between "replicated" and "sharded along
+``dim``"; the reduce-scatter/all-gather pair does the same where the replicated
+side holds partial sums (sequence parallelism). Each gather is named by what its
+backward does, the same way here and in :mod:`tensorpar.comm.sequence`:
+
+* ``gather_*`` is the conjugate of ``scatter_*``: backward keeps this rank's
+  slice of a gradient that is already whole on every rank;
+* ``all_gather*`` is the conjugate of ``reduce_scatter*``: backward
+  reduce-scatters the gradient, each rank holding a part of it. Every function takes
 ``group=None`` (the default mesh's tp group) and is the identity at tp = 1.
 Shards are balanced (see :mod:`tensorpar.sharding`), so sizes need not divide.
 Arguments are checked first, from what every rank shares, so that a bad one (not
@@ -33,24 +39,23 @@ from ..checks import check_int
 from ..mesh import group_rank_size, tp_group
 from ..sharding import partition_sizes
 from .collectives import all_gather_along, all_reduce_sum, reduce_scatter_along
-from .counter import active_counters
 
 
-class _CopyToTP(torch.autograd.Function):
+class CopyToTP(torch.autograd.Function):
     """``f``: identity forward, all-reduce of the gradient backward."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group, ctx.counters = group, active_counters()
+        ctx.group = group
         return x
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return all_reduce_sum(grad, ctx.group, ctx.counters), None
+        return all_reduce_sum(grad, ctx.group), None
 
 
-class _ReduceFromTP(torch.autograd.Function):
+class ReduceFromTP(torch.autograd.Function):
     """``g``: all-reduce forward, identity backward."""
 
     @staticmethod
@@ -69,13 +74,13 @@ class ScatterToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, sizes: list[int], group: ProcessGroup) -> torch.Tensor:
         rank, _ = group_rank_size(group)
-        ctx.dim, ctx.sizes, ctx.group, ctx.counters = dim, sizes, group, active_counters()
+        ctx.dim, ctx.sizes, ctx.group = dim, sizes, group
         return x.narrow(dim, sum(sizes[:rank]), sizes[rank]).clone(memory_format=torch.contiguous_format)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return all_gather_along(grad, ctx.dim, ctx.sizes, ctx.group, ctx.counters), None, None, None
+        return all_gather_along(grad, ctx.dim, ctx.sizes, ctx.group), None, None, None
 
 
 class GatherFromTP(torch.autograd.Function):
@@ -98,13 +103,13 @@ class ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, sizes: list[int], group: ProcessGroup) -> torch.Tensor:
-        ctx.dim, ctx.sizes, ctx.group, ctx.counters = dim, sizes, group, active_counters()
+        ctx.dim, ctx.sizes, ctx.group = dim, sizes, group
         return reduce_scatter_along(x, dim, sizes, group)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return all_gather_along(grad, ctx.dim, ctx.sizes, ctx.group, ctx.counters), None, None, None
+        return all_gather_along(grad, ctx.dim, ctx.sizes, ctx.group), None, None, None
 
 
 class AllGather(torch.autograd.Function):
@@ -112,13 +117,13 @@ class AllGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, sizes: list[int], group: ProcessGroup) -> torch.Tensor:
-        ctx.dim, ctx.sizes, ctx.group, ctx.counters = dim, sizes, group, active_counters()
+        ctx.dim, ctx.sizes, ctx.group = dim, sizes, group
         return all_gather_along(x, dim, sizes, group)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return reduce_scatter_along(grad, ctx.dim, ctx.sizes, ctx.group, ctx.counters), None, None, None
+        return reduce_scatter_along(grad, ctx.dim, ctx.sizes, ctx.group), None, None, None
 
 
 def _group_and_size(group: ProcessGroup | None) -> tuple[ProcessGroup, int]:
@@ -157,14 +162,14 @@ def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tens
     """Megatron's ``f``: ``x`` unchanged; backward all-reduces the gradient over the tp group."""
     _check("copy_to_tp", x)
     group, n = _group_and_size(group)
-    return x if n == 1 else _CopyToTP.apply(x, group)
+    return x if n == 1 else CopyToTP.apply(x, group)
 
 
 def reduce_from_tp(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """Megatron's ``g``: the sum of ``x`` over the tp group; backward passes the gradient through."""
     _check("reduce_from_tp", x)
     group, n = _group_and_size(group)
-    return x if n == 1 else _ReduceFromTP.apply(x, group)
+    return x if n == 1 else ReduceFromTP.apply(x, group)
 
 
 def scatter_to_tp(x: torch.Tensor, dim: int = -1, group: ProcessGroup | None = None, *,

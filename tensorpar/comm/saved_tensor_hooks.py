@@ -1,7 +1,7 @@
 """A sequence-gathered activation kept for backward as this rank's tokens, gathered again there.
 
 Column maps that share one gathered input (Q, K and V after one
-:func:`~tensorpar.comm.sequence.gather_sequence`) would each keep the whole
+:func:`~tensorpar.comm.sequence.all_gather_sequence`) would each keep the whole
 ``(..., T, C)`` for their weight gradients. Inside :func:`save_sequence_shard`,
 autograd's saved-tensor hooks keep ``(..., T_r, C)`` instead and rebuild the
 gathered tensor once per backward pass, when its first user needs it, letting
@@ -18,9 +18,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from ..mesh import group_rank_size
-from . import traced
 from .collectives import start_all_gather_along
-from .counter import active_counters
 from .sequence import SEQ_DIM, check_tokens, sequence_sizes, tp_group_rank_size
 
 
@@ -29,7 +27,7 @@ class _Regather:
     backward first needs them, and let go with their last user of that pass."""
 
     def __init__(self, full: torch.Tensor, local: torch.Tensor, group: ProcessGroup) -> None:
-        self.group, self.counters = group, active_counters()
+        self.group = group
         self.sizes = sequence_sizes(full.shape[SEQ_DIM], group_rank_size(group)[1])
         self.offset, self.version = full.storage_offset(), local._version
         self.users, self._left = 0, 0
@@ -45,7 +43,7 @@ class _Regather:
                 raise RuntimeError(f"this rank's tokens, saved for backward as version {self.version}, were "
                                    f"modified in place (now version {mine._version}): their gathered copy cannot "
                                    "be rebuilt")
-            self._full = start_all_gather_along(mine, SEQ_DIM, self.sizes, self.group, self.counters).wait()
+            self._full = start_all_gather_along(mine, SEQ_DIM, self.sizes, self.group).wait()
             self._task, self._left = task, self.users
         full = self._full
         self._left -= 1
@@ -80,7 +78,7 @@ def save_sequence_shard(full: torch.Tensor, local: torch.Tensor,
 
     Example::
 
-        x = tensorpar.gather_sequence(shard, seq_len)       # (B, T, C) from (B, T_r, C)
+        x = tensorpar.all_gather_sequence(shard, seq_len)   # (B, T, C) from (B, T_r, C)
         with tensorpar.save_sequence_shard(x, shard):
             up, gate = up_proj(x), gate_proj(x)              # each keeps (B, T_r, C) for backward
     """
@@ -92,7 +90,8 @@ def save_sequence_shard(full: torch.Tensor, local: torch.Tensor,
             full.shape[-1] != local.shape[-1]:
         raise ValueError(f"save_sequence_shard: rank {rank}'s tokens of shape {tuple(local.shape)} are not its "
                          f"{expected} of the gathered shape {tuple(full.shape)} over tp {n}")
-    if n == 1 or not torch.is_grad_enabled() or traced.tracing() or not full.is_contiguous() or full.numel() == 0:
+    if (n == 1 or not torch.is_grad_enabled() or torch.compiler.is_compiling() or not full.is_contiguous()
+            or full.numel() == 0):
         yield
         return
     outer = torch._C._autograd._top_saved_tensors_default_hooks(False)

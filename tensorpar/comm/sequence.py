@@ -10,8 +10,10 @@ fewer tokens than ranks leave some ranks none). The conjugate operators become:
   into sequence shards (:func:`sequence_parallel_row_linear`);
 * ``f̄`` where ``f`` was: sequence shards are **all-gathered** before a column
   layer, and its input gradient reduce-scattered in backward
-  (:func:`sequence_parallel_column_linear`, or :func:`gather_sequence`
-  shared by several column maps).
+  (:func:`sequence_parallel_column_linear`, or :func:`all_gather_sequence`
+  shared by several column maps). Gathers are named as in
+  :mod:`tensorpar.comm.regions`: ``all_gather_sequence`` reduce-scatters its
+  gradient, ``gather_sequence`` keeps this rank's tokens of it.
 
 A reduce-scatter and an all-gather move what one all-reduce moves, so the
 traffic is Megatron's; what a rank keeps for backward falls to ``1/tp``.
@@ -25,11 +27,7 @@ more in backward, for ``(tp - 1) / tp`` of its input's memory.
 Overlap: the column forward multiplies this rank's own tokens while the
 others' arrive (collective matmul), its backward gathers the tokens again
 while computing the input gradient and reduce-scatters that while computing
-the weight gradient, and the row forward reduce-scatters its output in column
-chunks, each on its way while the next is computed. Between CPU ranks on one
-host the collectives go through shared memory, where what overlaps is the
-wait for the slower rank; on NCCL (and gloo between hosts) the transfer
-itself. Chunks change no result (each output column is reduced whole).
+the weight gradient; the row forward reduce-scatters its output after its matmul.
 """
 
 from __future__ import annotations
@@ -45,8 +43,7 @@ from ..checks import check_int
 from ..mesh import exchange_ints, group_rank_size, tp_group
 from ..sharding import partition_sizes
 from .collectives import start_all_gather_along, start_reduce_scatter_along
-from .counter import active_counters, record
-from .linear import add_bias, autocast_inputs, check_linear_args, row_chunks, weight_grads
+from .linear import add_bias, autocast_inputs, check_linear_args, weight_grads
 from .regions import AllGather, GatherFromTP, ReduceScatter, ScatterToTP
 
 SEQ_DIM = -2  # tokens: (..., T, C)
@@ -62,8 +59,7 @@ def sequence_length(x: torch.Tensor, seq_len: int | None, group: ProcessGroup | 
     """The full sequence length of sequence shards ``x`` (``(..., T_r, C)``): ``seq_len`` when given,
     else found from every rank's shard (one small collective), which must be a balanced split. A
     given ``seq_len`` is trusted: a rank whose shard does not fit it raises in the collective that
-    follows, and its peers wait there for the group's timeout (``TENSORPAR_CHECK_COLLECTIVES=1``
-    makes every rank raise at once)."""
+    follows, or the collective mismatches (see :mod:`tensorpar.comm.collectives`)."""
     if seq_len is not None:
         check_int(seq_len, "seq_len")
         return seq_len
@@ -86,11 +82,13 @@ def check_tokens(op: str, x: object) -> None:
         raise ValueError(f"{op} expects tokens along dim -2, (..., T, C); got shape {tuple(x.shape)}")
 
 
-def gather_sequence(x: torch.Tensor, seq_len: int | None = None, group: ProcessGroup | None = None) -> torch.Tensor:
+def all_gather_sequence(x: torch.Tensor, seq_len: int | None = None, group: ProcessGroup | None = None
+                        ) -> torch.Tensor:
     """``f̄``: every rank's tokens ``(..., T_r, C)`` concatenated, ``(..., T, C)``; backward
-    reduce-scatters the gradient. ``seq_len``: as in :func:`sequence_length`. Under autocast the
-    tokens are cast to its dtype first, as the column maps after the gather would."""
-    check_tokens("gather_sequence", x)
+    reduce-scatters the gradient (the conjugate of :func:`reduce_scatter_sequence`). ``seq_len``: as in
+    :func:`sequence_length`. Under autocast the tokens are cast to its dtype first, as the column maps
+    after the gather would."""
+    check_tokens("all_gather_sequence", x)
     group, _, n = tp_group_rank_size(group)
     seq_len = sequence_length(x, seq_len, group)
     if n == 1:
@@ -99,14 +97,14 @@ def gather_sequence(x: torch.Tensor, seq_len: int | None = None, group: ProcessG
     return AllGather.apply(x, SEQ_DIM, sequence_sizes(seq_len, n), group)
 
 
-def all_gather_sequence(x: torch.Tensor, seq_len: int | None = None, group: ProcessGroup | None = None
-                        ) -> torch.Tensor:
-    """Every rank's tokens ``(..., T_r, C)`` concatenated, ``(..., T, C)``, as :func:`gather_sequence`;
-    backward keeps this rank's tokens of a gradient that is already summed over the group (by the
+def gather_sequence(x: torch.Tensor, seq_len: int | None = None, group: ProcessGroup | None = None) -> torch.Tensor:
+    """Every rank's tokens ``(..., T_r, C)`` concatenated, ``(..., T, C)``, as :func:`all_gather_sequence`;
+    backward keeps this rank's tokens of a gradient that is already summed over the group (the conjugate
+    of :func:`scatter_sequence`) (by the
     bitwise mode's column maps, :mod:`tensorpar.bitwise.linear`), where ``f̄`` would reduce-scatter it.
     Under autocast the tokens travel in their own dtype: the maps after it cast them, and add their
     input gradients in it, as they do without sequence parallelism."""
-    check_tokens("all_gather_sequence", x)
+    check_tokens("gather_sequence", x)
     group, _, n = tp_group_rank_size(group)
     seq_len = sequence_length(x, seq_len, group)
     return x if n == 1 else GatherFromTP.apply(x, SEQ_DIM, sequence_sizes(seq_len, n), group)
@@ -137,7 +135,7 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
         x, weight, bias = autocast_inputs(x, weight, bias)
         rank = group_rank_size(group)[0]
         ctx.save_for_backward(x, weight)  # this rank's tokens only: gathered again in backward
-        ctx.sizes, ctx.group, ctx.counters, ctx.has_bias = sizes, group, active_counters(), bias is not None
+        ctx.sizes, ctx.group, ctx.has_bias = sizes, group, bias is not None
         gathering = start_all_gather_along(x, SEQ_DIM, sizes, group)
         with torch.autocast(x.device.type, enabled=False):
             mine = F.linear(x, weight, bias)  # (..., T_r, out / tp), while the other ranks' tokens arrive
@@ -152,11 +150,11 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        sizes, group, counters = ctx.sizes, ctx.group, ctx.counters
-        gathering = start_all_gather_along(x, SEQ_DIM, sizes, group, counters) if needs[1] else None
+        sizes, group = ctx.sizes, ctx.group
+        gathering = start_all_gather_along(x, SEQ_DIM, sizes, group) if needs[1] else None
         scattering = None
         if needs[0]:  # the input gradient while the tokens arrive, then reduce-scattered
-            scattering = start_reduce_scatter_along(grad @ weight, SEQ_DIM, sizes, group, counters)  # (..., T, in)
+            scattering = start_reduce_scatter_along(grad @ weight, SEQ_DIM, sizes, group)  # (..., T, in)
         full = gathering.wait() if gathering is not None else x.new_empty(0, x.shape[-1])
         grad_w, grad_b = weight_grads(grad, full.reshape(-1, x.shape[-1]), needs[1], ctx.has_bias and needs[2])
         return (scattering.wait() if scattering else None), grad_w, grad_b, None, None
@@ -171,14 +169,9 @@ class _SequenceParallelRowLinear(torch.autograd.Function):
                 group: ProcessGroup) -> torch.Tensor:
         x, weight, bias = autocast_inputs(x, weight, bias)
         ctx.save_for_backward(x, weight)
-        ctx.sizes, ctx.group, ctx.counters, ctx.has_bias = sizes, group, active_counters(), bias is not None
-        tokens, n = x[..., :1].numel(), len(sizes)  # (...) * T
-        record("reduce_scatter", x.dtype, tokens * weight.shape[0], n,
-               padding=tokens // sum(sizes) * (n * max(sizes) - sum(sizes)) * weight.shape[0])
-        with torch.autocast(x.device.type, enabled=False):
-            pending = [start_reduce_scatter_along(F.linear(x, w), SEQ_DIM, sizes, group, counted=False)
-                       for w in row_chunks(x, weight)]  # (..., T, out / chunks) each, this rank's partial sums
-            y = torch.cat([p.wait() for p in pending], -1)  # (..., T_r, out), summed over ranks
+        ctx.sizes, ctx.group, ctx.has_bias = sizes, group, bias is not None
+        with torch.autocast(x.device.type, enabled=False):  # (..., T, out) partial sums, then this rank's tokens
+            y = start_reduce_scatter_along(F.linear(x, weight), SEQ_DIM, sizes, group).wait()  # (..., T_r, out)
         return add_bias(y, bias)
 
     @staticmethod
@@ -186,7 +179,7 @@ class _SequenceParallelRowLinear(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        full = start_all_gather_along(grad.contiguous(), SEQ_DIM, ctx.sizes, ctx.group, ctx.counters).wait()
+        full = start_all_gather_along(grad.contiguous(), SEQ_DIM, ctx.sizes, ctx.group).wait()
         grad_x = full @ weight if needs[0] else None  # (..., T, in / tp)
         # every rank has every token's output gradient: the bias gradient is whole, the same on every rank
         grad_w, grad_b = weight_grads(full, x.reshape(-1, x.shape[-1]), needs[1], ctx.has_bias and needs[2])
@@ -204,7 +197,7 @@ def sequence_parallel_column_linear(x: torch.Tensor, weight: torch.Tensor, bias:
     """Column-parallel linear map of sequence shards: ``x`` ``(..., T_r, in)`` this rank's tokens, ``weight``
     this rank's rows ``(out / tp, in)``; returns ``(..., T, out / tp)``, every token.
 
-    Equal to ``F.linear(all_gather(x, -2, seq_len), weight, bias)``. ``seq_len`` is the full
+    Equal to ``F.linear(all_gather_sequence(x, seq_len), weight, bias)``. ``seq_len`` is the full
     sequence length (found with one small collective when not given).
     """
     check_linear_args("sequence_parallel_column_linear", x, weight, bias)

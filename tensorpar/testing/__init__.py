@@ -25,10 +25,28 @@ Example (a pytest test)::
         WORLDS[tp].run(check, n, seed)
 """
 
+from typing import TYPE_CHECKING, Any
+
 from .compare import TOLERANCES, assert_all_close, assert_close, assert_sharded_equivalent, rel_error
 from .debugger import find_divergence, group_of_one
 from .findings import DivergenceReport, Finding
 from .pool import World, Worlds, run_script
 
-__all__ = ["TOLERANCES", "DivergenceReport", "Finding", "World", "Worlds", "assert_all_close", "assert_close",
-           "assert_sharded_equivalent", "find_divergence", "group_of_one", "rel_error", "run_script"]
+if TYPE_CHECKING:
+    from .comm_counts import CollectiveLog, CollectiveRecord, count_collectives
+
+#: loaded on first use: they need torch's CommDebugMode, which loads DTensor
+_COMM_COUNTS = ("CollectiveLog", "CollectiveRecord", "count_collectives")
+
+
+def __getattr__(name: str) -> Any:
+    """:mod:`.comm_counts`'s names, imported when first asked for (PEP 562)."""
+    if name in _COMM_COUNTS:
+        from . import comm_counts
+        return getattr(comm_counts, name)
+    raise AttributeError(f"module 'tensorpar.testing' has no attribute {name!r}")
+
+
+__all__ = ["TOLERANCES", "CollectiveLog", "CollectiveRecord", "DivergenceReport", "Finding", "World", "Worlds",
+           "assert_all_close", "assert_close", "assert_sharded_equivalent", "count_collectives", "find_divergence",
+           "group_of_one", "rel_error", "run_script"]

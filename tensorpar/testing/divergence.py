@@ -39,13 +39,22 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from ..comm.checks import dtype_code
 from ..comm.collectives import all_gather_along
 from ..full import placements, tp_local
 from ..mesh import exchange_ints, group_rank_size
 from ..sharding import Shard, join_shards, shard
 from .compare import TOLERANCES, rel_error
 from .findings import Finding
+
+#: dtypes by number, for describing a tensor in integers
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+          torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """``dtype``'s number in :data:`DTYPES` (-1 for any other)."""
+    return DTYPES.index(dtype) if dtype in DTYPES else -1
+
 
 MISSING = "a missing f/g: the reduction over the tp group was not applied"
 DOUBLED = "a doubled f/g (an all-reduce applied twice)"
