@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import ctypes
 import os
+import signal
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -25,11 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from . import lifeline
 from .bitwise.settings import Bitwise
-from .process_exit import DEFAULT_TIMEOUT, shutdown, shutdown_at_exit, wait_for_gloo_at_exit
 from .random import RNGStatesTracker
 
 __all__ = ["DEFAULT_TIMEOUT", "Mesh", "collective_device", "current_bitwise", "current_mesh", "current_mesh_or_none",
@@ -43,9 +43,7 @@ class Mesh:
 
     ``rng`` is this rank's random stream for sharded regions (see :mod:`tensorpar.random`);
     ``bitwise`` the bitwise mode that modules built while this mesh is the default compute in
-    (:mod:`tensorpar.bitwise`; ``None``: off);
-    ``channels`` holds the shared-memory channels that :mod:`tensorpar.comm` opens for groups
-    used while this mesh is the default (they close when the mesh is dropped).
+    (:mod:`tensorpar.bitwise`; ``None``: off).
     """
 
     device_mesh: DeviceMesh
@@ -64,7 +62,7 @@ class Mesh:
     rng: RNGStatesTracker = field(compare=False)
     bitwise: Bitwise | None = None
     channels: weakref.WeakKeyDictionary[ProcessGroup, Any] = field(
-        default_factory=weakref.WeakKeyDictionary, compare=False, repr=False)
+        default_factory=weakref.WeakKeyDictionary, compare=False, repr=False)  # TEMP until the comm change
 
     def __repr__(self) -> str:
         return (f"Mesh(tp={self.tp}, dp={self.dp}, pp={self.pp}, rank={self.rank}, tp_rank={self.tp_rank}, "
@@ -74,6 +72,9 @@ class Mesh:
 
 # The default mesh of modules built without a ``group``: scoped by ``use_mesh``, per thread.
 _current: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("tensorpar_mesh", default=None)
+
+#: How long a collective waits for its peers before it raises (torch's own default for gloo and NCCL).
+DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
 def default_backend(nprocs: int = 1) -> str:
@@ -93,11 +94,16 @@ def _init_process_group(backend: str | None, timeout: timedelta) -> None:
         if missing:
             raise RuntimeError(f"WORLD_SIZE is set but {', '.join(missing)} is not: launch with torchrun "
                                "or tensorpar.spawn, or initialise torch.distributed yourself")
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            _end_with_parent()
         dist.init_process_group(backend, timeout=timeout)
-        if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: end with it
-            lifeline.end_with_parent(dist.get_rank())
-    # The group is ours: close it at exit (a gloo group left open can abort the interpreter's shutdown).
-    shutdown_at_exit(timeout)
+
+
+def _end_with_parent() -> None:
+    """Have the kernel kill this process when its parent (torchrun's agent) ends, however it ends:
+    torchrun's workers otherwise outlive an agent killed by SIGKILL. Linux only (elsewhere a no-op)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
 
 
 def init(tp: int | None = None, dp: int | None = None, *, pp: int = 1, backend: str | None = None,
@@ -138,14 +144,30 @@ def init(tp: int | None = None, dp: int | None = None, *, pp: int = 1, backend: 
         mesh = _build_mesh(tp, dp, pp, mode)
     except BaseException:
         if created:  # leave nothing half-initialised
-            shutdown_at_exit(None)
             dist.destroy_process_group()
         raise
     if mode is not None and mode.threads is not None and mesh.device.type == "cpu":
         torch.set_num_threads(mode.threads)
     _current.set(mesh)
-    wait_for_gloo_at_exit()  # whoever created the group
     return mesh
+
+
+def shutdown(timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+    """Wait for every rank (up to ``timeout``), then destroy the process group; a no-op without one.
+
+    Ranks that tear gloo down while a peer still uses it can abort; the barrier first avoids that.
+    If a peer is gone the barrier fails and the group is left for the process exit to drop.
+    """
+    if not dist.is_initialized():
+        return
+    try:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timeout)
+        else:
+            dist.barrier()
+    except RuntimeError:
+        return
+    dist.destroy_process_group()
 
 
 _BACKENDS = (None, "gloo", "nccl")
@@ -211,8 +233,7 @@ def _build_mesh(tp: int | None, dp: int | None, pp: int, mode: Bitwise | None) -
                  else f"tp ({tp}) x dp ({dp}) = {tp * dp}")
         raise ValueError(f"{shape} does not match the world size ({world})")
     device = collective_device() or torch.device("cpu")
-    grid = torch.arange(world).reshape(pp, dp, tp)
-    device_mesh = DeviceMesh(device.type, grid, mesh_dim_names=("pp", "dp", "tp"))
+    device_mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     rank = dist.get_rank()
     return Mesh(
         device_mesh=device_mesh,

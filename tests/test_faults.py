@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import weakref
 from datetime import timedelta
@@ -25,7 +24,6 @@ import torch.distributed as dist
 
 import tensorpar
 import tensorpar.checkpoint
-from tensorpar import lifeline
 from tensorpar.comm import shm
 from tensorpar.comm.collectives import CollectiveError, all_gather_along, reduce_scatter_along, start_all_reduce_
 from tensorpar.training.rundir import check_out
@@ -155,60 +153,6 @@ def test_ranks_stop_when_a_pool_or_torchrun_launcher_is_killed(tmp_path, launche
                           lambda: log.exists() and len({line.split()[0] for line in log.read_text().splitlines()}) == 2,
                           lambda: _lines(log))
     print(f"{launcher} launcher killed by SIGKILL: every rank gone after {took:.2f} s")
-
-
-_SAVER = """
-import sys, tensorpar, test_faults
-tensorpar.spawn(test_faults.save_once_the_launcher_is_gone, 2, sys.argv[1], timeout=600)
-"""
-
-_TORCHRUN_SAVER = """
-import sys
-sys.path.insert(0, sys.argv[2])
-import test_faults
-test_faults.save_once_the_launcher_is_gone(sys.argv[1])
-"""
-
-
-def save_once_the_launcher_is_gone(out):
-    """Save step 1; then, with this rank's own ending held back (its lifeline's exit blocks), wait until
-    the launcher is gone and save step 2: what that save raised goes to ``result-<rank>``."""
-    mesh = tensorpar.init(tp=2)
-    model = torch.nn.Linear(2, 2)
-    tensorpar.checkpoint.save(out, model, step=1)
-    held = threading.Event()
-    lifeline._end = lambda rank, why: held.wait()  # the window between the launcher's end and this rank's
-    (Path(out) / f"ready-{mesh.rank}").touch()
-    deadline = time.monotonic() + 60
-    while lifeline.launcher_gone() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    try:
-        tensorpar.checkpoint.save(out, model, step=2)
-        result = "saved"
-    except tensorpar.checkpoint.CheckpointError as e:
-        result = str(e)
-    (Path(out) / f"result-{mesh.rank}").write_text(result)
-    os._exit(0)
-
-
-@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
-def test_a_rank_whose_launcher_is_gone_publishes_no_checkpoint(tmp_path, launcher, no_leftover_segments):
-    out = tmp_path / "run"
-    out.mkdir()
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    (tmp_path / "job.py").write_text(_TORCHRUN_SAVER)
-    cmd = {"spawn": [sys.executable, "-c", _SAVER, str(out)],
-           "torchrun": [torchrun, "--standalone", "--nproc-per-node=2", str(tmp_path / "job.py"), str(out),
-                        str(TESTS)]}[launcher]
-    _kill_launcher(cmd, TESTS, lambda: all((out / f"ready-{r}").exists() for r in range(2)),
-                   lambda: sorted(p.name for p in out.iterdir()))
-    results = [(out / f"result-{r}").read_text() for r in range(2)]
-    assert results[0].startswith("rank 0: the launching process") and " exited: " in results[0], results
-    assert results[0].endswith("step-000002 is not published"), results
-    assert results[1].startswith("rank 0: the launching process") and "so rank 1 did not save" in results[1], results
-    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(("ready-", "result-"))) == [
-        "latest", "step-000001"]
-    assert (out / "latest").read_text() == "step-000001\n"
 
 
 # ---------------------------------------------------------------- ranks that disagree

@@ -1,8 +1,8 @@
 """Persistent pools of ranks for tests: start a world once, send it many examples.
 
 A :class:`World` is ``size`` processes joined in one gloo group through
-:class:`tensorpar.launch.LocalRanks` (the launcher :func:`tensorpar.spawn`
-uses), kept alive between calls: an example costs a few milliseconds instead
+:class:`tensorpar.testing.ranks.LocalRanks` (what :func:`tensorpar.spawn`
+starts too), kept alive between calls: an example costs a few milliseconds instead
 of the ~1 s of starting processes. A function sent to a world must be
 importable (defined at the top level of a .py file), as for :func:`tensorpar.spawn`.
 """
@@ -23,9 +23,9 @@ from datetime import timedelta
 from typing import Any
 
 from ..bitwise import Bitwise
-from ..launch import LocalRanks, RankError, RanksTimedOut, reply
 from ..mesh import Mesh, init, shutdown, use_mesh
-from ..sendable import Packed, pack, unpack
+from .ranks import LocalRanks, RankError, RanksTimedOut, reply
+from .sendable import Packed, pack, unpack
 
 
 def _run_task(payload: tuple[Packed, int, int | None, int, bool, Bitwise | None],
@@ -63,8 +63,7 @@ def _serve(conn: multiprocessing.connection.Connection) -> None:
 def _end() -> None:
     """End this rank as a fork-started ``multiprocessing`` child ends: once threads that tasks left
     running have finished, with its output flushed, and without the interpreter's teardown, which
-    with torch loaded costs about a second of CPU per rank (and a pool's ranks all stop at once).
-    Shared-memory channels are anonymous files: the kernel frees them with the process."""
+    with torch loaded costs about a second of CPU per rank (and a pool's ranks all stop at once)."""
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()
