@@ -22,13 +22,10 @@ __all__ = ["RankError", "spawn"]
 def _running_job() -> str | None:
     """How this process is a rank of a running job (torchrun, spawn, the pool), in words; None if not."""
     env = os.environ
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if dist.is_initialized() and dist.get_world_size() > 1:
         return f"this process is rank {dist.get_rank()} of a process group of {dist.get_world_size()}"
     if "TORCHELASTIC_RUN_ID" in env:
         return f"this process is a rank started by torchrun (TORCHELASTIC_RUN_ID={env['TORCHELASTIC_RUN_ID']!r})"
-    if "WORLD_SIZE" in env and ("RANK" in env or "LOCAL_RANK" in env):
-        rank = env.get("RANK", env.get("LOCAL_RANK"))
-        return f"this process is rank {rank} of {env['WORLD_SIZE']} (its RANK and WORLD_SIZE are set, as torchrun's)"
     return None
 
 
@@ -42,16 +39,14 @@ def _run_once(packed: Packed, timeout: timedelta, conn: multiprocessing.connecti
 
 def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None = None,
           timeout: float | None = None, collective_timeout: timedelta = DEFAULT_TIMEOUT) -> list[Any]:
-    """Run ``fn(*args)`` on ``nprocs`` local processes in one process group; return the per-rank results.
+    """Run ``fn(*args)`` on ``nprocs`` local processes in one process group (gloo, or NCCL with a GPU
+    per rank, on loopback); return the per-rank results.
 
-    The group is gloo on CPU, NCCL when there are at least ``nprocs`` GPUs (one per rank), on
-    loopback. ``fn`` must be importable: defined at the top level of a .py file, not in a REPL, on
-    stdin, with ``python -c`` or in a notebook cell (``ValueError``), nor a lambda or a function
-    inside a function (``TypeError``); both are raised before any rank starts, and so is a
-    ``RuntimeError`` when this process is itself a rank of a running job (under ``torchrun``, call
-    ``fn`` directly). A rank that raises or exits makes the call raise :class:`RankError` naming it;
-    so does a run longer than ``timeout`` seconds. Collectives time out after ``collective_timeout``.
-    The ranks end when this process ends, however it ends.
+    ``fn`` must be importable: defined at the top level of a .py file (a function of a REPL, stdin,
+    ``python -c`` or a notebook cell is a ``ValueError``, a lambda or a local function a ``TypeError``,
+    raised before any rank starts, as is a ``RuntimeError`` inside a rank of a running job). A rank
+    that raises or exits, or a run past ``timeout`` seconds, raises :class:`RankError` naming the
+    rank. Collectives time out after ``collective_timeout``. The ranks end when this process ends.
 
     Example::
 
@@ -71,11 +66,10 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None =
                        collective_timeout=collective_timeout)
     clean_exit = 0.0
     try:
-        try:  # grace: time for the peers of a failed rank to say what they saw
-            results = ranks.collect("process", timeout, grace=5.0)
-        except RanksTimedOut as e:
-            raise RankError(e.ranks[0], f"timed out after {timeout} s; ranks {e.ranks} had not finished") from None
-        clean_exit = collective_timeout.total_seconds()  # let the ranks leave the group together
+        results = ranks.collect("process", timeout, grace=5.0)  # grace: for a failed rank's peers to report
+        clean_exit = collective_timeout.total_seconds()  # the ranks leave the group together
         return results
+    except RanksTimedOut as e:
+        raise RankError(e.args[1][0], f"timed out after {timeout} s; ranks {e.args[1]} had not finished") from None
     finally:
         ranks.join(clean_exit)

@@ -126,7 +126,7 @@ class World:
             return ranks.collect(f"pool worker running {name}", self.timeout if timeout is None else timeout,
                                  self.grace)
         except RanksTimedOut as e:
-            raise TimeoutError(f"{e}; the pool was killed and will restart") from None
+            raise TimeoutError(f"{e.args[0]}; the pool was killed and will restart") from None
         finally:
             if not all(p.is_alive() for p in ranks.procs):  # collect killed a stuck or broken group
                 self._ranks = None

@@ -1,20 +1,19 @@
-"""Local ranks in one process group and their supervision: what :func:`tensorpar.spawn` and the test
+"""Local ranks in one process group, and their supervision: what :func:`tensorpar.spawn` and the test
 pool (:class:`tensorpar.testing.World`) start.
 
-Ranks are children of ``multiprocessing``'s fork server, which imports torch once (the
-``forkserver`` start method): each starts in milliseconds with the launcher's environment, working
-directory, ``sys.path`` and ``__main__`` (imported afresh, as ``spawn`` does), and meets the others
-through a TCP store the launcher hosts on loopback. Results and errors come back over a pipe as
-pickles. Each rank also blocks reading a second pipe whose only writer is the launcher: the kernel
+Ranks are children of ``multiprocessing``'s fork server (torch imported once), with the launcher's
+environment, working directory and ``__main__``; they meet through a TCP store the launcher hosts on
+loopback and reply over a pipe. Each also blocks reading a pipe only its launcher holds: the kernel
 closes it when the launcher ends, however it ends, and the rank ends at once. The launcher blocks in
-``multiprocessing.connection.wait`` on every pipe and process: the first rank that raises or dies
-ends the wait, the others are killed, and the error names the rank most likely to be the root cause.
+``multiprocessing.connection.wait`` on every pipe and process, so a rank that raises or dies ends
+the wait, and the error names the rank most likely to be the root cause.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import multiprocessing
 import multiprocessing.connection as mpc
 import os
@@ -25,7 +24,6 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -37,16 +35,13 @@ from .sendable import missing_main_file_hidden
 
 _LOOPBACK = "127.0.0.1"
 
-#: What a rank runs once it has joined the group: it is given the pipe to the launcher.
+#: What a rank runs once it has joined the group, given its pipe to the launcher.
 RankMain = Callable[[mpc.Connection], None]
 
 
 class RankError(RuntimeError):
-    """An exception raised on a worker rank, re-raised in the launching process.
-
-    ``rank`` is the failing rank, ``remote_traceback`` its traceback as text, and ``__cause__``
-    the original exception when it could be pickled.
-    """
+    """An exception of rank ``rank`` re-raised by its launcher, with ``remote_traceback`` (text) and
+    the original exception as ``__cause__`` when it could be pickled."""
 
     def __init__(self, rank: int, message: str, remote_traceback: str = "") -> None:
         self.rank, self.remote_traceback = rank, remote_traceback
@@ -57,11 +52,7 @@ class RankError(RuntimeError):
 
 
 class RanksTimedOut(TimeoutError):
-    """Ranks (``ranks``) did not reply in time."""
-
-    def __init__(self, message: str, ranks: list[int]) -> None:
-        super().__init__(message)
-        self.ranks = ranks
+    """Ranks did not reply in time: ``args`` are the message and the silent ranks."""
 
 
 def _error_payload(error: BaseException) -> tuple[bytes | None, str, str]:
@@ -115,64 +106,29 @@ def _rank_process(main: RankMain, rank: int, world_size: int, port: int, backend
         atexit._run_exitfuncs()
 
 
-@dataclass
-class Replies:
-    """What :meth:`LocalRanks.collect` heard, by rank: results, errors, deaths (exit codes), silence."""
-
-    results: dict[int, Any] = field(default_factory=dict)
-    errors: dict[int, tuple[bytes | None, str, str]] = field(default_factory=dict)
-    dead: dict[int, int | None] = field(default_factory=dict)
-    silent: list[int] = field(default_factory=list)
-
-    def raise_first_error(self, what: str) -> None:
-        """Raise for the likeliest root cause: a rank that died, else a rank whose error is not a failed
-        collective (the peers of a failed rank see those), else the first to report."""
-        if self.dead:
-            rank, code = min(self.dead.items())
-            how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-            seen = "".join(f"; then rank {r} failed: {self.errors[r][1].splitlines()[0]}" for r in sorted(self.errors))
-            raise RankError(rank, f"{what} {how} before returning{seen}")
-        if self.errors:  # in arrival order: the root cause usually reports first
-            order = list(self.errors)
-            rank = min(order, key=lambda r: (self.errors[r][1].startswith("CollectiveError"), order.index(r)))
-            blob, text, remote_tb = self.errors[rank]
-            raise RankError(rank, text, remote_tb) from (pickle.loads(blob) if blob is not None else None)
-
-
 class LocalRanks:
-    """``nprocs`` new local processes joined in one process group, each running ``main(conn)`` once it
-    has joined (one that fails to join replies with its error).
-
-    ``threads`` is each rank's intra-op thread count (default: the cores shared out).
-    """
+    """``nprocs`` new local processes joined in one process group, each running ``main(conn)`` once it has
+    joined (one that fails to join replies with its error); ``threads``: each rank's intra-op threads."""
 
     def __init__(self, main: RankMain, nprocs: int, *, backend: str | None = None,
                  collective_timeout: timedelta = DEFAULT_TIMEOUT, threads: int | None = None) -> None:
         if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
             raise ValueError(f"nprocs must be a positive integer, got {nprocs!r}")
-        backend = backend or default_backend(nprocs)
-        threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(["tensorpar.launch"])  # torch and this module, imported once by the server
-        self.size = nprocs
-        listener = socket.create_server((_LOOPBACK, 0))  # loopback only (a store would bind every interface)
-        self._store = dist.TCPStore(_LOOPBACK, listener.getsockname()[1], is_master=True, wait_for_workers=False,
-                                    master_listen_fd=listener.fileno())
-        self._listener = listener
-        self.procs: list[Any] = []
-        self.conns: list[mpc.Connection] = []
-        self._lifelines: list[mpc.Connection] = []  # never written: they close when this process ends
+        self._listener = socket.create_server((_LOOPBACK, 0))  # loopback only (a store binds every interface)
+        self._store = dist.TCPStore(_LOOPBACK, self._listener.getsockname()[1], is_master=True,
+                                    wait_for_workers=False, master_listen_fd=self._listener.fileno())
+        self.size, self.procs, self.conns, self._lifelines = nprocs, [], [], []
         with missing_main_file_hidden():
             for rank in range(nprocs):
-                conn, child_conn = ctx.Pipe()
-                watched, held = ctx.Pipe(duplex=False)
-                p = ctx.Process(target=_rank_process, daemon=True, args=(
-                    main, rank, nprocs, self._store.port, backend, collective_timeout, threads, dict(os.environ),
-                    child_conn, watched))
-                p.start()
+                (conn, child_conn), (watched, held) = ctx.Pipe(), ctx.Pipe(duplex=False)
+                self.procs.append(ctx.Process(target=_rank_process, daemon=True, args=(
+                    main, rank, nprocs, self._store.port, backend or default_backend(nprocs), collective_timeout,
+                    threads or max(1, (os.cpu_count() or 1) // nprocs), dict(os.environ), child_conn, watched)))
+                self.procs[-1].start()
                 child_conn.close()
-                watched.close()
-                self.procs.append(p)
+                watched.close()  # the launcher keeps only `held`, and never writes to it
                 self.conns.append(conn)
                 self._lifelines.append(held)
 
@@ -186,43 +142,45 @@ class LocalRanks:
         """One reply per rank, in rank order. Raise :class:`RankError` for a rank that raised or died
         (after ``grace`` more seconds for its peers to report what they saw), :class:`RanksTimedOut`
         for ranks still silent after ``timeout`` seconds; ranks that died or stayed silent are killed."""
-        replies = self._read(timeout, grace)
-        if replies.silent or replies.dead:
-            self.kill()
-        replies.raise_first_error(what)
-        if replies.silent:
-            raise RanksTimedOut(f"{what} did not finish within {timeout} s on ranks {replies.silent} of "
-                                f"{self.size}", replies.silent)
-        return [replies.results[r] for r in range(self.size)]
-
-    def _read(self, timeout: float | None, grace: float) -> Replies:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        replies, waiting = Replies(), set(range(self.size))
-        owner = {c: r for r, c in enumerate(self.conns)} | {p.sentinel: r for r, p in enumerate(self.procs)}
-        while waiting:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready = mpc.wait([self.conns[r] for r in waiting] + [self.procs[r].sentinel for r in waiting], left)
-            if not ready:
-                break
-            for rank in sorted({owner[item] for item in ready} & waiting):
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        results: dict[int, Any] = {}
+        errors: dict[int, tuple[bytes | None, str, str]] = {}  # in arrival order
+        dead: dict[int, int | None] = {}  # exit codes
+        waiting = set(range(self.size))
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            ready = mpc.wait([self.conns[r] for r in waiting] + [self.procs[r].sentinel for r in waiting],
+                             None if left == math.inf else left)
+            for rank in sorted(r for r in waiting if self.conns[r] in ready or self.procs[r].sentinel in ready):
                 if self.conns[rank].poll():
                     try:
                         ok, value = pickle.loads(self.conns[rank].recv_bytes())
+                        (results if ok else errors)[rank] = value
                     except EOFError:  # the pipe closed without a reply
                         self.procs[rank].join(5)
-                        replies.dead[rank] = self.procs[rank].exitcode
-                    else:
-                        (replies.results if ok else replies.errors)[rank] = value
+                        dead[rank] = self.procs[rank].exitcode
                 elif not self.procs[rank].is_alive():
-                    replies.dead[rank] = self.procs[rank].exitcode
+                    dead[rank] = self.procs[rank].exitcode
                 else:
                     continue
                 waiting.discard(rank)
-                if rank in replies.dead or rank in replies.errors:
-                    soon = time.monotonic() + grace
-                    deadline = soon if deadline is None else min(deadline, soon)
-        replies.silent = sorted(waiting)
-        return replies
+                if rank not in results:
+                    deadline = min(deadline, time.monotonic() + grace)
+        if waiting or dead:
+            self.kill()  # the group is unusable
+        if dead:  # the likeliest root cause: a rank that died, then one whose error is not a failed collective
+            rank, code = min(dead.items())
+            how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+            seen = "".join(f"; then rank {r} failed: {errors[r][1].splitlines()[0]}" for r in sorted(errors))
+            raise RankError(rank, f"{what} {how} before returning{seen}")
+        if errors:
+            order = list(errors)
+            rank = min(order, key=lambda r: (errors[r][1].startswith("CollectiveError"), order.index(r)))
+            blob, text, remote_tb = errors[rank]
+            raise RankError(rank, text, remote_tb) from (pickle.loads(blob) if blob is not None else None)
+        if waiting:
+            raise RanksTimedOut(f"{what} did not finish within {timeout} s on ranks {sorted(waiting)} of "
+                                f"{self.size}", sorted(waiting))
+        return [results[r] for r in range(self.size)]
 
     def join(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds in all for the ranks to exit, then kill the rest."""
@@ -232,6 +190,7 @@ class LocalRanks:
         self.kill()
 
     def kill(self) -> None:
+        """Kill the ranks still running and reap them all."""
         for p in self.procs:
             if p.is_alive():
                 p.kill()

@@ -5,11 +5,9 @@ no file holds: a REPL, stdin, ``python -c``, a notebook cell)."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import pickle
 import sys
-import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,19 +29,12 @@ def _main_has_a_file() -> bool:
 
 
 def pack(fn: Callable[..., Any], args: tuple[Any, ...], *, caller: str) -> Packed:
-    """Pickle ``fn`` and ``args`` (tensors by value) for new processes, or say why they cannot find
-    ``fn``: ``TypeError`` for what has no importable name, ``ValueError`` for a ``__main__`` without a file."""
+    """Pickle ``fn`` and ``args`` (tensors by value) for new processes, or say why they cannot find ``fn``:
+    ``TypeError`` for what has no importable name, ``ValueError`` for a ``__main__`` without a file."""
     if not callable(fn):
         raise TypeError(f"{caller} needs a function to run, got {type(fn).__name__} {fn!r}")
-    target: Any = fn
-    while isinstance(target, functools.partial):
-        target = target.func
-    if isinstance(target, types.MethodType):
-        target = target.__self__ if isinstance(target.__self__, type) else type(target.__self__)
-    if not isinstance(target, (types.FunctionType, type, types.BuiltinFunctionType)):
-        target = type(target)
-    module, qualname = getattr(target, "__module__", None), getattr(target, "__qualname__", "")
-    name = f"{module}.{qualname}"
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    name = f"{module}.{qualname}" if qualname else repr(fn)
     if "<lambda>" in qualname:
         raise TypeError(f"{caller} cannot run the lambda `{name}`: a new process finds a function by its "
                         f"module and name, and a lambda has no name; {FIX}")
@@ -76,14 +67,13 @@ def unpack(packed: Packed) -> tuple[Callable[..., Any], tuple[Any, ...]]:
 def missing_main_file_hidden() -> Iterator[None]:
     """While processes start, hide a ``__main__.__file__`` that names no file (``<stdin>``), which
     ``multiprocessing`` would have each new process run again before anything else."""
-    main = sys.modules.get("__main__")
+    main = sys.modules["__main__"]
     path = getattr(main, "__file__", None)
-    hide = isinstance(path, str) and not os.path.isfile(path) and not getattr(
-        getattr(main, "__spec__", None), "name", None)
+    hide = isinstance(path, str) and not os.path.isfile(path)
     if hide:
-        del main.__file__  # type: ignore[union-attr]
+        del main.__file__
     try:
         yield
     finally:
         if hide:
-            main.__file__ = path  # type: ignore[union-attr]
+            main.__file__ = path
