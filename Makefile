@@ -65,7 +65,7 @@ demo: $(DEMO)
 bench: $(TEST)
 	$(UV) -e ".[bench]"
 	$(UV) --no-deps megatron-core==0.16.1
-	$(PY) benchmarks/run.py
+	PYTHONPATH=. $(PY) benchmarks/run.py
 
 # On a machine with a GPU and torch already installed (no virtualenv, nothing installed): the GPU
 # tests, the GPU benchmarks and a GPT-2 124M training run resumed from a checkpoint, in one table.

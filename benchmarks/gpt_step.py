@@ -1,6 +1,6 @@
 """The whole GPT training step: our GPT at tp=1 against a plain nanoGPT-style model, eager and compiled.
 
-    python benchmarks/gpt_step.py [--device cuda|cpu] [--size gpt2|small|tiny] [--batch 16 --seq 1024]
+    PYTHONPATH=. python benchmarks/gpt_step.py [--device cuda|cpu] [--size gpt2|small|tiny] [--batch 16 --seq 1024]
                                   [--dtype bf16|fp32] [--no-compile] [--json PATH] [--write] [--ops-only]
 
 One step is what a training loop does: forward with targets to the loss (under
@@ -14,7 +14,7 @@ Rounds interleave the four contenders (ours and plain, eager and
 steps with the device synchronised around them.
 
 Printed: ms per step, tokens/s, model-FLOPs utilisation against the device's dense
-peak for the dtype (:mod:`tensorpar.training.hardware`; blank where the device is
+peak for the dtype (:mod:`examples.train.hardware`; blank where the device is
 not known, any CPU), and the ratio plain / ours (>= 1.0: ours is as fast or
 faster). Then the aten ops dispatched by one whole eager step of each model, counted
 by a ``TorchDispatchMode`` (after a first step, so AdamW's state exists), their
@@ -41,11 +41,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tensorpar
+from examples.train.hardware import model_flops_per_token, peak_tflops
 from gpu import timer
 from layers import GPT, GPTConfig
 from plain_gpt import PlainGPT
 from results import machine, write_section
-from tensorpar.training.hardware import model_flops_per_token, peak_tflops
 
 #: (model shape, batch, sequence length) of each ``--size``.
 SIZES: dict[str, tuple[dict[str, int], int, int]] = {

@@ -81,7 +81,12 @@ from layers import GPT, GPTConfig, PipelinedGPT
 from layers.hf import export_gpt2
 from tensorpar import checkpoint
 from tensorpar.random import mix_seed
-from tensorpar.training import (
+
+# The training app (examples/train/) sits beside this script: importable as `python examples/train_gpt.py`
+# makes it, and also when the script is run by runpy or a launcher that does not put its folder first.
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train import (
     DTYPES,
     ByteData,
     Throughput,
@@ -104,8 +109,8 @@ from tensorpar.training import (
     validation_loss,
     warn_if_gpus_unused,
 )
-from tensorpar.training import parse_args as parse_training_args
-from tensorpar.training.hardware import model_flops_per_token, peak_tflops
+from train import parse_args as parse_training_args
+from train.hardware import model_flops_per_token, peak_tflops
 
 EPILOG = """examples:
   python examples/train_gpt.py                          # tp=2 on 2 local CPU processes, the built-in corpus

@@ -5,14 +5,14 @@ the other autograd collectives (:mod:`tensorpar.comm`), balanced sharding and
 full views of sharded models, tp-invariant initialisation, per-rank random
 streams, vocab-parallel cross-entropy, gradient clipping, pipeline stages and
 schedules (:mod:`tensorpar.pipeline`), checkpoints and a local launcher.
-``tensorpar.testing`` is the multi-process test kit; ``tensorpar.training``
-holds helpers for training loops (data, LR schedule) outside the core. The
-``nn.Module``\\ s built on this core live in a package of their own.
+``tensorpar.testing`` is the multi-process test kit. The ``nn.Module``\\ s
+built on this core live in a package of their own; the training app (data,
+command line, run directory, loggers) lives beside ``examples/train_gpt.py``.
 
 ``import tensorpar`` loads the mesh, sharding, the collectives and what a
 model's forward and backward use. The checkpoint store, the launcher
 (:func:`spawn`), the offloading optimizer, FSDP2, pipelines, the test kit
-and the training helpers load on first use (``tensorpar.checkpoint``,
+load on first use (``tensorpar.checkpoint``,
 ``tensorpar.spawn``, ...), and so do ``torch.distributed.checkpoint`` and
 DTensor, which only they need.
 """
@@ -81,7 +81,6 @@ _ON_FIRST_USE = (
     ("checkpoint", "tensorpar.checkpoint", None),
     ("pipeline", "tensorpar.pipeline", None),
     ("testing", "tensorpar.testing", None),
-    ("training", "tensorpar.training", None),
     ("spawn", "tensorpar.launch", "spawn"),
     ("RankError", "tensorpar.launch", "RankError"),
     ("OffloadedOptimizer", "tensorpar.offload", "OffloadedOptimizer"),
@@ -92,7 +91,6 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr_
     from . import checkpoint
     from . import pipeline as pipeline
     from . import testing as testing
-    from . import training as training
     from .fsdp import fully_shard_dp
     from .launch import RankError, spawn
     from .offload import OffloadedOptimizer

@@ -150,10 +150,10 @@ def test_train_gpt_reports_the_hardware_and_exports_to_hugging_face(worlds, monk
     tokens/s, MFU, peak memory, device and dtype; --export-hf writes a GPT-2 directory whose logits
     are those of the final checkpoint's weights (the script's default: no biases)."""
     transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
+    from examples.train.hardware import model_flops_per_token
     from layers import GPTConfig
     from reference_gpt import RefConfig, RefGPT
     from tensorpar import checkpoint
-    from tensorpar.training.hardware import model_flops_per_token
 
     out, hf_dir = tmp_path / "run", tmp_path / "hf"
     sizes = dict(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=16, bias=False)

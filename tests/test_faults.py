@@ -26,7 +26,6 @@ import tensorpar
 import tensorpar.checkpoint
 from tensorpar.comm import shm
 from tensorpar.comm.collectives import CollectiveError, all_gather_along, reduce_scatter_along, start_all_reduce_
-from tensorpar.training.rundir import check_out
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -114,6 +113,8 @@ def test_ranks_stop_when_the_training_launcher_is_killed(tmp_path, sig, no_lefto
                           lambda: (_lines(out / "metrics.jsonl"), (out / "latest").read_text(),
                                    sorted(p.name for p in out.iterdir())), sig)
     assert tensorpar.checkpoint.read_meta(out)["step"] >= 2  # the last checkpoint is whole: nothing lost
+    from examples.train.rundir import check_out  # here: this module is also imported where only tests/ is importable
+
     check_out(out, resume="must", overwrite=False)  # the killed job's lock on --out went with it
     print(f"train_gpt.py launcher killed by {sig.name}: every rank gone after {took:.2f} s")
 

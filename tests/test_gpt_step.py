@@ -2,6 +2,7 @@
 against, and the aten ops per step of ours against that plain model (no timing is asserted)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,9 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_gpt_step(directory, *options):
     """benchmarks/gpt_step.py on the tiny model for one round of one step: its stdout and figures."""
     out = directory / "figures.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))  # the MFU's peak table is the training app's (examples/train)
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpt_step.py"), "--size=tiny", "--rounds=1",
-                           "--iters=1", f"--json={out}", *options], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+                           "--iters=1", f"--json={out}", *options], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout, json.loads(out.read_text())
 

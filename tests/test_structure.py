@@ -133,7 +133,7 @@ print(tuple(y.shape), tensorpar.reduce_from_tp(torch.ones(2)).tolist(), tensorpa
 #: what ``import tensorpar`` leaves for first use: attribute -> the module it loads
 ON_FIRST_USE = {"checkpoint": "tensorpar.checkpoint", "spawn": "tensorpar.launch", "RankError": "tensorpar.launch",
                 "OffloadedOptimizer": "tensorpar.offload", "fully_shard_dp": "tensorpar.fsdp",
-                "pipeline": "tensorpar.pipeline", "testing": "tensorpar.testing", "training": "tensorpar.training"}
+                "pipeline": "tensorpar.pipeline", "testing": "tensorpar.testing"}
 HEAVY = ("torch.distributed.checkpoint", "torch.distributed.tensor", "torch.distributed.fsdp")
 
 
@@ -152,7 +152,7 @@ modules = {{name: importlib.import_module(module) for name, module in first_use.
 same = [name for name, module in modules.items()
         if getattr(tensorpar, name) in (module, getattr(module, name, None))]
 print(json.dumps([sorted(same), sorted(set(first_use) - set(dir(tensorpar)))]))
-import tensorpar.testing, tensorpar.training
+import tensorpar.testing
 from tensorpar.testing import World, Worlds, assert_sharded_equivalent, run_script
 print("layers" in sys.modules, "hypothesis" in sys.modules)
 try:

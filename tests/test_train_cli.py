@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tensorpar
+from examples.train import build_parser, parse_args
 from layers import GPTConfig
-from tensorpar.training import build_parser, parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_gpt.py"

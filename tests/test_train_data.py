@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tensorpar
+from examples.train import ByteData, TokenData, default_corpus, open_splits
 from reference_gpt import RefConfig, RefGPT
 from tensorpar import checkpoint
 from tensorpar.testing import run_script
-from tensorpar.training import ByteData, TokenData, default_corpus, open_splits
 from test_train_cli import write_tokens
 from test_training import SCRIPT, SMALL, flags, metrics
 

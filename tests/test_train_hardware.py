@@ -13,9 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tensorpar
-from layers import GPTConfig
-from reference_gpt import RefConfig, RefGPT
-from tensorpar.training import (
+from examples.train import (
     Throughput,
     compute_dtype,
     cpu_fallback_warning,
@@ -23,7 +21,9 @@ from tensorpar.training import (
     peak_memory_bytes,
     warn_if_gpus_unused,
 )
-from tensorpar.training.hardware import model_flops_per_token, peak_tflops
+from examples.train.hardware import model_flops_per_token, peak_tflops
+from layers import GPTConfig
+from reference_gpt import RefConfig, RefGPT
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 

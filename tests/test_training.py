@@ -19,10 +19,10 @@ import pytest
 import torch
 
 import tensorpar
+from examples.train import parse_args
 from layers import GPT, GPTConfig
 from tensorpar import checkpoint
 from tensorpar.testing import assert_all_close, run_script
-from tensorpar.training import parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_gpt.py"

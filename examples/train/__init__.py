@@ -1,10 +1,9 @@
-"""Helpers for training loops: token data (bytes of a text, or nanoGPT's ``uint16`` token files)
-with deterministic per-step batches and a validation split, the LR schedule, the validation loss,
-the training script's command line, the device and dtype a run computes in and its speed (tokens/s,
-MFU, peak memory), the run's output directory (held by one run at a time), and the run's log,
-progress bar, loss curve and optional TensorBoard / Weights & Biases logger. Not part of the runtime
-core: ``import tensorpar`` does not import this package, and nothing in the core imports it; the
-example training script and the notebooks do.
+"""The training app of ``examples/train_gpt.py``: token data (bytes of a text, or nanoGPT's ``uint16``
+token files) with deterministic per-step batches and a validation split, the LR schedule, the
+validation loss, the script's command line, the device and dtype a run computes in and its speed
+(tokens/s, MFU, peak memory), the run's output directory (held by one run at a time), and the run's
+log, progress bar, loss curve and optional TensorBoard / Weights & Biases logger. It is an example's
+own code, built on the library, not part of it: nothing in ``tensorpar`` or ``layers`` imports it.
 """
 
 from .cli import TrainConfig, build_parser, parse_args, resolve

@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
-from ..bitwise import DEFAULT_TP_SIZES
-from ..checkpoint import CheckpointError, ShardReader
-from ..mesh import default_backend
+from tensorpar.bitwise import DEFAULT_TP_SIZES
+from tensorpar.checkpoint import CheckpointError, ShardReader
+from tensorpar.mesh import default_backend
+
 from .data import SCANNED_TOKENS, VOCAB_SIZE, open_splits
 from .device import DTYPES, local_ranks
 from .output import read_log

@@ -27,10 +27,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..checkpoint.agree import share
-from ..checkpoint.manifest import MANIFEST
-from ..checkpoint.meta import NAME
-from ..mesh import Mesh
+from tensorpar.checkpoint.agree import share
+from tensorpar.checkpoint.manifest import MANIFEST
+from tensorpar.checkpoint.meta import NAME
+from tensorpar.mesh import Mesh
 
 LOCK = "run.lock"
 #: what a run writes into its directory, besides its checkpoints (``step-NNNNNN``)

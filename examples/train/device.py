@@ -16,7 +16,7 @@ from types import MappingProxyType
 import torch
 import torch.distributed as dist
 
-from ..mesh import Mesh
+from tensorpar.mesh import Mesh
 
 #: ``--dtype``'s names of the dtypes a run computes in (bf16 and fp16 through autocast)
 DTYPES = MappingProxyType({"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32})

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..random import mix_seed
+from tensorpar.random import mix_seed
 
 VOCAB_SIZE = 256
 #: token files up to this many ids are checked against the vocabulary whole, before training starts;

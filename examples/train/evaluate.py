@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..mesh import Mesh
+from tensorpar.mesh import Mesh
+
 from .data import TokenData
 
 
