@@ -92,7 +92,7 @@ def test_a_rank_that_raises_dies_or_stops_ends_every_rank_while_the_launcher_wai
     left, and the launcher slept while it waited (it used a small part of a core)."""
     began, cpu = time.monotonic(), time.process_time()
     with pytest.raises(tensorpar.RankError) as info:
-        tensorpar.spawn(fault_on_rank_one, 2, str(tmp_path), fault, timeout=6,
+        tensorpar.spawn(fault_on_rank_one, 2, str(tmp_path), fault, timeout=6, backend="gloo",
                         collective_timeout=timedelta(seconds=120))
     waited, busy = time.monotonic() - began, time.process_time() - cpu
     said = {"raise": "rank 1: ValueError: rank 1 gives up",
@@ -162,7 +162,8 @@ def test_ranks_are_forked_with_the_launchers_environment_and_run_its_exit_handle
     """A rank is a fork of a fork server started earlier, but sees what its launcher has now (an
     environment variable and the working directory set after the server started), none of the
     launcher's other state (a module it imported), and runs the exit handlers it registers."""
-    tensorpar.spawn(report, 1, 0)  # the fork server now runs, with this process's environment of now
+    tensorpar.spawn(report, 1, 0, backend="gloo")  # the fork server now runs, with this environment of now
+    # (gloo: `report` all-reduces a CPU tensor, which NCCL, the default on a host with a GPU, cannot)
     monkeypatch.setenv("TENSORPAR_TEST_VARIABLE", "set after the server started")
     monkeypatch.chdir(tmp_path)
     import layers  # noqa: F401 - loaded here only
