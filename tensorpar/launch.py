@@ -72,4 +72,4 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None =
     except RanksTimedOut as e:
         raise RankError(e.args[1][0], f"timed out after {timeout} s; ranks {e.args[1]} had not finished") from None
     finally:
-        ranks.join(clean_exit)
+        ranks.kill(clean_exit)

@@ -136,7 +136,7 @@ class World:
         if self._ranks is not None:
             with contextlib.suppress(OSError):
                 self._ranks.send(("stop", None))
-            self._ranks.join(15)
+            self._ranks.kill(15)
             self._ranks = None
 
 

@@ -167,14 +167,13 @@ class LocalRanks:
                     deadline = min(deadline, time.monotonic() + grace)
         if waiting or dead:
             self.kill()  # the group is unusable
-        if dead:  # the likeliest root cause: a rank that died, then one whose error is not a failed collective
+        if dead:  # the likeliest root cause: a rank that died, else the first to report an error
             rank, code = min(dead.items())
             how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
             seen = "".join(f"; then rank {r} failed: {errors[r][1].splitlines()[0]}" for r in sorted(errors))
             raise RankError(rank, f"{what} {how} before returning{seen}")
         if errors:
-            order = list(errors)
-            rank = min(order, key=lambda r: (errors[r][1].startswith("CollectiveError"), order.index(r)))
+            rank = next(iter(errors))
             blob, text, remote_tb = errors[rank]
             raise RankError(rank, text, remote_tb) from (pickle.loads(blob) if blob is not None else None)
         if waiting:
@@ -182,18 +181,13 @@ class LocalRanks:
                                 f"{self.size}", sorted(waiting))
         return [results[r] for r in range(self.size)]
 
-    def join(self, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds in all for the ranks to exit, then kill the rest."""
-        deadline = time.monotonic() + timeout
+    def kill(self, wait: float = 0.0) -> None:
+        """Give the ranks ``wait`` seconds in all to exit, then kill the rest; reap them all."""
+        deadline = time.monotonic() + wait
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
-        self.kill()
-
-    def kill(self) -> None:
-        """Kill the ranks still running and reap them all."""
-        for p in self.procs:
             if p.is_alive():
                 p.kill()
-            p.join()
+                p.join()
         for lifeline in self._lifelines:
             lifeline.close()

@@ -19,15 +19,6 @@ FIX = ("define it at the top level of a .py file and import it, e.g. `from mywor
 Packed = tuple[str, bytes]
 
 
-def _main_has_a_file() -> bool:
-    """Whether a new process can import this ``__main__`` again (``python -m``, or a script file, as
-    ``multiprocessing`` does); IPython's is skipped by ``multiprocessing``."""
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    return bool(getattr(getattr(main, "__spec__", None), "name", None)) or (
-        isinstance(path, str) and os.path.isfile(path) and not os.path.basename(path).startswith("ipython"))
-
-
 def pack(fn: Callable[..., Any], args: tuple[Any, ...], *, caller: str) -> Packed:
     """Pickle ``fn`` and ``args`` (tensors by value) for new processes, or say why they cannot find ``fn``:
     ``TypeError`` for what has no importable name, ``ValueError`` for a ``__main__`` without a file."""
@@ -42,7 +33,10 @@ def pack(fn: Callable[..., Any], args: tuple[Any, ...], *, caller: str) -> Packe
         raise TypeError(f"{caller} cannot run `{name}`: it is defined inside the function "
                         f"`{qualname.split('.<locals>', 1)[0]}`, where a new process cannot find it; {FIX} "
                         "(pass what it needs as arguments)")
-    if module == "__main__" and not _main_has_a_file():
+    main = sys.modules["__main__"]  # one that new processes can import again: `python -m`, a script file
+    path = getattr(main, "__file__", None)
+    if module == "__main__" and not getattr(getattr(main, "__spec__", None), "name", None) and not (
+            isinstance(path, str) and os.path.isfile(path) and not os.path.basename(path).startswith("ipython")):
         raise ValueError(f"{caller} cannot run `{qualname}`: it is defined in the `__main__` of an interactive "
                          f"session, stdin, `python -c` or a notebook cell, which a new process cannot import; {FIX}")
     try:
