@@ -18,11 +18,9 @@ import contextvars
 import ctypes
 import os
 import signal
-import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,8 +59,6 @@ class Mesh:
     device: torch.device
     rng: RNGStatesTracker = field(compare=False)
     bitwise: Bitwise | None = None
-    channels: weakref.WeakKeyDictionary[ProcessGroup, Any] = field(
-        default_factory=weakref.WeakKeyDictionary, compare=False, repr=False)  # TEMP until the comm change
 
     def __repr__(self) -> str:
         return (f"Mesh(tp={self.tp}, dp={self.dp}, pp={self.pp}, rank={self.rank}, tp_rank={self.tp_rank}, "
