@@ -112,7 +112,10 @@ def init(tp: int | None = None, dp: int | None = None, *, pp: int = 1, backend: 
     and ``tp`` to ``world // (pp * dp)`` (all ranks of a stage when neither is
     given). Every rank must call it, with the same arguments: they are compared
     across ranks, and ranks that differ all raise. An ``init`` that raises
-    leaves no process group behind that it created.
+    leaves no process group behind that it created. A group it creates is the
+    caller's to close, as torch asks: :func:`shutdown` (or
+    ``torch.distributed.destroy_process_group()``) at the end. Under torchrun
+    it asks the kernel to end this rank when torchrun's agent ends.
 
     ``bitwise=True`` (or a :class:`~tensorpar.bitwise.Bitwise`, or the tp sizes to agree across) turns
     on the bitwise mode for the modules built afterwards: at every tp of the mode they compute exactly
