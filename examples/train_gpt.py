@@ -7,8 +7,8 @@ group of tp ranks; data parallelism across them is DistributedDataParallel
 (optionally with ZeroRedundancyOptimizer: --zero), or FSDP2 with the tp shards
 inside (--fsdp); with --pp the blocks are split into pipeline stages run by a
 schedule of torch.distributed.pipelining (--schedule gpipe, 1f1b or
-interleaved, over --microbatches). AdamW (its state optionally in host memory:
---offload-optimizer), cosine learning rate with warmup, gradient clipping by
+interleaved, over --microbatches). AdamW (its state optionally in host memory,
+stepping there: --offload-optimizer, FSDP2's CPUOffloadPolicy), cosine learning rate with warmup, gradient clipping by
 the norm of the whole unsharded gradient, gradient accumulation; bf16 autocast
 on a GPU, float32 on the CPU, or --dtype. A host with fewer GPUs than local
 ranks trains on the CPU (with a warning when it has GPUs). --bitwise trains in
@@ -145,8 +145,8 @@ def build(cfg: TrainConfig, mesh: tensorpar.Mesh) -> tuple[GPT | PipelinedGPT, t
     tensorpar.manual_seed(cfg.seed)  # the same full weights at any tp, dp and pp
     config = model_config(cfg)
     model: GPT | PipelinedGPT
-    fsdp_options: dict[str, Any] = {}  # with --offload-optimizer, FSDP2 offloads its own shards (and steps on the host)
-    if cfg.offload_optimizer and cfg.fsdp:
+    fsdp_options: dict[str, Any] = {}  # --offload-optimizer (which implies --fsdp): FSDP2 keeps its shards on the host
+    if cfg.offload_optimizer:
         from torch.distributed.fsdp import CPUOffloadPolicy  # FSDP2's API: torch >= 2.6, as --fsdp needs
         fsdp_options["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device.type == "cuda")
     if mesh.pp > 1:
@@ -164,14 +164,11 @@ def build(cfg: TrainConfig, mesh: tensorpar.Mesh) -> tuple[GPT | PipelinedGPT, t
     params = list(model.parameters())
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # no decay: biases, norms
-    optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW
-    if cfg.offload_optimizer and not cfg.fsdp:
-        optimizer_class = functools.partial(tensorpar.OffloadedOptimizer, optimizer_class=torch.optim.AdamW)
     if cfg.zero and mesh.dp > 1:
         optimizer: torch.optim.Optimizer = ZeroRedundancyOptimizer(
-            groups, optimizer_class=optimizer_class, process_group=mesh.dp_group, lr=cfg.lr, betas=(0.9, 0.95))
-    else:
-        optimizer = optimizer_class(groups, lr=cfg.lr, betas=(0.9, 0.95))
+            groups, optimizer_class=torch.optim.AdamW, process_group=mesh.dp_group, lr=cfg.lr, betas=(0.9, 0.95))
+    else:  # under --offload-optimizer its state follows the parameters' shards into host memory, and so does its step
+        optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
     return model, optimizer
 
 
@@ -245,6 +242,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 loss.backward()
             loss_sum += loss.detach()
         if isinstance(model, PipelinedGPT):  # the whole model's norm, over the stages too
+            model.finish_gradients()  # averaged over dp (unless FSDP2 did), the tied head's copies summed
             norm = model.clip_grad_norm_(cfg.clip) if cfg.clip else model.grad_norm()
         else:
             norm = tensorpar.clip_grad_norm_(model, cfg.clip) if cfg.clip else tensorpar.grad_norm(model)
@@ -340,7 +338,8 @@ def _sample(model: GPT, cfg: TrainConfig, mesh: tensorpar.Mesh, val: TokenData) 
 
 def spawned(cfg: TrainConfig) -> dict[str, Any]:
     """One rank of a local run started by ``tensorpar.spawn``."""
-    tensorpar.init(cfg.tp, cfg.dp, pp=cfg.pp, bitwise=cfg.bitwise)
+    tensorpar.init(cfg.tp, cfg.dp, pp=cfg.pp)
+    tensorpar.bitwise.enable(cfg.bitwise)
     torch.set_num_threads(1)
     return train(cfg)
 
@@ -351,7 +350,8 @@ def main(argv: list[str] | None = None) -> None:
     began = time.perf_counter()
     held = functools.partial(hold, cfg.out, resume=cfg.resume, overwrite=cfg.overwrite, prog=Path(__file__).name)
     if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank; rank 0 holds --out
-        mesh = tensorpar.init(cfg.tp, cfg.dp, pp=cfg.pp, bitwise=cfg.bitwise)
+        mesh = tensorpar.init(cfg.tp, cfg.dp, pp=cfg.pp)
+        tensorpar.bitwise.enable(cfg.bitwise)  # the mode its layers are built in (off without --bitwise)
         with held(mesh=mesh):
             result = train(cfg)
         if mesh.rank:

@@ -7,7 +7,8 @@ from .embedding import VocabParallelEmbedding
 from .gpt import GPT
 from .hf_parallel import parallelize_hf
 from .linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from .mlp import ParallelMLP, SegmentwiseActivation
+from .mlp import ParallelMLP
+from .numerics import SegmentwiseActivation
 from .parallelize import STYLES, HeadRow, QKVColumn, Segmentwise, parallelize
 from .pipeline import GPTStage, PipelinedGPT
 from .regions import CopyToTP, GatherSequence, ReduceFromTP, ReduceScatterSequence

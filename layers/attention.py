@@ -39,7 +39,6 @@ rank's tokens for backward), the output projection reduce-scatters its sums
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 
 import torch
@@ -51,10 +50,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils import skip_init
 
 import tensorpar
-from tensorpar.bitwise.linear import blockwise
+from tensorpar.bitwise.attention import attention_dropped
 from tensorpar.checks import check_int
 
-from .heads import expand_kv, head_layout
+from . import numerics
+from .heads import head_layout
 from .linear import ColumnParallelLinear, RowParallelLinear, check_activation
 from .regions import RegionInput
 from .sequence import ShardedDropout, tp_stream
@@ -119,17 +119,8 @@ class ParallelSelfAttention(nn.Module):
         self.c_proj = skip_init(RowParallelLinear, n_embd, n_embd, bias, unit=q_unit,
                                 sequence_parallel=sequence_parallel, **factory)
         self.resid_dropout = ShardedDropout(dropout, group=group) if sequence_parallel else nn.Dropout(dropout)
-        self.bitwise = tensorpar.current_bitwise()
-        if self.bitwise is not None:  # segments cut where the heads' layout has a boundary at any tp of the mode
-            c_rows = n_embd + n_kv_head * d  # where the V rows start
-
-            def qkv_pieces(tp: int, rank: int) -> list[tuple[int, int]]:
-                at = head_layout(n_head, n_kv_head, tp, rank)
-                kv = (at.kv_held.start * d, len(at.kv_held) * d)
-                return [(at.query.start * d, len(at.query) * d), (n_embd + kv[0], kv[1]), (c_rows + kv[0], kv[1])]
-
-            self.c_attn.canonical_segments(qkv_pieces)
-            self.c_proj.canonical_segments(lambda tp, rank: qkv_pieces(tp, rank)[:1])
+        # (q, k, v, p) -> (B, h, T, d): the default (SDPA on this rank's heads), or the bitwise mode's (chosen once)
+        self.attend = numerics.attention(self._attention, self)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -149,42 +140,30 @@ class ParallelSelfAttention(nn.Module):
             qkv = self.c_attn(x)  # (B, T, (h + 2 * hk) * d): this rank's Q heads, then its K, then its V heads
         d, h, hk = self.head_dim, self.local_heads, self.held_kv_heads
         q, k, v = (rearrange(t, "b t (h d) -> b h t d", d=d) for t in qkv.split([h * d, hk * d, hk * d], -1))  # views
-        if self.bitwise is not None:
-            y = self._bitwise_attention(q, k, v)  # (B, h, T, d)
-            y = self.c_proj(rearrange(y, "b h t d -> b t (h d)"))  # (B, T, C), or (B, T_r, C)
-            return self.resid_dropout(y, x.shape[-2]) if self.sequence_parallel else self.resid_dropout(y)
+        y = self.attend(q, k, v, self.dropout if self.training else 0.0)  # (B, h, T, d)
+        y = self.c_proj(rearrange(y, "b h t d -> b t (h d)"))  # (B, T, C) summed over ranks, or (B, T_r, C)
+        return self.resid_dropout(y, x.shape[-2]) if self.sequence_parallel else self.resid_dropout(y)
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
+        """SDPA on this rank's heads: ``(B, h, T, d)`` queries, ``(B, held KV heads, T, d)`` keys and values,
+        dropout ``p`` on the probabilities -> ``(B, h, T, d)``."""
+        h = self.local_heads
         if self._kv_index is not None:  # each local query head's KV head, gathered (uneven readers only)
             k, v = k[:, self._kv_index], v[:, self._kv_index]  # (B, h, T, d)
         elif self.kv_replicated:  # the KV heads this rank's query heads read, per_kv query heads each (a view)
             k, v = (t.narrow(1, self.kv_lo, self.local_kv_heads) for t in (k, v))  # (B, h_kv, T, d)
         grouped = k.shape[1] != h
-        p = self.dropout if self.training else 0.0
         if p and torch.compiler.is_compiling():  # no stream can be swapped in a graph: see below
             if grouped:
                 k, v = (t.repeat_interleave(h // t.shape[1], 1) for t in (k, v))  # (B, h, T, d)
             y = _attention_dropping_heads_of_one_draw(q, k, v, p, self.n_head, self.q_lo)
         elif p:
-            with self.rng.fork(x.device):  # heads differ per rank: so do their masks
+            with self.rng.fork(q.device):  # heads differ per rank: so do their masks
                 y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=grouped)
         else:
             with _compiled_sdpa_kernel(q):
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)  # (B, h, T, d)
-        y = self.c_proj(rearrange(y, "b h t d -> b t (h d)"))  # (B, T, C) summed over ranks, or (B, T_r, C)
-        return self.resid_dropout(y, x.shape[-2]) if self.sequence_parallel else self.resid_dropout(y)
-
-    def _bitwise_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The bitwise mode's attention of this rank's heads, ``(B, h, T, d)`` each: one head at a time, so
-        that each head's kernel sees the same shapes at every tp (CPU SDPA with one-feature heads batches
-        its backward over the heads), each query head with its own copy of its KV head (backward adds a
-        KV head's gradients in a fixed order: :func:`~layers.heads.expand_kv`), dropout drawing one mask
-        for all ``n_head`` heads, of which this rank's heads take theirs (the same mask at every tp)."""
-        k, v = (expand_kv(t, self.heads, self.n_head, self.n_kv_head, self.tp_group) for t in (k, v))  # (B, h, T, d)
-        p = self.dropout if self.training else 0.0
-        if not p:
-            return blockwise(functools.partial(F.scaled_dot_product_attention, is_causal=True), [q, k, v], 1)
-        b, h, t, _ = q.shape
-        keep = torch.rand(b, self.n_head, t, t, device=q.device)[:, self.q_lo:self.q_lo + h] >= p  # (B, h, T, T)
-        return blockwise(functools.partial(_attention_dropped, p=p), [q, k, v, keep], 1)
+        return y
 
     def extra_repr(self) -> str:
         return (f"n_embd={self.n_embd}, n_head={self.n_head}, n_kv_head={self.n_kv_head}, "
@@ -207,16 +186,6 @@ def _compiled_sdpa_kernel(q: torch.Tensor) -> contextlib.AbstractContextManager[
     return sdpa_kernel(SDPBackend.MATH)
 
 
-def _attention_dropped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
-    """Causal attention whose probabilities are dropped where ``keep`` is False and scaled by ``1 / (1 - p)``:
-    ``(B, h, T, d)`` each and ``keep`` ``(B, h, T, T)`` -> ``(B, h, T, d)``."""
-    t, d = q.shape[-2:]
-    scores = (q @ k.transpose(-2, -1)) / math.sqrt(d)  # (B, h, T, T)
-    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
-    return (probs * keep / (1 - p)) @ v
-
-
 def _attention_dropping_heads_of_one_draw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float,
                                           n_head: int, lo: int) -> torch.Tensor:
     """Causal attention of this rank's heads ``lo:lo + h`` with dropout ``p`` on the probabilities,
@@ -231,4 +200,4 @@ def _attention_dropping_heads_of_one_draw(q: torch.Tensor, k: torch.Tensor, v: t
     """
     b, h, t, _ = q.shape
     keep = torch.rand(b, n_head, t, t, device=q.device)[:, lo:lo + h] >= p  # (B, h, T, T) of one full draw
-    return _attention_dropped(q, k, v, keep, p)
+    return attention_dropped(q, k, v, keep, p)

@@ -96,6 +96,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = c = config
         self.tp_group = group = tensorpar.tp_group(group)
+        self.numerics = tensorpar.current_bitwise()  # its bitwise mode (None: off): its loss and norm follow
         _, tp = tensorpar.group_rank_size(group)
         for name in ("vocab_size", "block_size"):  # both tables are split by rows
             tensorpar.partition_sizes(getattr(c, name), tp, name=name)
@@ -160,7 +161,7 @@ class GPT(nn.Module):
         if targets is None:
             return tensorpar.gather_from_tp(logits, -1, self.config.vocab_size, self.tp_group)  # (B, T, V)
         return tensorpar.vocab_parallel_cross_entropy(logits, targets, self.config.vocab_size, ignore_index=-1,
-                                                      group=self.tp_group, bitwise=self.lm_head.bitwise is not None)
+                                                      group=self.tp_group, bitwise=self.numerics or False)
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,

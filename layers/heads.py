@@ -21,15 +21,8 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import Any
-
-import torch
-from torch.autograd.function import once_differentiable
-from torch.distributed import ProcessGroup
 
 from tensorpar.checks import check_int
-from tensorpar.comm.collectives import all_gather_along
-from tensorpar.mesh import group_rank_size
 from tensorpar.sharding import partition_bounds
 
 
@@ -81,40 +74,3 @@ def head_layout(n_head: int, n_kv_head: int, tp: int, rank: int) -> HeadLayout:
         query, kv_held = range(lo, lo + count), range(n_kv_head)
     return HeadLayout(query=query, kv_held=kv_held, kv_read=tuple(q // g for q in query),
                       kv_replicated=n_kv_head < tp)
-
-
-class _ExpandKV(torch.autograd.Function):
-    """Each local query head's copy of the K (or V) head it reads; backward, every KV head's gradient as
-    the sum of its ``g`` query heads' gradients, added in head order (the same bits at every tp)."""
-
-    @staticmethod
-    def forward(ctx: Any, kv: torch.Tensor, heads: HeadLayout, n_head: int, n_kv_head: int,
-                group: ProcessGroup) -> torch.Tensor:
-        ctx.heads, ctx.n_head, ctx.n_kv_head, ctx.group = heads, n_head, n_kv_head, group
-        index = torch.tensor([j - heads.kv_held.start for j in heads.kv_read], device=kv.device)
-        return kv.index_select(1, index)  # (B, h, T, d)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
-        heads, n_head, n_kv_head = ctx.heads, ctx.n_head, ctx.n_kv_head
-        tp = group_rank_size(ctx.group)[1]
-        if heads.kv_replicated and tp > 1:  # a KV head's query heads are spread over the ranks: gather them all
-            sizes = [len(head_layout(n_head, n_kv_head, tp, r).query) for r in range(tp)]
-            grad = all_gather_along(grad.contiguous(), 1, sizes, ctx.group)  # (B, n_head, T, d)
-        b, h, t, d = grad.shape
-        g = n_head // n_kv_head
-        per_kv = grad.view(b, h // g, g, t, d)  # (B, held KV heads, g, T, d): whole groups, in order
-        total = per_kv[:, :, 0]
-        for i in range(1, g):
-            total = total + per_kv[:, :, i]  # query head i of every group, in order
-        return total.contiguous(), None, None, None, None  # (B, held KV heads, T, d)
-
-
-def expand_kv(kv: torch.Tensor, heads: HeadLayout, n_head: int, n_kv_head: int, group: ProcessGroup) -> torch.Tensor:
-    """The bitwise mode's grouped-query attention: K or V of this rank's held KV heads ``(B, held, T, d)``
-    -> one copy per local query head of the KV head it reads ``(B, h, T, d)``. Backward sums each KV
-    head's ``g`` query heads' gradients in head order, gathering them from every rank first when the KV
-    heads are replicated (fewer KV heads than ranks): every rank then has each KV head's whole gradient,
-    the same bits as at tp = 1, where SDPA's grouped kernel would add them in an order of its own."""
-    return _ExpandKV.apply(kv, heads, n_head, n_kv_head, group)

@@ -29,11 +29,10 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 import tensorpar
-from tensorpar.bitwise.linear import segmented_column_linear, segmented_row_linear
-from tensorpar.bitwise.segments import placed_split, placed_tokens
 from tensorpar.checks import check_int
 from tensorpar.sharding import Shard
 
+from . import numerics
 from .embedding import VocabParallelEmbedding
 from .linear import ReplicatedLinear, check_activation
 
@@ -57,9 +56,6 @@ class _ParallelConv1D(nn.Module):
         local[self.split_dim] = self.placement.sizes(self.tp)[self.tp_rank]
         self.weight = nn.Parameter(torch.empty(local, device=device, dtype=dtype))  # (nx, nf), split
         self.bias = nn.Parameter(torch.empty(local[1], device=device, dtype=dtype))  # (nf,), split with it or whole
-        self.bitwise = tensorpar.current_bitwise()
-        self.segments = None if self.bitwise is None else placed_split(
-            self.placement.pieces, self.placement.size, self.tp, self.tp_rank, self.bitwise.tp_sizes)
         self.reset_parameters()
 
     def sharding(self) -> dict[str, Shard]:
@@ -122,14 +118,18 @@ class ColumnParallelConv1D(_ParallelConv1D):
                  dtype: torch.dtype | None = None) -> None:
         super().__init__(nf, nx, unit=unit, blocks=blocks, group=group, device=device, dtype=dtype)
         self.copy_input = copy_input
+        # (x, Wᵀ, bias) -> (*, nf / tp): the default product, or the bitwise mode's (chosen once)
+        self.product = numerics.column(self._product, self.placement, self.tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_activation(x, type(self).__name__)
-        if self.segments is not None:  # bitwise: by segments, the input gradient's tree sum standing for f
-            return segmented_column_linear(x, self.weight.t(), self.bias, self.segments, self.tp_group)
+        return self.product(x, self.weight.t(), self.bias)  # (*, nf / tp)
+
+    def _product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, seq_len: int | None = None
+                 ) -> torch.Tensor:
         if self.copy_input:
-            return tensorpar.column_parallel_linear(x, self.weight.t(), self.bias, self.tp_group)  # (*, nf / tp)
-        return F.linear(x, self.weight.t(), self.bias)  # f was applied by the caller
+            return tensorpar.column_parallel_linear(x, weight, bias, self.tp_group)  # (*, nf / tp)
+        return F.linear(x, weight, bias)  # f was applied by the caller
 
 
 class RowParallelConv1D(_ParallelConv1D):
@@ -148,14 +148,15 @@ class RowParallelConv1D(_ParallelConv1D):
     def __init__(self, nf: int, nx: int, *, unit: int = 1, group: ProcessGroup | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__(nf, nx, unit=unit, blocks=1, group=group, device=device, dtype=dtype)
+        # (x, Wᵀ, bias) -> (*, nf) summed over the group: the default product, or the bitwise mode's (chosen once)
+        self.product = numerics.row(self._product, self.placement, self.tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_activation(x, type(self).__name__)
-        if self.segments is not None and self.bitwise is not None:  # bitwise: by segments, summed by their tree
-            tokens = placed_tokens(x.shape[-2] if x.dim() > 1 else 1, self.tp, self.tp_rank, self.bitwise.tp_sizes,
-                                   split=False)
-            return segmented_row_linear(x, self.weight.t(), self.bias, self.segments, tokens, self.tp_group)
-        return tensorpar.row_parallel_linear(x, self.weight.t(), self.bias, self.tp_group)  # (*, nf)
+        return self.product(x, self.weight.t(), self.bias)  # (*, nf)
+
+    def _product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return tensorpar.row_parallel_linear(x, weight, bias, self.tp_group)  # (*, nf)
 
 
 class ReplicatedHeadsLinear(ReplicatedLinear):

@@ -28,7 +28,7 @@ Everything else (norms, GPT-2's position embedding, rotary embeddings) is
 replicated. :func:`tensorpar.full_state_dict` gives the unsharded model's keys
 and shapes, in Hugging Face's own layouts.
 
-In bitwise mode (:mod:`tensorpar.bitwise`) the linear layers compute by segments, the activations
+In bitwise mode (:mod:`layers.numerics`) the linear layers compute by segments, the activations
 between them run one segment at a time, and ``copy_in`` passes gradients through (the column
 layers sum them); grouped-query models need at least as many KV heads as the largest tp of the mode.
 
@@ -52,11 +52,11 @@ from torch.distributed import ProcessGroup
 
 import tensorpar
 
+from . import numerics
 from .embedding import VocabParallelEmbedding
 from .heads import head_layout
 from .hf_modules import ColumnParallelConv1D, PaddedVocabParallelEmbedding, ReplicatedHeadsLinear, RowParallelConv1D
 from .linear import ColumnParallelLinear, RowParallelLinear
-from .mlp import SegmentwiseActivation
 from .regions import CopyToTP
 
 _ATTENTION = ("eager", "sdpa")
@@ -96,7 +96,7 @@ def parallelize_hf(model: nn.Module, *, group: ProcessGroup | None = None) -> nn
     _check_vocab(model, tp)  # every check before anything changes
     _ARCHITECTURES[kind](model, config, group, rank, tp)
     _shard_vocab(model, group)
-    return model
+    return numerics.mark(model)  # in bitwise mode, its norm follows (tensorpar.clip_grad_norm_)
 
 
 def _at_least_tp(tp: int, **sizes: int) -> None:
@@ -121,8 +121,7 @@ def _gpt2(model: nn.Module, config: Any, group: ProcessGroup, rank: int, tp: int
         _refuse_attention_dropout(attn, tp, lambda a: a.attn_dropout.p, "attn_pdrop")
         mlp.c_fc = ColumnParallelConv1D.from_conv1d(mlp.c_fc, group=group)
         mlp.c_proj = RowParallelConv1D.from_conv1d(mlp.c_proj, group=group)
-        if tensorpar.current_bitwise() is not None:  # GELU on one segment of c_fc's output at a time
-            mlp.act = SegmentwiseActivation(mlp.act, inner, group=group)
+        mlp.act = numerics.segmentwise(mlp.act, inner, group)  # in bitwise mode, GELU by segments of c_fc's output
 
 
 def _llama(model: nn.Module, config: Any, group: ProcessGroup, rank: int, tp: int) -> None:
@@ -131,13 +130,7 @@ def _llama(model: nn.Module, config: Any, group: ProcessGroup, rank: int, tp: in
     if n_head % n_kv:
         raise ValueError(f"num_attention_heads ({n_head}) is not divisible by num_key_value_heads ({n_kv})")
     _at_least_tp(tp, num_attention_heads=n_head, intermediate_size=config.intermediate_size)
-    mode = tensorpar.current_bitwise()
-    beyond = [t for t in mode.tp_sizes if n_kv < t <= n_head] if mode is not None else []
-    if beyond:
-        raise ValueError(f"parallelize_hf in bitwise mode needs at least as many KV heads as ranks at every tp of the "
-                         f"mode: num_key_value_heads {n_kv} < tp {beyond[0]} (Hugging Face's own code sums a KV "
-                         "head's gradient inside each rank); use ParallelSelfAttention (layers.GPT), or "
-                         f"Bitwise(tp_sizes=...) up to {n_kv}")
+    numerics.check_hf_kv_heads(n_head, n_kv)
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         _shard_attention(attn, n_head, n_kv, group, rank, tp)
@@ -147,8 +140,7 @@ def _llama(model: nn.Module, config: Any, group: ProcessGroup, rank: int, tp: in
         mlp.gate_proj = ColumnParallelLinear.from_linear(mlp.gate_proj, **column)
         mlp.up_proj = ColumnParallelLinear.from_linear(mlp.up_proj, **column)
         mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, group=group)
-        if tensorpar.current_bitwise() is not None:  # SiLU on one segment of gate_proj's output at a time
-            mlp.act_fn = SegmentwiseActivation(mlp.act_fn, config.intermediate_size, group=group)
+        mlp.act_fn = numerics.segmentwise(mlp.act_fn, config.intermediate_size, group)  # bitwise: SiLU by segments
         _enter_region(mlp, group)
 
 

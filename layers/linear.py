@@ -28,7 +28,6 @@ and need not divide evenly; weights are initialised identically at every tp.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -37,11 +36,10 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 import tensorpar
-from tensorpar.bitwise.linear import segmented_column_linear, segmented_row_linear
-from tensorpar.bitwise.segments import PlacedTree, placed_split, placed_tokens
 from tensorpar.checks import check_int
 from tensorpar.sharding import Shard
 
+from . import numerics
 from .regions import summed_gradients
 
 
@@ -74,23 +72,12 @@ class _ParallelLinear(nn.Module):
         name = name if unit == 1 and not replicated else f"{name} in units of {unit}"
         self.pieces = self.placement.pieces(self.tp, self.tp_rank, name=name)  # (offset, length) in the full dim
         self.local_offset, self.local_features = self.pieces[0][0], sum(n for _, n in self.pieces)
-        self.bitwise = tensorpar.current_bitwise()  # the mode this layer computes in (None: off)
-        self.segments: PlacedTree | None = None  # in bitwise mode, the canonical segments of the split dim
-        if self.bitwise is not None:
-            self.canonical_segments(self.placement.pieces)
         local = list(full)
         local[self.split_dim] = self.local_features
         self.weight = nn.Parameter(torch.empty(local, device=device, dtype=dtype))
         bias_size = self.local_features if self.split_dim == 0 else out_features
         self.bias = nn.Parameter(torch.empty(bias_size, device=device, dtype=dtype)) if bias else None
         self.reset_parameters()
-
-    def canonical_segments(self, pieces_at: Callable[[int, int], list[tuple[int, int]]]) -> None:
-        """In bitwise mode, cut the split dim where ``pieces_at(tp, rank)`` (every rank's pieces, at every
-        tp of the mode) has a boundary (:mod:`tensorpar.bitwise.segments`). A layer cuts by its own
-        placement at every tp; a module whose layout changes with tp (attention's heads) gives its own."""
-        assert self.bitwise is not None
-        self.segments = placed_split(pieces_at, self.placement.size, self.tp, self.tp_rank, self.bitwise.tp_sizes)
 
     def sharding(self) -> dict[str, Shard]:
         """Placements of the split parameters (see :mod:`tensorpar.full`)."""
@@ -193,12 +180,20 @@ class ColumnParallelLinear(_ParallelLinear):
                              "replicated)")
         super().__init__(in_features, out_features, bias, unit, group, device, dtype, replicated)
         self.gather_output, self.copy_input, self.sequence_parallel = gather_output, copy_input, sequence_parallel
+        # (x, weight, bias, seq_len) -> (*, out / tp): the default product, or the bitwise mode's (chosen once)
+        self.product = numerics.column(self._product, self.placement, self.tp_group,
+                                       sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         self._check_input(x, self.in_features, "an input")
-        if self.segments is not None:
-            return self._bitwise_forward(x, seq_len)
-        weight, bias = self.weight, self.bias
+        y = self.product(x, self.weight, self.bias, seq_len)  # (*, out / tp)
+        if self.gather_output:
+            y = self._gather_units(y)  # (*, out)
+        return y
+
+    def _product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 seq_len: int | None) -> torch.Tensor:
+        """The default product: ``f`` (or ``f̄``) fused with the matmul, on this rank's rows."""
         tail = self.placement.replicated
         if tail and self.tp > 1:  # f on the replicated rows: their gradients summed over the group
             head = self.local_features - tail
@@ -213,22 +208,14 @@ class ColumnParallelLinear(_ParallelLinear):
             y = tensorpar.column_parallel_linear(x, weight, bias, self.tp_group)  # (*, out / tp)
         else:  # f was applied by the caller, or there is no other rank
             y = F.linear(x, weight, bias)
-        if self.gather_output:
-            y = tensorpar.gather_from_tp(y, -1, self.out_features, self.tp_group)  # (*, out)
         return y
 
-    def _bitwise_forward(self, x: torch.Tensor, seq_len: int | None) -> torch.Tensor:
-        """The bitwise mode: one product per segment of the output features; backward, the input
-        gradient's tree sum over the group stands for ``f``, whether this layer applies ``f`` itself or a
-        :class:`~layers.regions.RegionInput` in front of it would. Replicated rows must be given whole
-        gradients (attention sums its key/value gradients by the tree before they reach here)."""
-        assert self.segments is not None
-        if self.sequence_parallel:  # (..., T_r, in) -> (..., T, in); backward keeps this rank's tokens
-            x = tensorpar.all_gather_sequence(x, seq_len, self.tp_group)
-        y = segmented_column_linear(x, self.weight, self.bias, self.segments, self.tp_group)  # (*, out / tp)
-        if self.gather_output:
-            y = tensorpar.gather_from_tp(y, -1, self.out_features, self.tp_group)  # (*, out)
-        return y
+    def _gather_units(self, y: torch.Tensor) -> torch.Tensor:
+        """Every rank's output features, gathered by the layer's split in whole units."""
+        assert isinstance(self.unit, int)  # a tuple unit with gather_output is refused at construction
+        units = y.unflatten(-1, (-1, self.unit))  # (*, out / tp / unit, unit)
+        full = tensorpar.gather_from_tp(units, -2, self.out_features // self.unit, self.tp_group)
+        return full.flatten(-2)  # (*, out)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, gather_output={self.gather_output}, copy_input={self.copy_input}"
@@ -259,6 +246,8 @@ class RowParallelLinear(_ParallelLinear):
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__(in_features, out_features, bias, unit, group, device, dtype)
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        # (x, weight, bias) -> (*, out), summed over the group: the default product, or the bitwise mode's
+        self.product = numerics.row(self._product, self.placement, self.tp_group, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_is_parallel or self.tp == 1:
@@ -268,17 +257,15 @@ class RowParallelLinear(_ParallelLinear):
         else:
             self._check_input(x, self.in_features, "an input")
             x = tensorpar.scatter_to_tp(x, -1, self.tp_group, unit=self.unit)  # (*, in / tp)
-        if self.segments is not None:  # bitwise: one product per segment of the input features, a tree sum
-            assert self.bitwise is not None
-            tokens = placed_tokens(x.shape[-2] if x.dim() > 1 else 1, self.tp, self.tp_rank, self.bitwise.tp_sizes,
-                                   split=False)  # every token is here: the bias gradient needs no collective
-            y = segmented_row_linear(x, self.weight, self.bias, self.segments, tokens, self.tp_group)  # (*, out)
-            return tensorpar.scatter_sequence(y, self.tp_group) if self.sequence_parallel else y
+        return self.product(x, self.weight, self.bias)  # (*, out), or (..., T_r, out)
+
+    def _product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The default product: the matmul fused with ``g`` (or ``ḡ``)."""
         if self.sequence_parallel:  # (..., T_r, out): this rank's tokens of the sum
-            return tensorpar.sequence_parallel_row_linear(x, self.weight, self.bias, self.tp_group)
+            return tensorpar.sequence_parallel_row_linear(x, weight, bias, self.tp_group)
         if self.tp == 1:  # nothing to sum
-            return F.linear(x, self.weight, self.bias)
-        return tensorpar.row_parallel_linear(x, self.weight, self.bias, self.tp_group)  # (*, out), summed over ranks
+            return F.linear(x, weight, bias)
+        return tensorpar.row_parallel_linear(x, weight, bias, self.tp_group)  # (*, out), summed over ranks
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, input_is_parallel={self.input_is_parallel}"

@@ -12,19 +12,15 @@ reduce-scatters (``ḡ``), as in :mod:`layers.attention`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
 import tensorpar
-from tensorpar.bitwise.linear import by_segment
-from tensorpar.bitwise.segments import placed_split
 from tensorpar.checks import check_int
-from tensorpar.sharding import Shard
 
+from . import numerics
 from .linear import ColumnParallelLinear, RowParallelLinear, check_activation
 from .regions import RegionInput
 from .sequence import ShardedDropout
@@ -67,6 +63,8 @@ class ParallelMLP(nn.Module):
         self.c_gate = ColumnParallelLinear(n_embd, hidden, bias, copy_input=False, **factory) if gated else None
         self.c_proj = RowParallelLinear(hidden, n_embd, bias, sequence_parallel=sequence_parallel, **factory)
         self.dropout = ShardedDropout(dropout, group=group) if sequence_parallel else nn.Dropout(dropout)
+        # (h, fn) -> fn(h) on the hidden features, in bitwise mode by segments (chosen once)
+        self.activate = numerics.elementwise(hidden, tensorpar.tp_group(group))
 
     def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         """``(*, C)``, or with sequence parallelism this rank's tokens ``(..., T_r, C)`` of ``seq_len``
@@ -75,47 +73,11 @@ class ParallelMLP(nn.Module):
         # f, or f̄ (..., T, C) whose (..., T_r, C) they keep: shared by the up and gate projections
         with self.copy_in.entered(x, seq_len) as x:
             if self.c_gate is None:
-                h = self._activation(self.c_fc(x), gelu_tanh)  # (*, H / tp)
+                h = self.activate(self.c_fc(x), gelu_tanh)  # (*, H / tp)
             else:
-                h = self._activation(self.c_gate(x), F.silu) * self.c_fc(x)
+                h = self.activate(self.c_gate(x), F.silu) * self.c_fc(x)
         y = self.c_proj(h)  # (*, C) summed over ranks, or (..., T_r, C)
         return self.dropout(y, x.shape[-2]) if self.sequence_parallel else self.dropout(y)
 
-    def _activation(self, h: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """``fn(h)``; in bitwise mode one segment of the hidden features at a time (see
-        :func:`tensorpar.bitwise.linear.by_segment`)."""
-        segments = self.c_fc.segments
-        return fn(h) if segments is None else by_segment(h, segments, fn)
-
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}" + (", sequence_parallel=True" if self.sequence_parallel else "")
-
-
-class SegmentwiseActivation(nn.Module):
-    """An elementwise module (an activation) on a column-parallel output of ``features`` full features:
-    ``activation(x)``; in bitwise mode one canonical segment of the features at a time (see
-    :func:`tensorpar.bitwise.linear.by_segment`: CPU kernels compute the last elements of a tensor with
-    scalar code, whose ``tanh`` and ``exp`` differ from the vector code's in the last bit, and which
-    elements are last depends on how many features a rank holds).
-
-    Example::
-
-        mlp.act = SegmentwiseActivation(mlp.act, 4 * n_embd)   # between c_fc (column) and c_proj (row)
-    """
-
-    def __init__(self, activation: nn.Module, features: int, *, group: ProcessGroup | None = None) -> None:
-        super().__init__()
-        check_int(features, f"{type(self).__name__}: features")
-        self.activation, self.features = activation, features
-        self.bitwise = tensorpar.current_bitwise()
-        self.segments = None
-        if self.bitwise is not None:
-            rank, tp = tensorpar.group_rank_size(tensorpar.tp_group(group))
-            split = Shard(0, features)
-            self.segments = placed_split(split.pieces, features, tp, rank, self.bitwise.tp_sizes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.activation(x) if self.segments is None else by_segment(x, self.segments, self.activation)
-
-    def extra_repr(self) -> str:
-        return f"features={self.features}" + (", by segment" if self.segments is not None else "")

@@ -21,9 +21,9 @@ from torch.distributed import ProcessGroup
 from tensorpar.checks import check_int
 from tensorpar.sharding import partition_bounds
 
+from . import numerics
 from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear, RowParallelLinear
-from .mlp import SegmentwiseActivation
 
 
 def _head_dim(linear: nn.Module, n_head: int, style: str, *, blocks: int = 1) -> int:
@@ -104,7 +104,7 @@ class HeadRow:
 class Segmentwise:
     """Style for an elementwise module between a column- and a row-parallel layer (an activation such as
     nanoGPT's ``mlp.gelu``), over a column output of ``features`` full features: in bitwise mode it runs
-    on one canonical segment at a time (:class:`~layers.mlp.SegmentwiseActivation`), and elsewhere as it is.
+    on one canonical segment at a time (:class:`~layers.numerics.SegmentwiseActivation`), and elsewhere as it is.
 
     Example::
 
@@ -118,8 +118,8 @@ class Segmentwise:
     def __post_init__(self) -> None:
         check_int(self.features, "Segmentwise: features")
 
-    def __call__(self, module: nn.Module, *, group: ProcessGroup | None = None) -> SegmentwiseActivation:
-        return SegmentwiseActivation(module, self.features, group=group)
+    def __call__(self, module: nn.Module, *, group: ProcessGroup | None = None) -> numerics.SegmentwiseActivation:
+        return numerics.SegmentwiseActivation(module, self.features, group=group)
 
 
 #: A plan value: a style name (a key of ``STYLES``), a head or segment style, a class with ``from_linear``,
@@ -201,4 +201,4 @@ def parallelize(model: nn.Module, plan: Mapping[str, Style], *, group: ProcessGr
         except ValueError as e:
             raise ValueError(f"cannot parallelize {name!r}: {e}") from None
         setattr(parent, leaf, replacement)
-    return model
+    return numerics.mark(model)  # in bitwise mode, its norm follows (tensorpar.clip_grad_norm_)

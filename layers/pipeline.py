@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 import tensorpar
 from tensorpar.checks import check_int
@@ -76,9 +77,10 @@ class PipelinedGPT(nn.Module):
 
     ``pipeline(schedule, microbatches)`` returns the :class:`tensorpar.pipeline.Pipeline` that trains
     it: ``step(idx, targets)`` runs forward and backward over the batch and returns the mean loss on
-    every rank. ``clip_grad_norm_`` clips by the norm of the whole model's gradient (over tp and pp),
-    after averaging the gradients over dp and summing the tied head's over its two stages
-    (:meth:`finish_gradients`). Every rank of the mesh builds it, with the same seed
+    every rank. After a step's last backward, :meth:`finish_gradients` averages the gradients over dp
+    and sums the tied head's over its two stages; then ``grad_norm`` and ``clip_grad_norm_`` read (and
+    clip by) the norm of the whole model's gradient, over tp and pp. Every rank of the mesh builds it,
+    with the same seed
     (:func:`tensorpar.manual_seed`): the weights equal a :class:`GPT`'s.
 
     Example::
@@ -88,6 +90,7 @@ class PipelinedGPT(nn.Module):
         model = PipelinedGPT(GPTConfig(n_layer=5))          # stage 0: blocks 0-2, stage 1: 3-4
         pipe = model.pipeline("1f1b", microbatches=4)
         loss = pipe.step(idx, targets)                        # (B, T) on every rank
+        model.finish_gradients()                              # averaged over dp, the tied head's summed
         model.clip_grad_norm_(1.0)
         optimizer.step()
     """
@@ -100,6 +103,7 @@ class PipelinedGPT(nn.Module):
         if stages_per_rank > 1 and mesh.pp == 1:
             raise ValueError(f"stages_per_rank ({stages_per_rank}) > 1 needs pipeline ranks to loop over: pp is 1")
         self.config, self.tp_group = config, mesh.tp_group
+        self.numerics = tensorpar.current_bitwise()  # its bitwise mode (None: off): its loss and norm follow
         n_stages = mesh.pp * stages_per_rank
         split = stage_blocks(config.n_layer, n_stages)
         self.stage_ids = rank_stages(mesh.pp_rank, mesh.pp, stages_per_rank)
@@ -148,7 +152,7 @@ class PipelinedGPT(nn.Module):
                  wrap: Callable[[nn.Module], nn.Module] | None = None, timed: bool = False) -> Pipeline:
         """The pipeline that trains this model with ``schedule`` (``"gpipe"``, ``"1f1b"`` or
         ``"interleaved"``) over ``microbatches`` micro-batches. Over dp, the gradients are averaged
-        once per optimizer step by :meth:`finish_gradients` (bucketed all-reduces, as DDP's), unless
+        once per optimizer step by :meth:`finish_gradients` (one flat all-reduce per dtype), unless
         the stages are FSDP2 modules (:func:`tensorpar.fully_shard_dp` on each of ``self.stages``) or
         ``wrap`` wraps each stage module in something that reduces them itself. ``timed``: see
         :class:`tensorpar.pipeline.Pipeline`."""
@@ -198,7 +202,7 @@ class PipelinedGPT(nn.Module):
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return tensorpar.vocab_parallel_cross_entropy(logits, targets, self.config.vocab_size, ignore_index=-1,
-                                                      group=self.tp_group, bitwise=self.lm_head.bitwise is not None)
+                                                      group=self.tp_group, bitwise=self.numerics or False)
 
     def _tied(self) -> Iterator[nn.Parameter]:
         if "wte" in self.transformer:
@@ -210,53 +214,59 @@ class PipelinedGPT(nn.Module):
         """Once per optimizer step, after the last backward of any gradient accumulation: average the
         gradients over dp (unless the stages were wrapped to do it, or are FSDP2 modules), then sum the
         gradients of the token embedding and of the head's copy over their two stages (Megatron's
-        embedding group). A collective; nothing when no step ran since the last call.
-        :meth:`grad_norm` and :meth:`clip_grad_norm_` call it first; call it yourself before
-        ``optimizer.step()`` without them."""
+        embedding group). A collective; nothing when no step ran since the last call. Call it before
+        :meth:`grad_norm`, :meth:`clip_grad_norm_` and ``optimizer.step()``."""
         pending, self._tied_pending = self._tied_pending, False
         if not pending:
             return
         if self.average_over_dp and self.mesh.dp > 1:
             grads = [p.grad for p in self.parameters() if p.grad is not None and not is_dtensor(p.grad)]
-            average_(grads, self.mesh.dp_group)
+            average_over_group_(grads, self.mesh.dp_group)
         if self._embedding_group is not None:
             (p,) = self._tied()
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(local_part(p.grad), group=self._embedding_group)
+            grad = local_part(p.grad)
+            summed = grad.to(self.mesh.device)  # itself, unless FSDP2 offloads it to the host (NCCL needs the device)
+            dist.all_reduce(summed, group=self._embedding_group)
+            if summed is not grad:
+                grad.copy_(summed)
+
+    def _check_finished(self, what: str) -> None:
+        """Raise (alike on every rank) while a step's gradients wait for :meth:`finish_gradients`."""
+        if self._tied_pending:
+            raise RuntimeError(f"PipelinedGPT.{what}: the gradients of the last step are not finished yet "
+                               "(not averaged over dp, the tied head's not summed): call finish_gradients() first")
 
     def grad_norm(self) -> torch.Tensor:
-        """The 2-norm of the whole (unsharded, unpipelined) model's gradient, on every rank."""
-        self.finish_gradients()
+        """The 2-norm of the whole (unsharded, unpipelined) model's gradient, on every rank (a collective;
+        after :meth:`finish_gradients`)."""
+        self._check_finished("grad_norm")
         return tensorpar.grad_norm(self, pp_group=self.mesh.pp_group, exclude=(HEAD,) if self.copied_head else ())
 
     def clip_grad_norm_(self, max_norm: float, *, error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip by :meth:`grad_norm`, as ``torch.nn.utils.clip_grad_norm_`` would on the whole model;
-        return the norm before (see :func:`tensorpar.clip_grad_norm_` for ``error_if_nonfinite``)."""
-        self.finish_gradients()
+        return the norm before (see :func:`tensorpar.clip_grad_norm_` for ``error_if_nonfinite``). After
+        :meth:`finish_gradients`."""
+        self._check_finished("clip_grad_norm_")
         return tensorpar.clip_grad_norm_(self, max_norm, pp_group=self.mesh.pp_group,
                                          exclude=(HEAD,) if self.copied_head else (),
                                          error_if_nonfinite=error_if_nonfinite)
 
 
-def average_(grads: list[torch.Tensor], group: dist.ProcessGroup, bucket_bytes: int = 25 << 20) -> None:
-    """Average ``grads`` over ``group`` in place: flattened into buckets of about ``bucket_bytes`` by dtype,
-    one all-reduce each (as DDP's buckets)."""
+def average_over_group_(grads: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Average ``grads`` over ``group`` in place: one all-reduce of all of them flattened, per dtype (the
+    flat copy holds every gradient of that dtype at once, where DDP's buckets hold 25 MB each)."""
     n = dist.get_world_size(group)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in grads:
         by_dtype.setdefault(g.dtype, []).append(g)
     for same in by_dtype.values():
-        bucket: list[torch.Tensor] = []
-        for i, g in enumerate(same):
-            bucket.append(g)
-            if i == len(same) - 1 or sum(b.numel() * b.element_size() for b in bucket) >= bucket_bytes:
-                flat = torch.cat([b.reshape(-1) for b in bucket])
-                dist.all_reduce(flat, group=group)
-                flat /= n
-                for b, part in zip(bucket, flat.split([b.numel() for b in bucket]), strict=True):
-                    b.copy_(part.view_as(b))
-                bucket = []
+        flat = _flatten_dense_tensors(same)  # (sum of numel,)
+        dist.all_reduce(flat, group=group)
+        flat /= n
+        for g, mean in zip(same, _unflatten_dense_tensors(flat, same), strict=True):
+            g.copy_(mean)
 
 
 def _embedding_group(mesh: tensorpar.Mesh) -> dist.ProcessGroup | None:

@@ -29,6 +29,8 @@ from torch.distributed import ProcessGroup
 
 import tensorpar
 
+from . import numerics
+
 
 class CopyToTP(nn.Module):
     """``f``: the input unchanged; backward all-reduces its gradient over the tp group. In bitwise mode the
@@ -38,12 +40,13 @@ class CopyToTP(nn.Module):
         super().__init__()
         self.tp_group = tensorpar.tp_group(group)
         self.tp = tensorpar.group_rank_size(self.tp_group)[1]
-        self.bitwise = tensorpar.current_bitwise()
+        self.enter = numerics.region_entry(self._copy, self.tp_group)  # chosen once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp == 1 or self.bitwise is not None:  # the identity on a group of one
-            return x
-        return tensorpar.copy_to_tp(x, self.tp_group)
+        return self.enter(x)
+
+    def _copy(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.tp == 1 else tensorpar.copy_to_tp(x, self.tp_group)  # the identity on a group of one
 
 
 class ReduceFromTP(nn.Module):
@@ -104,11 +107,13 @@ class RegionInput(nn.Module):
         self.tp_group = tensorpar.tp_group(group)
         self.tp = tensorpar.group_rank_size(self.tp_group)[1]
         self.sequence_parallel = sequence_parallel
-        self.bitwise = tensorpar.current_bitwise()
+        # f or f̄, or in bitwise mode what stands for them in front of maps that sum by their segments' tree
+        self.enter = numerics.region_entry(self._entry, self.tp_group, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
-        if self.bitwise is not None:  # the column maps sum the input gradient by their segments' tree
-            return tensorpar.all_gather_sequence(x, seq_len, self.tp_group) if self.sequence_parallel else x
+        return self.enter(x, seq_len)
+
+    def _entry(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         if self.sequence_parallel:
             return tensorpar.gather_sequence(x, seq_len, self.tp_group)  # f̄: (..., T, C)
         return x if self.tp == 1 else tensorpar.copy_to_tp(x, self.tp_group)  # f

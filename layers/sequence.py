@@ -25,10 +25,9 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 import tensorpar
-from tensorpar.bitwise.norm import tokenwise_layer_norm
-from tensorpar.bitwise.segments import placed_tokens
 from tensorpar.mesh import current_mesh_or_none
 
+from . import numerics
 from .regions import summed_gradients
 
 
@@ -47,8 +46,9 @@ class ParallelLayerNorm(nn.LayerNorm):
     With ``sequence_parallel=True`` it normalises this rank's tokens ``(..., T_r, C)``, and the gradients
     of its weight and bias, each rank's over its own tokens, are summed over the tp group (one all-reduce
     of both together; without that sum each rank would step its copy with a different part of the
-    gradient and the copies would drift apart). In bitwise mode (:mod:`tensorpar.bitwise`) both are tree
-    sums over canonical segments of the sequence, the same bits with or without sequence parallelism.
+    gradient and the copies would drift apart). In bitwise mode (:class:`tensorpar.bitwise.norm.TokenwiseNorm`)
+    both are tree sums over canonical segments of the sequence, the same bits with or without sequence
+    parallelism.
     ``forward(x, seq_len=T)`` names the full length (else, with sequence parallelism in bitwise mode, one
     small collective finds it).
 
@@ -65,20 +65,16 @@ class ParallelLayerNorm(nn.LayerNorm):
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device=device, dtype=dtype)
         self.tp_group = tensorpar.tp_group(group)
         self.sequence_parallel = sequence_parallel
-        self.bitwise = tensorpar.current_bitwise()
+        # (x, weight, bias, seq_len) -> normalised x: the default, or the bitwise mode's (chosen once)
+        self.norm = numerics.layer_norm(self._norm, self, self.tp_group, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
-        if self.bitwise is not None:
-            rank, tp = tensorpar.group_rank_size(self.tp_group)
-            if self.sequence_parallel:
-                seq_len = tensorpar.sequence_length(x, seq_len, self.tp_group)
-            tokens = placed_tokens(x.shape[-2] if not self.sequence_parallel and x.dim() > 1 else seq_len or 1,
-                                   tp, rank, self.bitwise.tp_sizes, split=self.sequence_parallel)
-            return tokenwise_layer_norm(x, list(self.normalized_shape), self.weight, self.bias, self.eps, tokens,
-                                        self.tp_group if self.sequence_parallel else None)
-        if not self.sequence_parallel:
-            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
-        weight, bias = summed_gradients([self.weight, self.bias], self.tp_group)
+        return self.norm(x, self.weight, self.bias, seq_len)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+              seq_len: int | None = None) -> torch.Tensor:
+        if self.sequence_parallel:  # every token's gradients, summed over the group
+            weight, bias = summed_gradients([weight, bias], self.tp_group)
         return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
 
     def extra_repr(self) -> str:
@@ -108,11 +104,11 @@ def layer_norm(n_embd: int, *, bias: bool, sequence_parallel: bool, group: Proce
                device: torch.device | str | None, dtype: torch.dtype | None) -> nn.LayerNorm:
     """A block's or the GPT's LayerNorm: ``nn.LayerNorm``, or where the tokens its gradients add are
     split (sequence parallelism) or added by segments (bitwise mode), a :class:`ParallelLayerNorm`."""
-    if not sequence_parallel and tensorpar.current_bitwise() is None:
-        return nn.LayerNorm(n_embd, bias=bias, device=device, dtype=dtype)
-    cls = SequenceParallelLayerNorm if sequence_parallel else functools.partial(ParallelLayerNorm,
-                                                                                 sequence_parallel=False)
-    return cls(n_embd, bias=bias, group=group, device=device, dtype=dtype)
+    if sequence_parallel:
+        return SequenceParallelLayerNorm(n_embd, bias=bias, group=group, device=device, dtype=dtype)
+    cls = numerics.chosen(nn.LayerNorm, lambda: functools.partial(ParallelLayerNorm, sequence_parallel=False,
+                                                                  group=group))
+    return cls(n_embd, bias=bias, device=device, dtype=dtype)
 
 
 class ShardedDropout(nn.Dropout):
@@ -121,23 +117,31 @@ class ShardedDropout(nn.Dropout):
 
     In a ``torch.compile`` graph no stream can be swapped in, so the mask is instead one draw of the
     default generator for the whole sequence, ``seq_len`` tokens, of which this rank keeps its own; so it
-    is in the bitwise mode, where every tp must drop the same elements.
+    is in the bitwise mode, where every tp must drop the same elements (chosen once, when it is built).
     """
 
     def __init__(self, p: float = 0.5, *, group: ProcessGroup | None = None) -> None:
         super().__init__(p)
         self.tp_group = tensorpar.tp_group(group)
         self.rng = tp_stream(self.tp_group)
-        self.bitwise = tensorpar.current_bitwise()
+        self.drop = numerics.chosen(self._own_mask, lambda: self._one_draw)  # (x, seq_len) -> x dropped
 
     def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         if not self.training or self.p == 0:
             return x
-        if torch.compiler.is_compiling() or self.bitwise is not None:  # the bitwise mode: the same mask at every tp
-            rank, tp = tensorpar.group_rank_size(self.tp_group)
-            t = tensorpar.sequence_length(x, seq_len, self.tp_group)
-            lo, n = sum(tensorpar.sequence_sizes(t, tp)[:rank]), x.shape[-2]
-            keep = torch.rand(*x.shape[:-2], t, x.shape[-1], device=x.device).narrow(-2, lo, n) >= self.p
-            return x * keep / (1 - self.p)
+        if torch.compiler.is_compiling():  # no stream can be swapped in a graph
+            return self._one_draw(x, seq_len)
+        return self.drop(x, seq_len)
+
+    def _own_mask(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+        """This rank's mask, from the tp stream."""
         with self.rng.fork(x.device):
             return super().forward(x)
+
+    def _one_draw(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+        """This rank's tokens of one draw of the default generator for the whole sequence."""
+        rank, tp = tensorpar.group_rank_size(self.tp_group)
+        t = tensorpar.sequence_length(x, seq_len, self.tp_group)
+        lo, n = sum(tensorpar.sequence_sizes(t, tp)[:rank]), x.shape[-2]
+        keep = torch.rand(*x.shape[:-2], t, x.shape[-1], device=x.device).narrow(-2, lo, n) >= self.p
+        return x * keep / (1 - self.p)

@@ -11,7 +11,7 @@ command line, run directory, loggers) lives beside ``examples/train_gpt.py``.
 
 ``import tensorpar`` loads the mesh, sharding, the collectives and what a
 model's forward and backward use. The checkpoint store, the launcher
-(:func:`spawn`), the offloading optimizer, FSDP2, pipelines, the test kit
+(:func:`spawn`), FSDP2, pipelines and the test kit
 load on first use (``tensorpar.checkpoint``,
 ``tensorpar.spawn``, ...), and so do ``torch.distributed.checkpoint`` and
 DTensor, which only they need.
@@ -24,6 +24,7 @@ import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
 from . import tiled_init
+from .bitwise.settings import current_bitwise
 from .clipping import clip_grad_norm_, grad_norm
 from .comm import (
     CollectiveCounter,
@@ -52,7 +53,6 @@ from .cross_entropy import vocab_parallel_cross_entropy
 from .full import full_grads, full_state_dict, load_full_state_dict, shard_geometry, unshard
 from .mesh import (
     Mesh,
-    current_bitwise,
     current_mesh,
     group_rank_size,
     init,
@@ -83,7 +83,6 @@ _ON_FIRST_USE = (
     ("testing", "tensorpar.testing", None),
     ("spawn", "tensorpar.launch", "spawn"),
     ("RankError", "tensorpar.launch", "RankError"),
-    ("OffloadedOptimizer", "tensorpar.offload", "OffloadedOptimizer"),
     ("fully_shard_dp", "tensorpar.fsdp", "fully_shard_dp"),
 )
 
@@ -93,7 +92,6 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr_
     from . import testing as testing
     from .fsdp import fully_shard_dp
     from .launch import RankError, spawn
-    from .offload import OffloadedOptimizer
 
 
 def __getattr__(name: str) -> Any:
@@ -114,7 +112,6 @@ __all__ = [
     "CollectiveError",
     "CollectiveRecord",
     "Mesh",
-    "OffloadedOptimizer",
     "RNGStatesTracker",
     "RankError",
     "Shard",

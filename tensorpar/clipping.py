@@ -30,8 +30,8 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from .bitwise import Bitwise
 from .bitwise.grad_norm import squared_norm
+from .bitwise.settings import Bitwise
 from .comm.collectives import all_reduce_sum
 from .full import is_dtensor, local_part, placements
 from .mesh import group_rank_size, tp_group
@@ -54,24 +54,26 @@ def _replicas(x: DTensor, name: str) -> int:
 
 def grad_norm(model: nn.Module, group: ProcessGroup | None = None, *, pp_group: ProcessGroup | None = None,
               exclude: Collection[str] = ()) -> torch.Tensor:
-    """The 2-norm of the unsharded model's gradient, the same on every rank (float32).
+    """The 2-norm of the unsharded model's gradient, the same on every rank: float64 where a gradient is
+    float64 (as ``torch.nn.utils.get_total_norm`` of the unsharded model), else float32.
 
     A collective over the tp group, and under FSDP2 over the dp sub-mesh too (every rank calls it).
     ``model`` may be one pipeline stage (or a rank's stages) of a larger model: then its squares are
     summed over ``pp_group`` too, leaving out the parameters named in ``exclude`` (copies of a
     parameter that another stage counts, such as a tied head).
 
-    The norms are taken by torch's foreach kernels (accumulated in float32), one launch per bucket of
-    gradients that share a mesh, a replica count, a device and a dtype; for a model built in bitwise
-    mode, by canonical segments (:mod:`tensorpar.bitwise.grad_norm`), the same bits at every tp.
+    The norms are taken by torch's foreach kernels (16-bit gradients accumulated in float32, where torch
+    would return a 16-bit norm), one launch per bucket of gradients that share a mesh, a replica count, a
+    device and a dtype; for a model built in bitwise mode (it says so: ``model.numerics``, asked once),
+    by canonical segments (:mod:`tensorpar.bitwise.grad_norm`), the same bits at every tp.
     """
     split = placements(model)
     group = next(iter(split.values()))[1] if group is None and split else tp_group(group)
     _, n = group_rank_size(group)
-    modes = [mode for m in model.modules() if isinstance(mode := getattr(m, "bitwise", None), Bitwise)]
-    if modes:  # the model computes in bitwise mode: so does its norm
+    mode = getattr(model, "numerics", None)  # the numerics the model was built in
+    if isinstance(mode, Bitwise):
         with torch.no_grad():
-            return _summed(squared_norm(model, modes[0], group, exclude), pp_group).sqrt()
+            return _summed(squared_norm(model, mode, split, group, exclude), pp_group).sqrt()
     buckets: dict[tuple[DeviceMesh | None, int, torch.device, torch.dtype], list[torch.Tensor]] = {}
     for name, p in model.named_parameters():
         if p.grad is None or name in exclude:
@@ -83,12 +85,13 @@ def grad_norm(model: nn.Module, group: ProcessGroup | None = None, *, pp_group: 
         for grad, held in _parts(p.grad, split[name][0] if name in split else None, n):
             buckets.setdefault((mesh, copies * held, grad.device, grad.dtype), []).append(grad)
     device = next(iter(buckets))[2] if buckets else local_part(next(model.parameters())).device
-    with torch.no_grad():  # 16-bit gradients' norms in float32; float64's in float64, then float32
+    total_dtype = torch.float64 if any(key[3] == torch.float64 for key in buckets) else torch.float32
+    with torch.no_grad():  # 16-bit gradients' norms in float32; float64's in float64
         norms = {key: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=_norm_dtype(key[3]))))
-                 .to(device, torch.float32) for key, grads in buckets.items()}  # () each
+                 .to(device, total_dtype) for key, grads in buckets.items()}  # () each
     if n == 1 and _size(pp_group) == 1 and len(norms) == 1 and next(iter(norms))[0] is None:
         return next(iter(norms.values()))  # one bucket of whole, unreplicated gradients: nothing to sum
-    zero = torch.zeros((), dtype=torch.float32, device=device)
+    zero = torch.zeros((), dtype=total_dtype, device=device)
     sums: dict[DeviceMesh | None, torch.Tensor] = {None: zero}  # squares, by the mesh the gradients are sharded over
     for (mesh, copies, _, _), norm in norms.items():
         sq = norm.square()

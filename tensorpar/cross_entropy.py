@@ -15,6 +15,7 @@ Subtracting ``m`` keeps ``exp`` from overflowing. The gradient is local:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,13 +23,11 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
-from .bitwise import Bitwise
-from .bitwise.linear import fixed
-from .bitwise.segments import PlacedTree, placed_vocabulary
-from .bitwise.tree_sum import tree_sum
+from .bitwise.settings import Bitwise, current_bitwise
+from .bitwise.vocabulary import SegmentedExpSum
 from .checks import check_ids
 from .comm.collectives import start_all_reduce_
-from .mesh import current_bitwise, group_rank_size, tp_group
+from .mesh import group_rank_size, tp_group
 from .sharding import partition_bounds
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -38,28 +37,19 @@ def _loss_dtype(logits: torch.Tensor) -> torch.dtype:
     return torch.float32 if logits.dtype in (torch.float16, torch.bfloat16) else logits.dtype
 
 
-def _summed_exp(z: torch.Tensor, segments: PlacedTree | None, group: ProcessGroup) -> torch.Tensor:
-    """``Σ_v exp(z_v)`` over the whole vocabulary ``(*)``, writing ``exp(z)`` into ``z`` (this rank's rows):
-    one all-reduce, or in bitwise mode one exponential and one sum per segment of the rows, added by the
-    segments' tree (the same bits at every tp)."""
-    if segments is None:
-        return start_all_reduce_(z.exp_().sum(-1), group).wait()
-    exps = {s: fixed(z.narrow(-1, lo, n)).exp() for s, lo, n in segments.local}  # (*, n) each, contiguous
+#: ``Σ_v exp(z_v)`` over the whole vocabulary ``(*)`` from this rank's rows ``z``, writing ``exp(z)`` into ``z``
+ExpSum = Callable[[torch.Tensor, ProcessGroup], torch.Tensor]
 
-    def partial(leaf: int) -> torch.Tensor:
-        (s,) = segments.tree.leaves[leaf]  # the vocabulary is split plainly: a leaf is one segment
-        return exps[s].sum(-1)
 
-    total = tree_sum(partial, segments, group, z.shape[:-1], z)
-    for s, lo, n in segments.local:
-        z.narrow(-1, lo, n).copy_(exps[s])
-    return total
+def _all_reduced_exp(z: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """The default :data:`ExpSum`: this rank's sum, one all-reduce."""
+    return start_all_reduce_(z.exp_().sum(-1), group).wait()
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, lo: int, ignore_index: int,
-                reduction: str, group: ProcessGroup, segments: PlacedTree | None) -> torch.Tensor:
+                reduction: str, group: ProcessGroup, summed_exp: ExpSum) -> torch.Tensor:
         # low-precision logits are reduced in float32, as F.cross_entropy accumulates
         z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits.clone()  # (*, V / tp)
         m = start_all_reduce_(z.amax(-1), group, op="max").wait()  # (*) global max
@@ -69,7 +59,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_t = local_t.masked_fill(~owned, 0)
         target_z = z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)  # (*)
         pending = start_all_reduce_(target_z, group)
-        sum_exp = _summed_exp(z, segments, group)  # (*); z now holds exp(z - m)
+        sum_exp = summed_exp(z, group)  # (*); z now holds exp(z - m)
         target_z = pending.wait()
         valid = targets != ignore_index
         loss = (sum_exp.log() - target_z).masked_fill(~valid, 0.0)  # (*)
@@ -97,7 +87,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, *,
                                  ignore_index: int = -100, reduction: str = "mean",
-                                 group: ProcessGroup | None = None, bitwise: bool | None = None) -> torch.Tensor:
+                                 group: ProcessGroup | None = None,
+                                 bitwise: bool | Bitwise | None = None) -> torch.Tensor:
     """``F.cross_entropy`` of vocab-sharded ``logits`` (*, vocab_size / tp) against full ``targets`` (*).
 
     ``targets`` holds token ids in ``[0, vocab_size)`` (any integer dtype), the same on every rank;
@@ -107,10 +98,11 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
     16-bit logits (reduced in float32 at every tp, 1 included), else in the logits' dtype;
     the logits' gradient comes back in their own dtype. Backward reuses the
     saved softmax in place, so it runs once (no ``retain_graph`` second pass).
-    ``bitwise`` (default: the current mesh's mode) sums the exponentials by
-    canonical segments of the vocabulary, the same bits at every tp of the mode
-    (:mod:`tensorpar.bitwise`); at tp = 1 too, where ``F.cross_entropy`` would
-    add them in an order of its own.
+    ``bitwise`` (a :class:`~tensorpar.bitwise.Bitwise`, ``True`` for the current one or the
+    defaults, ``False`` for none; default: the current mode, :func:`tensorpar.current_bitwise`) sums
+    the exponentials by canonical segments of the vocabulary, the same bits at every tp of the mode
+    (:mod:`tensorpar.bitwise.vocabulary`); at tp = 1 too, where ``F.cross_entropy`` would add them
+    in an order of its own.
 
     Example::
 
@@ -135,12 +127,13 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
     targets = targets.long()  # any integer width; int64 is what indexing and F.cross_entropy take
     check_ids(targets, vocab_size, "target id", f"vocab_size {vocab_size} (and is not ignore_index {ignore_index})",
               allowed=ignore_index)
-    mode = current_bitwise() if bitwise is None else (current_bitwise() or Bitwise()) if bitwise else None
-    segments = None
+    mode = bitwise if isinstance(bitwise, Bitwise) else current_bitwise() if bitwise is None else \
+        (current_bitwise() or Bitwise()) if bitwise else None
+    summed_exp: ExpSum = _all_reduced_exp
     if mode is not None:
-        segments = placed_vocabulary(vocab_size, n, rank, mode.tp_sizes)
+        summed_exp = SegmentedExpSum(vocab_size, n, rank, mode.tp_sizes)
     elif n == 1:  # the whole vocabulary is here; 16-bit logits are reduced in float32, as at tp > 1
         loss = F.cross_entropy(logits.reshape(-1, vocab_size).to(_loss_dtype(logits)), targets.reshape(-1),
                                ignore_index=ignore_index, reduction=reduction)
         return loss.reshape(targets.shape) if reduction == "none" else loss
-    return _VocabParallelCrossEntropy.apply(logits, targets, lo, ignore_index, reduction, group, segments)
+    return _VocabParallelCrossEntropy.apply(logits, targets, lo, ignore_index, reduction, group, summed_exp)

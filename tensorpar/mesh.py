@@ -18,7 +18,7 @@ import contextvars
 import ctypes
 import os
 import signal
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -27,10 +27,9 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .bitwise.settings import Bitwise
 from .random import RNGStatesTracker
 
-__all__ = ["DEFAULT_TIMEOUT", "Mesh", "collective_device", "current_bitwise", "current_mesh", "current_mesh_or_none",
+__all__ = ["DEFAULT_TIMEOUT", "Mesh", "collective_device", "current_mesh", "current_mesh_or_none",
            "default_backend",
            "exchange_ints", "group_rank_size", "init", "manual_seed", "shutdown", "tp_group", "use_mesh"]
 
@@ -39,9 +38,7 @@ __all__ = ["DEFAULT_TIMEOUT", "Mesh", "collective_device", "current_bitwise", "c
 class Mesh:
     """A 3-D ``("pp", "dp", "tp")`` mesh over the world, with its groups, ranks and sizes.
 
-    ``rng`` is this rank's random stream for sharded regions (see :mod:`tensorpar.random`);
-    ``bitwise`` the bitwise mode that modules built while this mesh is the default compute in
-    (:mod:`tensorpar.bitwise`; ``None``: off).
+    ``rng`` is this rank's random stream for sharded regions (see :mod:`tensorpar.random`).
     """
 
     device_mesh: DeviceMesh
@@ -58,12 +55,10 @@ class Mesh:
     world_size: int
     device: torch.device
     rng: RNGStatesTracker = field(compare=False)
-    bitwise: Bitwise | None = None
 
     def __repr__(self) -> str:
         return (f"Mesh(tp={self.tp}, dp={self.dp}, pp={self.pp}, rank={self.rank}, tp_rank={self.tp_rank}, "
-                f"dp_rank={self.dp_rank}, pp_rank={self.pp_rank}, device={self.device}"
-                + (f", bitwise={self.bitwise}" if self.bitwise else "") + ")")
+                f"dp_rank={self.dp_rank}, pp_rank={self.pp_rank}, device={self.device})")
 
 
 # The default mesh of modules built without a ``group``: scoped by ``use_mesh``, per thread.
@@ -103,7 +98,7 @@ def _end_with_parent() -> None:
 
 
 def init(tp: int | None = None, dp: int | None = None, *, pp: int = 1, backend: str | None = None,
-         timeout: timedelta = DEFAULT_TIMEOUT, bitwise: bool | Bitwise | Sequence[int] = False) -> Mesh:
+         timeout: timedelta = DEFAULT_TIMEOUT) -> Mesh:
     """Build the ``(pp, dp, tp)`` mesh over the world and make it the default.
 
     Initialises ``torch.distributed`` from torchrun's environment first when it
@@ -116,11 +111,6 @@ def init(tp: int | None = None, dp: int | None = None, *, pp: int = 1, backend: 
     caller's to close, as torch asks: :func:`shutdown` (or
     ``torch.distributed.destroy_process_group()``) at the end. Under torchrun
     it asks the kernel to end this rank when torchrun's agent ends.
-
-    ``bitwise=True`` (or a :class:`~tensorpar.bitwise.Bitwise`, or the tp sizes to agree across) turns
-    on the bitwise mode for the modules built afterwards: at every tp of the mode they compute exactly
-    what they compute at tp = 1 (see :mod:`tensorpar.bitwise`); on a CPU it also sets each rank's
-    thread count (``Bitwise.threads``).
 
     Example::
 
@@ -138,15 +128,12 @@ def init(tp: int | None = None, dp: int | None = None, *, pp: int = 1, backend: 
         raise ValueError(f"init(backend={backend!r}): the process group already exists with backend "
                          f"{dist.get_backend()!r}; destroy it first or leave backend out")
     try:
-        mode = Bitwise.of(bitwise)
-        _agree(tp, dp, pp, backend, mode)
-        mesh = _build_mesh(tp, dp, pp, mode)
+        _agree(tp, dp, pp, backend)
+        mesh = _build_mesh(tp, dp, pp)
     except BaseException:
         if created:  # leave nothing half-initialised
             dist.destroy_process_group()
         raise
-    if mode is not None and mode.threads is not None and mesh.device.type == "cpu":
-        torch.set_num_threads(mode.threads)
     _current.set(mesh)
     return mesh
 
@@ -189,29 +176,20 @@ def collective_device(group: ProcessGroup | None = None) -> torch.device | None:
     return torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(group)) else None
 
 
-def _agree(tp: int | None, dp: int | None, pp: int, backend: str | None, mode: Bitwise | None) -> None:
+def _agree(tp: int | None, dp: int | None, pp: int, backend: str | None) -> None:
     """Compare ``init``'s arguments across the world (one small all-reduce); every rank raises alike."""
     if dist.get_world_size() == 1:
         return
-    sizes = sum(1 << t for t in mode.tp_sizes if t < 62) if mode is not None else 0  # the mode's tp sizes as bits
-    threads = -1 if mode is None else mode.threads or 0
-    everyone = exchange_ints([tp or 0, dp or 0, pp, _BACKENDS.index(backend) if backend in _BACKENDS else -1,
-                              sizes, threads], device=collective_device())
+    everyone = exchange_ints([tp or 0, dp or 0, pp, _BACKENDS.index(backend) if backend in _BACKENDS else -1],
+                             device=collective_device())
     if all(row == everyone[0] for row in everyone):
         return
-
-    def mode_of(bits: int, threads: int) -> str:
-        sizes = [t for t in range(62) if bits >> t & 1]
-        return "off" if threads < 0 else f"tp sizes {sizes}, threads {threads or None}"
-
-    any_bitwise = any(row[5] >= 0 for row in everyone)  # the mode is named where a rank asked for it
     views = [f"rank {r}: tp={t or None}, dp={d or None}, pp={p}, backend={_BACKENDS[b] if b >= 0 else 'other'!r}"
-             + (f", bitwise {mode_of(bits, th)}" if any_bitwise else "")
-             for r, (t, d, p, b, bits, th) in enumerate(everyone)]
+             for r, (t, d, p, b) in enumerate(everyone)]
     raise ValueError(f"the ranks called tensorpar.init with different arguments ({'; '.join(views)})")
 
 
-def _build_mesh(tp: int | None, dp: int | None, pp: int, mode: Bitwise | None) -> Mesh:
+def _build_mesh(tp: int | None, dp: int | None, pp: int) -> Mesh:
     world = dist.get_world_size()
     if world % pp:
         raise ValueError(f"pp ({pp}) does not divide the world size ({world})")
@@ -225,8 +203,6 @@ def _build_mesh(tp: int | None, dp: int | None, pp: int, mode: Bitwise | None) -
         raise ValueError(f"tp ({tp}) does not divide the ranks of a pipeline stage ({stage} = {world} // pp ({pp}))"
                          if pp > 1 else f"tp ({tp}) does not divide the world size ({world})")
     dp = stage // tp if dp is None else dp
-    if mode is not None:
-        mode.check_tp(tp)
     if pp * dp * tp != world:
         shape = (f"pp ({pp}) x dp ({dp}) x tp ({tp}) = {pp * dp * tp}" if pp > 1
                  else f"tp ({tp}) x dp ({dp}) = {tp * dp}")
@@ -240,19 +216,13 @@ def _build_mesh(tp: int | None, dp: int | None, pp: int, mode: Bitwise | None) -
         dp_group=device_mesh.get_group("dp"),
         pp_group=device_mesh.get_group("pp"),
         tp=tp, dp=dp, pp=pp, tp_rank=rank % tp, dp_rank=rank // tp % dp, pp_rank=rank // (tp * dp),
-        rank=rank, world_size=world, device=device, rng=RNGStatesTracker(rank % tp), bitwise=mode,
+        rank=rank, world_size=world, device=device, rng=RNGStatesTracker(rank % tp),
     )
 
 
 def current_mesh_or_none() -> Mesh | None:
     """The default mesh, or ``None`` when there is none."""
     return _current.get()
-
-
-def current_bitwise() -> Bitwise | None:
-    """The default mesh's bitwise mode (``None`` when it is off, or when there is no default mesh)."""
-    mesh = _current.get()
-    return None if mesh is None else mesh.bitwise
 
 
 def current_mesh() -> Mesh:

@@ -1,7 +1,6 @@
-"""Shared by the OffloadedOptimizer tests: parameter groups, a training loop with a new learning rate
-at every step, and the reference for low-precision parameters (torch's AdamW over float32 masters)."""
+"""Shared by the offloading tests: parameter groups, and a training loop with a new learning rate at
+every step."""
 
-import torch
 
 LRS = (3e-2, 1e-2, 2e-2, 5e-3, 1.5e-2)  # a new learning rate at every step
 ADAMW = dict(betas=(0.9, 0.95))
@@ -27,24 +26,3 @@ def train(model, optimizer, steps, loss_fn, first=0):
         losses.append(loss.item())
     return losses
 
-
-class MasterAdamW:
-    """torch's AdamW over float32 copies of a low-precision model's parameters, each copied back after
-    its update: the reference for parameters in bfloat16."""
-
-    def __init__(self, model):
-        self.masters = {p: p.detach().float() for p in model.parameters()}
-        self.inner = torch.optim.AdamW(groups(self.masters.values()), lr=LRS[0], **ADAMW)
-        self.param_groups = self.inner.param_groups
-
-    def step(self):
-        for p, master in self.masters.items():
-            master.grad = None if p.grad is None else p.grad.float()
-        self.inner.step()
-        with torch.no_grad():
-            for p, master in self.masters.items():
-                p.copy_(master)
-
-    def zero_grad(self):
-        for p in self.masters:
-            p.grad = None

@@ -33,6 +33,7 @@ from layers import (
     parallelize,
     parallelize_hf,
 )
+from layers.numerics import SegmentedColumn
 from tensorpar.bitwise import Bitwise, SegmentTree, layouts
 from tensorpar.bitwise.segments import PlacedTree, placed_split
 from tensorpar.bitwise.tree_sum import tree_sum
@@ -103,11 +104,13 @@ def test_the_tree_sum_is_the_trees_fold_on_every_rank_at_every_tp(worlds, size):
 
 
 def init_with(bitwise):
-    mesh = tensorpar.init(tp=2, bitwise=bitwise)
-    return mesh.bitwise, torch.get_num_threads()
+    tensorpar.init(tp=2)
+    enabled = tensorpar.bitwise.enable(bitwise)
+    built = ColumnParallelLinear(4, 6)
+    return enabled, tensorpar.current_bitwise(), isinstance(built.product, SegmentedColumn), torch.get_num_threads()
 
 
-def test_init_sets_the_mode_checks_it_and_compares_it_across_ranks(worlds):
+def test_enable_sets_the_mode_checks_it_and_compares_it_across_ranks(worlds):
     assert Bitwise.of(True) == Bitwise() == Bitwise(tp_sizes=[4, 2, 3, 1, 2]) and Bitwise.of(False) is None
     assert Bitwise.of((1, 2, 4, 8)).tp_sizes == (1, 2, 4, 8)
     for bad, error in [((), TypeError), ((0, 2), ValueError), ((1, True), TypeError), ("12", TypeError)]:
@@ -115,20 +118,25 @@ def test_init_sets_the_mode_checks_it_and_compares_it_across_ranks(worlds):
             Bitwise(tp_sizes=bad)
     with pytest.raises(TypeError, match="bitwise must be a bool"):
         Bitwise.of(2)
-    mode, threads = worlds[2].run(init_with, Bitwise(threads=1), mesh=False)[0]
-    assert mode == Bitwise() and threads == 1
+    enabled, current, segmented, threads = worlds[2].run(init_with, Bitwise(threads=1), mesh=False)[0]
+    assert enabled == current == Bitwise() and segmented and threads == 1
+    assert worlds[2].run(init_with, False, mesh=False)[0][:3] == (None, None, False)  # off: the default product
     with pytest.raises(tensorpar.RankError, match=r"tp=2 is not one of them: pass bitwise=Bitwise\(tp_sizes="):
         worlds[2].run(init_with, (1, 4), mesh=False)
 
 
-def init_per_rank():
-    tensorpar.init(tp=2, bitwise=os.environ["RANK"] == "0")
+def init_per_rank(first, others):
+    tensorpar.init(tp=2)
+    tensorpar.bitwise.enable(first if os.environ["RANK"] == "0" else others)
 
 
 def test_ranks_that_disagree_on_the_mode_all_raise(worlds):
-    disagree = r"different arguments.*bitwise tp sizes \[1, 2, 3, 4\].*bitwise off"
+    disagree = r"different bitwise modes \(rank 0: tp sizes \[1, 2, 3, 4\], threads 1; rank 1: off\)"
     with pytest.raises(tensorpar.RankError, match=disagree):
-        worlds[2].run(init_per_rank, mesh=False)
+        worlds[2].run(init_per_rank, True, False, mesh=False)
+    # a mode that leaves out tp 2 on rank 0 alone: both ranks raise the disagreement, neither waits for the other
+    with pytest.raises(tensorpar.RankError, match=r"different bitwise modes \(rank 0: tp sizes \[1, 4\]"):
+        worlds[2].run(init_per_rank, (1, 4), True, mesh=False)
 
 
 # ---------------------------------------------------------------- layers
@@ -277,8 +285,8 @@ def against_reference(cfg, b, t, seed):
                                                            for k, p in ref.named_parameters()},
                               rtol=TOLERANCES[torch.float64], what="the bitwise GPT against the reference")
     norm, ref_norm = tensorpar.grad_norm(model), torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
-    # the norm is returned in float32 (as tensorpar.grad_norm's always is)
-    return errors | assert_all_close({"norm": (norm.double(), ref_norm)}, rtol=TOLERANCES[torch.float32])
+    assert norm.dtype == ref_norm.dtype == torch.float64, (norm.dtype, ref_norm.dtype)
+    return errors | assert_all_close({"norm": (norm, ref_norm)}, rtol=TOLERANCES[torch.float64])
 
 
 def test_the_mode_still_computes_the_unsharded_gpt(worlds):
@@ -388,7 +396,8 @@ def divergence_against_the_tp1_twin(cfg, plant):
     twin = GPT(GPTConfig(**cfg), group=tensorpar.testing.group_of_one())
     twin.load_full_state_dict(model.full_state_dict())
     if plant:
-        model.transformer.h[1].mlp.c_proj.segments = None  # the bug: this layer leaves the mode
+        c_proj = model.transformer.h[1].mlp.c_proj
+        c_proj.product = c_proj._product  # the bug: this layer leaves the mode
     idx, targets = batch(cfg, 2, 6, 0)
     report = tensorpar.testing.find_divergence(model, twin, idx, targets, loss_fn=None)
     return report.ok, str(report)
@@ -409,7 +418,8 @@ def test_find_divergence_in_bitwise_mode_reports_any_difference_at_all(worlds):
 
 def cuda_gpt_run(cfg, autocast):
     """``gpt_run`` on CUDA tensors in a spawned group (gloo over CUDA tensors), its results on the CPU."""
-    tensorpar.init(bitwise=True)
+    tensorpar.init()
+    tensorpar.bitwise.enable()
     return {k: v.cpu() for k, v in gpt_run(cfg, 2, 16, 0, 2, autocast, "cuda").items()}
 
 

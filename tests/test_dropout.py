@@ -16,6 +16,7 @@ along the sequence.
 import contextlib
 import math
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -24,6 +25,7 @@ from hypothesis import strategies as st
 
 import tensorpar
 from gpt_cases import batch, gpt_configs, twins
+from layers import ShardedDropout
 from tensorpar.testing import assert_all_close
 from tensorpar.testing.strategies import tp_sizes
 
@@ -132,6 +134,36 @@ def test_dropout_masks_replay_in_reference(worlds, tp, data):
     results = worlds[tp].run(dropout_twins, cfg, data.draw(st.integers(1, 3)), t, data.draw(st.integers(0, 2**31)),
                              data.draw(st.booleans(), label="sequence_parallel"))
     assert max(results) <= 1e-10
+
+
+SEQUENCE_CFG = dict(n_layer=1, n_head=3, n_kv_head=3, n_embd=24, vocab_size=31, block_size=12, bias=True, mlp="gelu")
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_sequence_parallel_dropout_draws_each_ranks_tokens_from_its_own_stream(worlds, tp):
+    """With sequence parallelism each rank's tokens (12 over 2 or 3 ranks: 2 x 6 x 24 or 2 x 4 x 24
+    elements, each the same shape on every rank) get their own mask, so the masks of two ranks differ;
+    a mask drawn from the default generator, which every rank holds in step, would be the same."""
+    assert max(worlds[tp].run(dropout_twins, SEQUENCE_CFG, 2, 12, 5, True)) <= 1e-10
+
+
+def sharded_dropout_draws(seed):
+    """A ShardedDropout's mask on this rank's (4, 64) tokens, and whether the default generator is where
+    the same draws without the dropout leave it."""
+    tensorpar.manual_seed(seed)
+    keep = ShardedDropout(0.5)(torch.ones(2, 4, 64), 4 * tensorpar.current_mesh().tp) > 0
+    after = torch.rand(8)
+    tensorpar.manual_seed(seed)
+    return keep, torch.equal(after, torch.rand(8))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sharded_dropout_leaves_the_default_generator_in_step(worlds, tp):
+    """512 elements at p = 0.5 agree by chance with probability 2^-512."""
+    results = worlds[tp].run(sharded_dropout_draws, 3)
+    assert all(untouched for _, untouched in results), "ShardedDropout drew from the default generator"
+    masks = [keep for keep, _ in results]
+    assert all(not torch.equal(a, b) for r, a in enumerate(masks) for b in masks[r + 1:]), "two ranks drew one mask"
 
 
 def stream_draws(seed, device):

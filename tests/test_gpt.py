@@ -3,7 +3,8 @@
 Every example draws a configuration (head counts that do not divide by tp, KV
 heads fewer than tp, odd vocabularies, either MLP), builds the reference from a
 seed and loads its weights into the sharded model, then compares logits, loss,
-every parameter gradient (gathered) and the parameters after 3 AdamW steps.
+every parameter gradient (gathered), of the loss and of the logits, and the parameters after
+3 AdamW steps, with and without sequence parallelism.
 """
 
 import hashlib
@@ -24,6 +25,14 @@ def train_twins(cfg, b, t, dtype, seed, steps=3, sequence_parallel=False):
     ref, model = twins(cfg, dtype, seed, sequence_parallel=sequence_parallel)
     idx, targets = batch(cfg, b, t, seed)
     logits, ref_logits = model(idx), ref(idx)
+    # backward through the gathered logits (B, T, V): each rank must keep its own vocabulary slice of the
+    # same gradient (a gather whose backward summed over the group would give tp times the gradients)
+    probe = torch.randn(ref_logits.shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+    (logits * probe).sum().backward()
+    (ref_logits * probe).sum().backward()
+    logit_grads = tensorpar.full_grads(model)
+    ref_logit_grads = {k: p.grad.clone() for k, p in ref.named_parameters()}
+    model.zero_grad(), ref.zero_grad()
     loss, ref_loss = model(idx, targets), ref(idx, targets)
     loss.backward()
     ref_loss.backward()
@@ -53,6 +62,8 @@ def train_twins(cfg, b, t, dtype, seed, steps=3, sequence_parallel=False):
     scale = torch.cat([g.flatten() for g in ref_grads.values()]).norm().item()
     pairs = {"logits": (logits, ref_logits), "loss": (loss, ref_loss)}
     pairs |= {f"grad {k}": (grads[k], ref_grads[k], scale) for k in ref_grads}
+    logit_scale = torch.cat([g.flatten() for g in ref_logit_grads.values()]).norm().item()
+    pairs |= {f"logits' grad {k}": (logit_grads[k], g, logit_scale) for k, g in ref_logit_grads.items()}
     # AdamW divides by a gradient's own RMS, so it turns a zero gradient's round-off into steps of
     # up to lr in either direction: the key biases (and with one token, every query and key row) are
     # compared to within that after the steps.
@@ -74,14 +85,14 @@ def gpt_training_cases(draw):
     cfg = draw(gpt_configs(tp))
     t = draw(st.integers(1, cfg["block_size"]))
     return tp, cfg, draw(st.integers(1, 3)), t, draw(st.sampled_from([torch.float64, torch.float32])), \
-        draw(st.integers(0, 2**31))
+        draw(st.integers(0, 2**31)), draw(st.booleans(), label="sequence_parallel")
 
 
 @settings(max_examples=30)
 @given(case=gpt_training_cases())
 def test_gpt_matches_reference(worlds, case):
-    tp, cfg, b, t, dtype, seed = case
-    results = worlds[tp].run(train_twins, cfg, b, t, dtype, seed)
+    tp, cfg, b, t, dtype, seed, sequence_parallel = case
+    results = worlds[tp].run(train_twins, cfg, b, t, dtype, seed, 3, sequence_parallel)
     assert len({digest for _, digest in results}) == 1, "logits or loss differ between tp ranks"
     worst = max(max(errors.values()) for errors, _ in results)
     note_errors(dtype, [worst])

@@ -198,3 +198,20 @@ def test_float64_under_autocast_and_double_backward_is_refused(worlds):
             assert dtype == torch.float64
             if tp > 1:  # the collectives in backward are not differentiable: say so, never answer wrongly
                 assert second and "once_differentiable" in second
+
+
+def check_gathered_units(in_f, unit, units, seed):
+    torch.manual_seed(seed)
+    dense = nn.Linear(in_f, unit * units, dtype=torch.float64)
+    sharded = ColumnParallelLinear.from_linear(dense, gather_output=True, unit=unit)
+    x = torch.randn(3, in_f, dtype=torch.float64)
+    return assert_sharded_equivalent(sharded, dense, x, seed=seed)
+
+
+@settings(max_examples=12)
+@given(tp=tp_sizes(), in_f=st.integers(1, 8), unit=st.integers(2, 4), extra=st.integers(0, 5),
+       seed=st.integers(0, 2**31))
+def test_gather_output_gathers_whole_units(worlds, tp, in_f, unit, extra, seed):
+    """``gather_output=True`` with ``unit=k``: the output gathered by the split in whole units (8 features
+    in units of 2 over 3 ranks are 4, 2, 2, where the plain split is 3, 3, 2), as nn.Linear's."""
+    assert _worst(worlds[tp].run(check_gathered_units, in_f, unit, tp + extra, seed)) <= TOLERANCES[torch.float64]

@@ -249,3 +249,33 @@ def test_pipeline_misuse_is_a_clear_error(worlds):
                            "equal size")
     assert messages[3] == "ValueError: n_layer (1) is smaller than the number of pipeline stages (2)"
     assert messages[4] == "TypeError: GPT expects integer token ids, got torch.float32"
+
+
+def norm_reads_only():
+    """A step at pp=2 x dp=2: grad_norm before finish_gradients (refused), then after it twice, with the
+    gradients before and after."""
+    tensorpar.manual_seed(0)
+    model = PipelinedGPT(GPTConfig(n_layer=2, n_head=2, n_embd=8, vocab_size=16, block_size=4))
+    pipe = model.pipeline("1f1b", 2)
+    mesh = tensorpar.current_mesh()
+    idx = torch.randint(0, 16, (4, 5), generator=torch.Generator().manual_seed(mesh.dp_rank))  # dp ranks differ
+    pipe.step(idx[:, :-1], idx[:, 1:])
+    try:
+        model.grad_norm()
+        refused = None
+    except RuntimeError as e:
+        refused = str(e)
+    model.finish_gradients()
+    finished = [p.grad.clone() for p in model.parameters()]
+    norms = [model.grad_norm(), model.grad_norm()]
+    model.finish_gradients()  # nothing left to finish: no second average, no second sum of the tied head
+    same = all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), finished, strict=True))
+    return refused, norms, same
+
+
+def test_grad_norm_only_reads_the_finished_gradients(worlds):
+    """grad_norm refuses gradients that finish_gradients has not averaged yet (alike on every rank), and
+    afterwards reads them without changing them: the same norm twice, the gradients as they were."""
+    for refused, (first, second), same in worlds[4].run(norm_reads_only, tp=1, dp=2, pp=2):
+        assert refused.startswith("PipelinedGPT.grad_norm: the gradients of the last step are not finished")
+        assert torch.equal(first, second) and same

@@ -31,9 +31,10 @@ def references(worlds, tmp_path_factory):
     (1, 2, 2, "gpipe", {"fsdp": True}),  # FSDP2 over dp in each stage
     (1, 2, 2, "1f1b", {"zero": True}),
     (1, 1, 2, "interleaved", {"n_layer": 4}),  # 2 stages per rank: blocks 0 and 2 on rank 0
-    (2, 1, 2, "1f1b", {"offload_optimizer": True}),  # AdamW in host memory (the device is the CPU here)
-    (1, 2, 1, "1f1b", {"offload_optimizer": True, "zero": True}),  # no pipeline: ZeRO's shards offloaded
-    (1, 2, 1, "1f1b", {"offload_optimizer": True, "fsdp": True}),  # FSDP2's own CPUOffloadPolicy
+    # AdamW in host memory through FSDP2's CPUOffloadPolicy (the device is the CPU here): in each stage,
+    (2, 1, 2, "1f1b", {"offload_optimizer": True}),
+    (1, 2, 1, "1f1b", {"offload_optimizer": True, "zero": True}),  # with ZeRO's dp shards of the state (FSDP2's)
+    (1, 2, 1, "1f1b", {"offload_optimizer": True, "fsdp": True}),
 ])
 def test_pipelined_layouts_follow_the_same_trajectory(worlds, references, tmp_path, tp, dp, pp, schedule, extra):
     result = run_training(worlds, tmp_path, tp, dp, pp=pp, schedule=schedule, **PIPELINED | extra)

@@ -69,6 +69,22 @@ def test_imports_have_no_cycles_and_flow_from_layers_to_tensorpar():
             visit(name)
 
 
+def test_layers_choose_their_numerics_once_and_the_mesh_knows_no_numerics():
+    """No layer's forward tests the bitwise mode or its segments (each layer chose its computation when it
+    was built, through ``layers/numerics.py``), and the mesh imports nothing of the bitwise mode."""
+    offenders = []
+    for path in sorted((ROOT / "layers").glob("*.py")):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if isinstance(fn, ast.FunctionDef) and fn.name == "forward":
+                offenders += [f"{path.name}:{node.lineno}" for node in ast.walk(fn)
+                              if isinstance(node, (ast.If, ast.IfExp))
+                              and re.search(r"bitwise|segments", ast.unparse(node.test))]
+    assert not offenders, f"a forward branches on the numerics: {offenders}"
+    modules = library_modules()
+    mesh = imports_of("tensorpar.mesh", modules["tensorpar.mesh"], modules)
+    assert not {m for m in mesh if m.startswith("tensorpar.bitwise")}, mesh
+
+
 def test_the_core_and_the_packaging_never_name_the_layer_package():
     word = re.compile(r"\blayers\b")
     offenders = [str(p.relative_to(ROOT)) for p in [*(ROOT / "tensorpar").rglob("*.py"), ROOT / "pyproject.toml"]
@@ -132,14 +148,13 @@ print(tuple(y.shape), tensorpar.reduce_from_tp(torch.ones(2)).tolist(), tensorpa
 
 #: what ``import tensorpar`` leaves for first use: attribute -> the module it loads
 ON_FIRST_USE = {"checkpoint": "tensorpar.checkpoint", "spawn": "tensorpar.launch", "RankError": "tensorpar.launch",
-                "OffloadedOptimizer": "tensorpar.offload", "fully_shard_dp": "tensorpar.fsdp",
-                "pipeline": "tensorpar.pipeline", "testing": "tensorpar.testing"}
+                "fully_shard_dp": "tensorpar.fsdp", "pipeline": "tensorpar.pipeline", "testing": "tensorpar.testing"}
 HEAVY = ("torch.distributed.checkpoint", "torch.distributed.tensor", "torch.distributed.fsdp")
 
 
 def test_the_core_loads_light_and_its_test_kit_imports_without_hypothesis(tmp_path):
     """``import tensorpar`` loads the mesh, sharding and collectives, not the checkpoint store, the
-    launcher, offloading, FSDP2, pipelines, the test kit, nor torch's DCP and DTensor; each loads on
+    launcher, FSDP2, pipelines, the test kit, nor torch's DCP and DTensor; each loads on
     first use and is the module's own object. The pool and comparisons of ``tensorpar.testing`` need
     neither ``hypothesis`` nor the layer package; the strategies say what they need."""
     (tmp_path / "hypothesis.py").write_text("raise ImportError('no hypothesis here')\n")

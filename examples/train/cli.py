@@ -92,9 +92,9 @@ class TrainConfig:
                              "checkpoint of it, the earlier ones untouched), 'skip' drops that step's update on "
                              "every rank (its gradients discarded, the optimizer not stepped; logged with "
                              "\"skipped\": true) and goes on", choices=ON_NONFINITE)
-    offload_optimizer: bool = _opt(False, "optimisation", "keep the AdamW state (and fp32 master weights) in host "
-                                   "memory, stepping there (ZeRO-Offload style; with --fsdp, FSDP2's "
-                                   "CPUOffloadPolicy, which keeps the parameters' dp shards there too)")
+    offload_optimizer: bool = _opt(False, "optimisation", "keep the parameters' dp shards, their gradients and "
+                                   "the AdamW state in host memory, stepping there (ZeRO-Offload through FSDP2's "
+                                   "CPUOffloadPolicy: implies --fsdp, whose dp shards of the state stand for --zero)")
     seed: int = _opt(1337, "optimisation", "seed of the weights, the batches and dropout")
     data: str | None = _opt(None, "data and validation", "a text file (trained on as bytes), or a directory "
                             "holding nanoGPT's train.bin and val.bin (uint16 token ids; needs --vocab-size)",
@@ -133,6 +133,11 @@ class TrainConfig:
             value = getattr(self, f.name)
             if f.type in ("float", "float | None") and value is not None and not math.isfinite(value):
                 raise ValueError(f"--{_flag(f.name)} must be a finite number, got {value}")
+        if self.offload_optimizer:  # FSDP2's CPUOffloadPolicy: the state sharded over dp (ZeRO's) and on the host
+            if self.bitwise:
+                raise ValueError("--bitwise does not take --offload-optimizer: it runs through FSDP2, whose sharded "
+                                 "gradients are reduced in an order of its own; use DDP over dp (no --fsdp)")
+            self.fsdp, self.zero = True, False
         if self.fsdp and self.zero:
             raise ValueError("--fsdp and --zero exclude each other: --fsdp shards the optimizer state over dp itself")
         if self.bitwise and self.fsdp:

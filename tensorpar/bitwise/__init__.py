@@ -1,7 +1,9 @@
 """Bitwise mode: a model sharded over tp ranks computes exactly the bits of the same model at tp = 1.
 
-Turned on by ``tensorpar.init(tp=..., bitwise=True)`` (:class:`Bitwise`) for every layer built
-afterwards. Three things make a sharded model's numbers depend on tp, and the mode removes each:
+Turned on by :func:`enable` (``tensorpar.bitwise.enable()`` after ``tensorpar.init``), or by
+:func:`use_bitwise` for a block, for every layer built afterwards: a layer chooses its numerics once,
+when it is built (:func:`current_bitwise`), and keeps them. Three things make a sharded model's numbers
+depend on tp, and the mode removes each:
 
 1. **Split reductions.** A row-parallel product adds partial sums over each rank's slice of the
    reduced dimension, and the all-reduce adds those; the unsharded product adds in its own order.
@@ -29,9 +31,9 @@ rows, attention heads, AdamW), which is the same whatever a rank holds.
 
 from __future__ import annotations
 
-# The mesh holds the mode (settings); the sums (tree_sum, linear, ...) use the collectives, which use the
-# mesh: they are imported from their modules, not from here.
+# The sums (tree_sum, linear, ...) use the collectives: they are imported from their modules, not from here.
 from .segments import PlacedTree, SegmentTree, layouts
-from .settings import DEFAULT_TP_SIZES, Bitwise
+from .settings import DEFAULT_TP_SIZES, Bitwise, current_bitwise, enable, use_bitwise
 
-__all__ = ["DEFAULT_TP_SIZES", "Bitwise", "PlacedTree", "SegmentTree", "layouts"]
+__all__ = ["DEFAULT_TP_SIZES", "Bitwise", "PlacedTree", "SegmentTree", "current_bitwise", "enable", "layouts",
+           "use_bitwise"]

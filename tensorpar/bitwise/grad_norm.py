@@ -1,8 +1,9 @@
 """The unsharded gradient's squared norm, the same bits at every tp (the bitwise mode's clipping).
 
 The sum of squares is split into one term per (parameter, canonical segment of its split dim): the
-module's own segments (:mod:`.segments`; a split of the same layout at every tp, such as an
-embedding's rows, is cut by its placement) and one term for each replicated parameter. Each rank
+segments the module computes by (its ``product``'s ``placed``, see :mod:`.segments`; a split of the
+same layout at every tp, such as an embedding's rows, is cut by its placement) and one term for each
+replicated parameter. Each rank
 computes the terms of its own segments, every rank the replicated ones; the ranks all-gather the
 former (one collective of a few hundred numbers), and every rank lays all terms out in the same
 order, parameter by parameter and segment by segment, and adds them with one sum of that fixed vector.
@@ -10,43 +11,42 @@ order, parameter by parameter and segment by segment, and adds them with one sum
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
 from ..comm.collectives import all_gather_along
-from ..full import is_dtensor, placements
+from ..full import is_dtensor
 from ..mesh import group_rank_size
+from ..sharding import Shard
 from .linear import fixed
 from .segments import PlacedTree, placed_split
 from .settings import Bitwise
 
 
-def _segments(model: nn.Module, mode: Bitwise) -> dict[str, tuple[int, PlacedTree]]:
-    """``{parameter name: (split dim, its segments)}`` for the split parameters of ``model``."""
+def _segments(model: nn.Module, mode: Bitwise, placements: Mapping[str, tuple[Shard, ProcessGroup]]
+              ) -> dict[str, tuple[int, PlacedTree]]:
+    """``{parameter name: (split dim, its segments)}`` for the split parameters ``placements`` of ``model``."""
     found = {}
-    for prefix, module in model.named_modules():
-        sharding = getattr(module, "sharding", None)
-        if not callable(sharding):
-            continue
-        own = getattr(module, "segments", None)  # a layer's own (attention's follow its heads' layouts)
-        rank, tp = group_rank_size(module.tp_group)
-        for name, placement in sharding().items():
-            placed = own if isinstance(own, PlacedTree) else placed_split(placement.pieces, placement.size, tp, rank,
-                                                                          mode.tp_sizes)
-            found[f"{prefix}.{name}" if prefix else name] = (placement.dim, placed)
+    for name, (placement, group) in placements.items():
+        module = model.get_submodule(name.rpartition(".")[0])
+        own = getattr(getattr(module, "product", None), "placed", None)  # attention's follow its heads' layouts
+        rank, tp = group_rank_size(group)
+        placed = own if isinstance(own, PlacedTree) else placed_split(placement.pieces, placement.size, tp, rank,
+                                                                      mode.tp_sizes)
+        found[name] = (placement.dim, placed)
     return found
 
 
-def squared_norm(model: nn.Module, mode: Bitwise, group: ProcessGroup, exclude: Collection[str] = ()) -> torch.Tensor:
-    """``Σ_p ‖∇p‖²`` of the unsharded model, float32 (float64 for float64 gradients, then float32), the
-    same on every rank of ``group``: a collective."""
+def squared_norm(model: nn.Module, mode: Bitwise, placements: Mapping[str, tuple[Shard, ProcessGroup]],
+                 group: ProcessGroup, exclude: Collection[str] = ()) -> torch.Tensor:
+    """``Σ_p ‖∇p‖²`` of the unsharded model, whose split parameters are ``placements``
+    (:func:`tensorpar.full.placements`): float32, float64 where a gradient is float64 (as torch's norm of
+    the unsharded model), the same on every rank of ``group``: a collective."""
     rank, tp = group_rank_size(group)
-    split = _segments(model, mode)
-    if set(split) - set(placements(model)):
-        raise ValueError("bitwise gradient norm: a module's segments name a parameter that it does not split")
+    split = _segments(model, mode, placements)
     terms: list[tuple[int, torch.Tensor | None]] = []  # (holder: -1 for every rank, value where computed here)
     device, dtype = None, torch.float32
     for name, p in model.named_parameters():
@@ -83,7 +83,7 @@ def squared_norm(model: nn.Module, mode: Bitwise, group: ProcessGroup, exclude: 
         values = [value for _, value in terms]
     known = [v.to(dtype) for v in values if v is not None]
     assert len(known) == len(terms), "every term is computed here or received"
-    return torch.stack(known).sum().to(torch.float32)  # one vector, in one order, at every tp
+    return torch.stack(known).sum()  # one vector, in one order, at every tp
 
 
 def _squares(t: torch.Tensor) -> torch.Tensor:

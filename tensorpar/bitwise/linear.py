@@ -30,7 +30,8 @@ from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from ..comm.linear import autocast_inputs
-from .segments import PlacedTree
+from ..comm.sequence import all_gather_sequence, scatter_sequence
+from .segments import PlacedTree, placed_tokens
 from .tree_sum import start_tree_sum, tree_sum
 
 #: the alignment of a fresh allocation (torch's CPU allocator: 64 bytes; CUDA's caching allocator: more)
@@ -76,6 +77,16 @@ def by_segment(t: torch.Tensor, placed: PlacedTree, fn: Callable[[torch.Tensor],
     elementwise ``fn`` then computes each element with the same code at every tp (CPU kernels run the
     last elements of a tensor, which depend on its layout, through scalar code)."""
     return blockwise(fn, [t], dim, placed.lengths())
+
+
+class BySegment:
+    """``fn(x)`` by the segments ``placed`` of the last dim (:func:`by_segment`): a callable ``(x, fn)``."""
+
+    def __init__(self, placed: PlacedTree) -> None:
+        self.placed = placed
+
+    def __call__(self, x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        return by_segment(x, self.placed, fn)
 
 
 def gathered(t: torch.Tensor, pieces: Sequence[tuple[int, int]], dim: int) -> torch.Tensor:
@@ -202,3 +213,35 @@ def segmented_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     features, summed over the group by the tree; the bias gradient by the token segments ``tokens``
     (every token held here: see :func:`token_sum`)."""
     return _SegmentedRowLinear.apply(x, weight, bias, placed, tokens, group)
+
+
+class SegmentedColumn:
+    """A column-parallel layer's product by the segments ``placed`` of its output features, a callable
+    ``(x, weight, bias, seq_len)`` (:func:`segmented_column_linear`): the input gradient's tree sum stands
+    for ``f``, so the region entry in front of it is the identity. With sequence parallelism the tokens are
+    all-gathered first, backward keeping this rank's. Replicated rows must be given whole gradients."""
+
+    def __init__(self, placed: PlacedTree, group: ProcessGroup, sequence_parallel: bool) -> None:
+        self.placed, self.group, self.sequence_parallel = placed, group, sequence_parallel
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 seq_len: int | None = None) -> torch.Tensor:
+        if self.sequence_parallel:  # (..., T_r, in) -> (..., T, in); backward keeps this rank's tokens
+            x = all_gather_sequence(x, seq_len, self.group)
+        return segmented_column_linear(x, weight, bias, self.placed, self.group)  # (*, out / tp)
+
+
+class SegmentedRow:
+    """A row-parallel layer's product by the segments ``placed`` of its input features, a callable
+    ``(x, weight, bias)`` (:func:`segmented_row_linear`), the bias gradient by segments of the tokens
+    (every token is here); with sequence parallelism each rank keeps its tokens of the sum."""
+
+    def __init__(self, placed: PlacedTree, group: ProcessGroup, sequence_parallel: bool,
+                 tp_sizes: Sequence[int]) -> None:
+        self.placed, self.group, self.sequence_parallel, self.tp_sizes = placed, group, sequence_parallel, tp_sizes
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        tokens = placed_tokens(x.shape[-2] if x.dim() > 1 else 1, self.placed.tp, self.placed.rank, self.tp_sizes,
+                               split=False)
+        y = segmented_row_linear(x, weight, bias, self.placed, tokens, self.group)  # (*, out)
+        return scatter_sequence(y, self.group) if self.sequence_parallel else y

@@ -9,14 +9,17 @@ without sequence parallelism, so the gradients are the same bits either way and 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
+from ..comm.sequence import sequence_length
+from ..mesh import group_rank_size
 from .linear import token_sum
-from .segments import PlacedTree
+from .segments import PlacedTree, placed_tokens
 
 
 class _TokenwiseLayerNorm(torch.autograd.Function):
@@ -53,3 +56,24 @@ def tokenwise_layer_norm(x: torch.Tensor, shape: list[int], weight: torch.Tensor
     the canonical segments ``tokens`` (this rank's: all of them, or its share under sequence
     parallelism, then summed over ``group`` too)."""
     return _TokenwiseLayerNorm.apply(x, weight, bias, shape, eps, tokens, group)
+
+
+class TokenwiseNorm:
+    """A LayerNorm of ``shape`` and ``eps`` by :func:`tokenwise_layer_norm`, a callable ``(x, weight, bias,
+    seq_len)``: the tokens are this rank's share with ``sequence_parallel`` (``seq_len`` names the full
+    length, else one small collective finds it), else every token."""
+
+    def __init__(self, shape: Sequence[int], eps: float, group: ProcessGroup, sequence_parallel: bool,
+                 tp_sizes: Sequence[int]) -> None:
+        self.shape, self.eps, self.group, self.sequence_parallel = list(shape), eps, group, sequence_parallel
+        self.tp_sizes = tp_sizes
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                 seq_len: int | None = None) -> torch.Tensor:
+        rank, tp = group_rank_size(self.group)
+        if self.sequence_parallel:
+            seq_len = sequence_length(x, seq_len, self.group)
+        tokens = placed_tokens(x.shape[-2] if not self.sequence_parallel and x.dim() > 1 else seq_len or 1,
+                               tp, rank, self.tp_sizes, split=self.sequence_parallel)
+        return tokenwise_layer_norm(x, self.shape, weight, bias, self.eps, tokens,
+                                    self.group if self.sequence_parallel else None)

@@ -1,11 +1,25 @@
-"""The bitwise mode's one setting: which tp sizes agree bit for bit, and the CPU threads of a rank."""
+"""The bitwise mode's setting (which tp sizes agree bit for bit, and the CPU threads of a rank) and its
+home: a context variable that modules read once, when they are built.
+
+Example::
+
+    tensorpar.init(tp=2)
+    tensorpar.bitwise.enable()                    # modules built from here on compute in the mode
+    with tensorpar.bitwise.use_bitwise(Bitwise(tp_sizes=(1, 2, 4, 8))):
+        model = GPT(config)                       # or only those built inside the block
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from ..checks import check_int
+from ..mesh import collective_device, current_mesh, exchange_ints
 
 #: tp sizes whose results agree when nothing else is asked: every size up to 4
 DEFAULT_TP_SIZES = (1, 2, 3, 4)
@@ -17,15 +31,15 @@ class Bitwise:
     at tp = 1 (see :mod:`tensorpar.bitwise`).
 
     ``threads`` is each rank's number of CPU threads for intra-op work (``torch.set_num_threads``),
-    set by :func:`tensorpar.init`: CPU kernels split large products and reductions between their
+    set by :func:`enable`: CPU kernels split large products and reductions between their
     threads, and a different split adds in another order, so runs compared bit for bit must use the
     same count on every rank (``None`` leaves it as it is, for a caller who sets it alike everywhere).
     GPU kernels do not depend on it.
 
     Example::
 
-        tensorpar.init(tp=2, bitwise=True)                         # agrees with tp 1, 3 and 4
-        tensorpar.init(tp=8, bitwise=Bitwise(tp_sizes=(1, 2, 4, 8)))
+        tensorpar.bitwise.enable()                                 # agrees with tp 1, 2, 3 and 4
+        tensorpar.bitwise.enable(Bitwise(tp_sizes=(1, 2, 4, 8)))   # at tp = 8
     """
 
     tp_sizes: tuple[int, ...] = DEFAULT_TP_SIZES
@@ -43,7 +57,7 @@ class Bitwise:
 
     @classmethod
     def of(cls, value: bool | Bitwise | Sequence[int] | None) -> Bitwise | None:
-        """The mode ``init(bitwise=value)`` asks for: ``False``/``None`` off, ``True`` the defaults, a
+        """The mode ``enable(value)`` asks for: ``False``/``None`` off, ``True`` the defaults, a
         :class:`Bitwise` itself, or a sequence of tp sizes."""
         if value is None or value is False:
             return None
@@ -60,3 +74,55 @@ class Bitwise:
         if tp not in self.tp_sizes:
             raise ValueError(f"bitwise mode agrees across tp sizes {list(self.tp_sizes)}, and tp={tp} is not "
                              f"one of them: pass bitwise=Bitwise(tp_sizes=(..., {tp})) to include it")
+
+
+# The mode of the modules built in this context (None: the default numerics), per thread.
+_mode: contextvars.ContextVar[Bitwise | None] = contextvars.ContextVar("tensorpar_bitwise", default=None)
+
+
+def current_bitwise() -> Bitwise | None:
+    """The bitwise mode that modules built now compute in (``None``: off)."""
+    return _mode.get()
+
+
+@contextlib.contextmanager
+def use_bitwise(mode: bool | Bitwise | Sequence[int] | None) -> Iterator[Bitwise | None]:
+    """Build modules in ``mode`` inside the ``with`` block (see :meth:`Bitwise.of`). Neither compared
+    across ranks nor setting the thread count, as :func:`enable` does: the caller makes every rank ask for
+    the same mode, with the same threads."""
+    token = _mode.set(Bitwise.of(mode))
+    try:
+        yield _mode.get()
+    finally:
+        _mode.reset(token)
+
+
+def enable(mode: bool | Bitwise | Sequence[int] = True) -> Bitwise | None:
+    """Turn the bitwise mode on (``False``: off) for the modules built afterwards in this context, after
+    :func:`tensorpar.init`: every rank calls it, with the same mode (compared across the world: a
+    collective; ranks that differ all raise). On a CPU it sets each rank's thread count
+    (``Bitwise.threads``)."""
+    chosen = Bitwise.of(mode)
+    mesh = current_mesh()
+    _agree(chosen)  # first: then a mode that leaves out this tp raises on every rank alike
+    if chosen is not None:
+        chosen.check_tp(mesh.tp)
+    if chosen is not None and chosen.threads is not None and mesh.device.type == "cpu":
+        torch.set_num_threads(chosen.threads)
+    _mode.set(chosen)
+    return chosen
+
+
+def _agree(mode: Bitwise | None) -> None:
+    """Compare ``mode`` across the world (one small all-reduce); every rank raises alike."""
+    sizes = sum(1 << t for t in mode.tp_sizes if t < 62) if mode is not None else 0  # the tp sizes as bits
+    everyone = exchange_ints([sizes, -1 if mode is None else mode.threads or 0], device=collective_device())
+    if all(row == everyone[0] for row in everyone):
+        return
+
+    def named(bits: int, threads: int) -> str:
+        sizes = [t for t in range(62) if bits >> t & 1]
+        return "off" if threads < 0 else f"tp sizes {sizes}, threads {threads or None}"
+
+    views = "; ".join(f"rank {r}: {named(bits, threads)}" for r, (bits, threads) in enumerate(everyone))
+    raise ValueError(f"the ranks asked for different bitwise modes ({views})")

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from ..bitwise.settings import Bitwise
 from ..full import placements
 from ..mesh import collective_device, current_mesh, exchange_ints, group_rank_size
 from ..sharding import Shard
@@ -248,9 +249,9 @@ def find_divergence(sharded: nn.Module, dense: nn.Module, *inputs: Any,
     (:data:`~tensorpar.testing.TOLERANCES`). Both models' ``.grad`` are reset first and hold
     this backward's gradients after. Run it with dropout off (``model.eval()`` or ``p=0``).
 
-    A sharded model built in bitwise mode (:mod:`tensorpar.bitwise`) is compared exactly (``rtol`` 0
-    unless given): its twin is the same model built in bitwise mode at tp = 1, on a group of this
-    rank alone (:func:`group_of_one`), and any bit that differs is a divergence.
+    A sharded model built in bitwise mode (its ``numerics``, :mod:`tensorpar.bitwise`) is compared
+    exactly (``rtol`` 0 unless given): its twin is the same model built in bitwise mode at tp = 1, on a
+    group of this rank alone (:func:`group_of_one`), and any bit that differs is a divergence.
 
     Example::
 
@@ -262,7 +263,7 @@ def find_divergence(sharded: nn.Module, dense: nn.Module, *inputs: Any,
         raise ValueError("target= is given to loss_fn(output, target): pass loss_fn= too")
     group = _tp_group_of(sharded) if group is None else group
     device = collective_device(group)
-    if rtol is None and any(getattr(m, "bitwise", None) is not None for m in sharded.modules()):
+    if rtol is None and isinstance(getattr(sharded, "numerics", None), Bitwise):
         rtol = 0.0  # the bitwise mode: the tp = 1 twin's bits exactly
     for p in [*sharded.parameters(), *dense.parameters()]:
         p.grad = None

@@ -10,7 +10,6 @@ importable (defined at the top level of a .py file), as for :func:`tensorpar.spa
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import multiprocessing.connection
 import os
@@ -22,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-from ..bitwise import Bitwise
+from ..bitwise.settings import Bitwise, use_bitwise
 from ..mesh import Mesh, init, shutdown, use_mesh
 from .ranks import LocalRanks, RankError, RanksTimedOut, reply
 from .sendable import Packed, pack, unpack
@@ -31,16 +30,15 @@ from .sendable import Packed, pack, unpack
 def _run_task(payload: tuple[Packed, int, int | None, int, bool, Bitwise | None],
               meshes: dict[tuple[int, int | None, int], Mesh]) -> Any:
     """One task of a pool rank: the function and its arguments, run under the mesh they ask for (kept in
-    ``meshes`` for the next task of that layout; the bitwise mode is a setting of the same groups)."""
+    ``meshes`` for the next task of that layout) and the bitwise mode they ask for."""
     packed, tp, dp, pp, with_mesh, bitwise = payload
     fn, args = unpack(packed)
     mesh = None
     if with_mesh:
         mesh = meshes.get((tp, dp, pp)) or meshes.setdefault((tp, dp, pp), init(tp, dp, pp=pp))
         if bitwise is not None:
-            bitwise.check_tp(tp)
-            mesh = dataclasses.replace(mesh, bitwise=bitwise)  # the pool's ranks run one thread each already
-    with use_mesh(mesh):
+            bitwise.check_tp(tp)  # the pool's ranks run one thread each already
+    with use_mesh(mesh), use_bitwise(bitwise if with_mesh else None):
         return fn(*args)
 
 
@@ -109,8 +107,9 @@ class World:
             mesh: bool = True, timeout: float | None = None, bitwise: bool | Bitwise = False) -> list[Any]:
         """``fn(*args)`` on every rank; the per-rank results, in rank order.
 
-        The default mesh is ``tensorpar.init(tp, dp, pp=pp, bitwise=bitwise)`` (``tp``: every rank of a
-        pipeline stage unless given); ``mesh=False`` runs with no default mesh (to test code that needs one).
+        The default mesh is ``tensorpar.init(tp, dp, pp=pp)`` (``tp``: every rank of a pipeline stage unless
+        given), with ``bitwise`` the mode modules are built in (``tensorpar.bitwise.use_bitwise(bitwise)``);
+        ``mesh=False`` runs with no default mesh and the mode off (to test code that needs one).
         """
         packed = pack(fn, args, caller="World.run")  # before any worker starts
         if self._ranks is None:

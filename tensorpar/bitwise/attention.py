@@ -1,0 +1,79 @@
+"""Attention one head at a time (the bitwise mode), and attention with a given dropout mask.
+
+Each head's kernel sees the same shapes at every tp (CPU SDPA with one-feature heads batches its
+backward over the heads); each query head gets its own copy of the KV head it reads, and backward adds
+a KV head's gradients in head order, gathering them from every rank first when every rank holds every
+KV head: the same bits as at tp = 1, where SDPA's grouped kernel would add them in an order of its own.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+from torch.distributed import ProcessGroup
+
+from ..comm.collectives import all_gather_along
+from .linear import blockwise
+
+
+def attention_dropped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
+    """Causal attention whose probabilities are dropped where ``keep`` is False and scaled by ``1 / (1 - p)``:
+    ``(B, h, T, d)`` each and ``keep`` ``(B, h, T, T)`` -> ``(B, h, T, d)``."""
+    t, d = q.shape[-2:]
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(d)  # (B, h, T, T)
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    return (probs * keep / (1 - p)) @ v
+
+
+class _ExpandKV(torch.autograd.Function):
+    """Each local query head's copy of the K (or V) head it reads (``index``, into the held KV heads);
+    backward, every KV head's gradient as the sum of its ``g`` query heads' gradients, added in head order,
+    first gathered from every rank (``query_sizes``: each rank's query heads) when every rank holds them all."""
+
+    @staticmethod
+    def forward(ctx: Any, kv: torch.Tensor, index: Sequence[int], g: int, query_sizes: Sequence[int] | None,
+                group: ProcessGroup) -> torch.Tensor:
+        ctx.g, ctx.query_sizes, ctx.group = g, query_sizes, group
+        return kv.index_select(1, torch.tensor(index, device=kv.device))  # (B, h, T, d)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        if ctx.query_sizes is not None:  # a KV head's query heads are spread over the ranks: gather them all
+            grad = all_gather_along(grad.contiguous(), 1, ctx.query_sizes, ctx.group)  # (B, n_head, T, d)
+        b, h, t, d = grad.shape
+        g = ctx.g
+        per_kv = grad.view(b, h // g, g, t, d)  # (B, held KV heads, g, T, d): whole groups, in order
+        total = per_kv[:, :, 0]
+        for i in range(1, g):
+            total = total + per_kv[:, :, i]  # query head i of every group, in order
+        return total.contiguous(), None, None, None, None  # (B, held KV heads, T, d)
+
+
+class HeadByHead:
+    """Causal attention of this rank's query heads ``q_lo, q_lo + 1, ...`` of ``n_head``, one head at a time:
+    a callable ``(q, k, v, p)`` of ``(B, h, T, d)`` queries and ``(B, held KV heads, T, d)`` keys and values.
+    ``kv_index`` is the held KV head each local query head reads, ``g`` the query heads per KV head, and
+    ``query_sizes`` every rank's number of query heads where every rank holds every KV head (else ``None``).
+    Dropout ``p`` draws one mask for all ``n_head`` heads, of which this rank's heads take theirs (the same
+    mask at every tp)."""
+
+    def __init__(self, n_head: int, q_lo: int, kv_index: Sequence[int], g: int, query_sizes: Sequence[int] | None,
+                 group: ProcessGroup) -> None:
+        self.n_head, self.q_lo, self.kv_index, self.g = n_head, q_lo, tuple(kv_index), g
+        self.query_sizes, self.group = query_sizes, group
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
+        k, v = (_ExpandKV.apply(t, self.kv_index, self.g, self.query_sizes, self.group) for t in (k, v))  # (B, h, T, d)
+        if not p:
+            return blockwise(functools.partial(F.scaled_dot_product_attention, is_causal=True), [q, k, v], 1)
+        b, h, t, _ = q.shape
+        keep = torch.rand(b, self.n_head, t, t, device=q.device)[:, self.q_lo:self.q_lo + h] >= p  # (B, h, T, T)
+        return blockwise(functools.partial(attention_dropped, p=p), [q, k, v, keep], 1)
