@@ -13,7 +13,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .mesh import DEFAULT_TIMEOUT, shutdown
-from .testing.ranks import LocalRanks, RankError, RanksTimedOut, reply
+from .testing.ranks import LocalRanks, RankError, reply
 from .testing.sendable import Packed, pack, unpack
 
 __all__ = ["RankError", "spawn"]
@@ -69,7 +69,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None =
         results = ranks.collect("process", timeout, grace=5.0)  # grace: for a failed rank's peers to report
         clean_exit = collective_timeout.total_seconds()  # the ranks leave the group together
         return results
-    except RanksTimedOut as e:
+    except TimeoutError as e:
         raise RankError(e.args[1][0], f"timed out after {timeout} s; ranks {e.args[1]} had not finished") from None
     finally:
         ranks.kill(clean_exit)

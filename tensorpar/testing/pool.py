@@ -23,7 +23,7 @@ from typing import Any
 
 from ..bitwise.settings import Bitwise, use_bitwise
 from ..mesh import Mesh, init, shutdown, use_mesh
-from .ranks import LocalRanks, RankError, RanksTimedOut, reply
+from .ranks import LocalRanks, RankError, reply
 from .sendable import Packed, pack, unpack
 
 
@@ -124,7 +124,7 @@ class World:
         try:
             return ranks.collect(f"pool worker running {name}", self.timeout if timeout is None else timeout,
                                  self.grace)
-        except RanksTimedOut as e:
+        except TimeoutError as e:
             raise TimeoutError(f"{e.args[0]}; the pool was killed and will restart") from None
         finally:
             if not all(p.is_alive() for p in ranks.procs):  # collect killed a stuck or broken group

@@ -51,10 +51,6 @@ class RankError(RuntimeError):
         super().__init__(text)
 
 
-class RanksTimedOut(TimeoutError):
-    """Ranks did not reply in time: ``args`` are the message and the silent ranks."""
-
-
 def _error_payload(error: BaseException) -> tuple[bytes | None, str, str]:
     """``error`` pickled (None if it does not travel), its text and its traceback."""
     blob: bytes | None
@@ -140,8 +136,8 @@ class LocalRanks:
 
     def collect(self, what: str, timeout: float | None, grace: float = 0.0) -> list[Any]:
         """One reply per rank, in rank order. Raise :class:`RankError` for a rank that raised or died
-        (after ``grace`` more seconds for its peers to report what they saw), :class:`RanksTimedOut`
-        for ranks still silent after ``timeout`` seconds; ranks that died or stayed silent are killed."""
+        (after ``grace`` more seconds for its peers to report what they saw), ``TimeoutError(message,
+        silent ranks)`` for ranks still silent after ``timeout`` seconds; those ranks are killed."""
         deadline = math.inf if timeout is None else time.monotonic() + timeout
         results: dict[int, Any] = {}
         errors: dict[int, tuple[bytes | None, str, str]] = {}  # in arrival order
@@ -177,7 +173,7 @@ class LocalRanks:
             blob, text, remote_tb = errors[rank]
             raise RankError(rank, text, remote_tb) from (pickle.loads(blob) if blob is not None else None)
         if waiting:
-            raise RanksTimedOut(f"{what} did not finish within {timeout} s on ranks {sorted(waiting)} of "
+            raise TimeoutError(f"{what} did not finish within {timeout} s on ranks {sorted(waiting)} of "
                                 f"{self.size}", sorted(waiting))
         return [results[r] for r in range(self.size)]
 
