@@ -19,14 +19,15 @@ GPT-2 124M training run checked for exact resumption, ending in one summary tabl
 
 Every step's log and figures go into ``DIR`` (default ``out/gpu-check``), the table into
 ``DIR/summary.md`` as well. Exit status 1 when a test failed, a step could not run, or the resumed
-run differs. ``--small`` shrinks everything to seconds on a CPU (the block benchmark's smallest
-sizes, a tiny GPT, no GPT-2 step benchmark, the GPU tests collected and skipped), to check this
-script itself.
+run differs; 2, at once, when this Python has no torch or torch sees no GPU. ``--small`` shrinks
+everything to seconds on a CPU (the block benchmark's smallest sizes, a tiny GPT, no GPT-2 step
+benchmark, the GPU tests collected and skipped), to check this script itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -156,6 +157,28 @@ def train_and_resume(out: Path, *, small: bool, steps: int, timeout: float) -> d
     return verdict | {"train": last}
 
 
+def missing(small: bool) -> str | None:
+    """What this machine lacks for the check (torch; an NVIDIA GPU unless ``small``), or None. Asked
+    first, without importing torch (seconds on a busy host), so that a machine without them stops at
+    once instead of failing every step in turn."""
+    if importlib.util.find_spec("torch") is None:
+        return (f"gpu-check needs torch, which {sys.executable} cannot import; run it with a Python that has "
+                "torch, e.g. `make gpu-check PYTHON=.venv/bin/python` after `make test`")
+    if small:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=8, check=False)
+        gpus = listed.stdout.count("GPU ") if listed.returncode == 0 else 0
+    except (OSError, subprocess.TimeoutExpired):
+        gpus = 0
+    if gpus == 0 or visible in ("", "-1"):
+        seen = "nvidia-smi lists no GPU" if gpus == 0 else f"CUDA_VISIBLE_DEVICES={visible!r} hides its {gpus}"
+        return (f"gpu-check needs an NVIDIA GPU, and this machine has none visible ({seen}); run it on a "
+                "machine with a GPU, or with --small to check the script itself on a CPU")
+    return None
+
+
 def table(rows: list[tuple[str, str]]) -> str:
     width = max(len(k) for k, _ in rows)
     return "\n".join(["| check | result |", "|---|---|"] + [f"| {k.ljust(width)} | {v} |" for k, v in rows])
@@ -169,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="training steps (default 40; --small: 6)")
     parser.add_argument("--tests", default="tests", help="the folder (or one file) of the gpu-marked tests")
     args = parser.parse_args(argv)
+    lacking = missing(args.small)
+    if lacking is not None:
+        print(f"[gpu-check] {lacking}", file=sys.stderr)
+        return 2
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()

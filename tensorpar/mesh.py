@@ -13,22 +13,22 @@ and with 8 ranks at ``pp=2, dp=2, tp=2``: stages 0-3 and 4-7, dp groups [0, 2], 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
+import ctypes
 import os
-import weakref
+import signal
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from . import lifeline
-from .process_exit import DEFAULT_TIMEOUT, shutdown, shutdown_at_exit, wait_for_gloo_at_exit
 from .random import RNGStatesTracker
 
 __all__ = ["DEFAULT_TIMEOUT", "Mesh", "collective_device", "current_mesh", "current_mesh_or_none",
@@ -40,9 +40,7 @@ __all__ = ["DEFAULT_TIMEOUT", "Mesh", "collective_device", "current_mesh", "curr
 class Mesh:
     """A 3-D ``("pp", "dp", "tp")`` mesh over the world, with its groups, ranks and sizes.
 
-    ``rng`` is this rank's random stream for sharded regions (see :mod:`tensorpar.random`);
-    ``channels`` holds the shared-memory channels that :mod:`tensorpar.comm` opens for groups
-    used while this mesh is the default (they close when the mesh is dropped).
+    ``rng`` is this rank's random stream for sharded regions (see :mod:`tensorpar.random`).
     """
 
     device_mesh: DeviceMesh
@@ -59,8 +57,6 @@ class Mesh:
     world_size: int
     device: torch.device
     rng: RNGStatesTracker = field(compare=False)
-    channels: weakref.WeakKeyDictionary[ProcessGroup, Any] = field(
-        default_factory=weakref.WeakKeyDictionary, compare=False, repr=False)
 
     def __repr__(self) -> str:
         return (f"Mesh(tp={self.tp}, dp={self.dp}, pp={self.pp}, rank={self.rank}, tp_rank={self.tp_rank}, "
@@ -69,6 +65,9 @@ class Mesh:
 
 # The default mesh of modules built without a ``group``: scoped by ``use_mesh``, per thread.
 _current: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("tensorpar_mesh", default=None)
+
+#: How long a collective waits for its peers before it raises (torch's own default for gloo and NCCL).
+DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
 def default_backend(nprocs: int = 1) -> str:
@@ -88,11 +87,16 @@ def _init_process_group(backend: str | None, timeout: timedelta) -> None:
         if missing:
             raise RuntimeError(f"WORLD_SIZE is set but {', '.join(missing)} is not: launch with torchrun "
                                "or tensorpar.spawn, or initialise torch.distributed yourself")
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            _end_with_parent()
         dist.init_process_group(backend, timeout=timeout)
-        if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: end with it
-            lifeline.end_with_parent(dist.get_rank())
-    # The group is ours: close it at exit (a gloo group left open can abort the interpreter's shutdown).
-    shutdown_at_exit(timeout)
+
+
+def _end_with_parent() -> None:
+    """Have the kernel kill this process when its parent (torchrun's agent) ends, however it ends:
+    torchrun's workers otherwise outlive an agent killed by SIGKILL. Linux only (elsewhere a no-op)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
 
 
 def init(tp: int | None = None, dp: int | None = None, *, pp: int = 1, backend: str | None = None,
@@ -105,7 +109,11 @@ def init(tp: int | None = None, dp: int | None = None, *, pp: int = 1, backend: 
     and ``tp`` to ``world // (pp * dp)`` (all ranks of a stage when neither is
     given). Every rank must call it, with the same arguments: they are compared
     across ranks, and ranks that differ all raise. An ``init`` that raises
-    leaves no process group behind that it created.
+    leaves no process group behind that it created. A group it creates is closed
+    by :func:`shutdown` at the latest when the process exits (gloo threads still
+    running at interpreter exit abort the process: "terminate called without an
+    active exception"); call it yourself to close it sooner. Under torchrun it
+    asks the kernel to end this rank when torchrun's agent ends.
 
     Example::
 
@@ -119,6 +127,7 @@ def init(tp: int | None = None, dp: int | None = None, *, pp: int = 1, backend: 
     created = not dist.is_initialized()
     if created:
         _init_process_group(backend, timeout)
+        atexit.register(_close_at_exit, timeout)
     elif backend is not None and backend not in dist.get_backend():
         raise ValueError(f"init(backend={backend!r}): the process group already exists with backend "
                          f"{dist.get_backend()!r}; destroy it first or leave backend out")
@@ -127,12 +136,35 @@ def init(tp: int | None = None, dp: int | None = None, *, pp: int = 1, backend: 
         mesh = _build_mesh(tp, dp, pp)
     except BaseException:
         if created:  # leave nothing half-initialised
-            shutdown_at_exit(None)
             dist.destroy_process_group()
         raise
     _current.set(mesh)
-    wait_for_gloo_at_exit()  # whoever created the group
     return mesh
+
+
+def shutdown(timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+    """Wait for every rank (up to ``timeout``), then destroy the process group; a no-op without one.
+
+    Ranks that tear gloo down while a peer still uses it can abort; the barrier first avoids that.
+    If a peer is gone the barrier fails and the group is left for the process exit to drop.
+    """
+    if not dist.is_initialized():
+        return
+    try:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timeout)
+        else:
+            dist.barrier()
+    except RuntimeError:
+        return
+    dist.destroy_process_group()
+
+
+def _close_at_exit(timeout: timedelta) -> None:
+    """:func:`shutdown` when the process exits after a clean run (a no-op once the group is gone); after
+    an uncaught exception, exit at once: a barrier with peers blocked elsewhere would only delay the end."""
+    if getattr(sys, "last_value", None) is None:
+        shutdown(timeout)
 
 
 _BACKENDS = (None, "gloo", "nccl")
@@ -187,8 +219,7 @@ def _build_mesh(tp: int | None, dp: int | None, pp: int) -> Mesh:
                  else f"tp ({tp}) x dp ({dp}) = {tp * dp}")
         raise ValueError(f"{shape} does not match the world size ({world})")
     device = collective_device() or torch.device("cpu")
-    grid = torch.arange(world).reshape(pp, dp, tp)
-    device_mesh = DeviceMesh(device.type, grid, mesh_dim_names=("pp", "dp", "tp"))
+    device_mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     rank = dist.get_rank()
     return Mesh(
         device_mesh=device_mesh,

@@ -5,6 +5,10 @@ training processes), by hand: ``PYTHONPATH=. python benchmarks/gpu_check.py --sm
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,3 +60,17 @@ def test_resume_verdict():
     assert not gpu_check.resume_verdict(straight, drifting | {3: 3.5 * 1.1}, 2)["ok"]
     missing = gpu_check.resume_verdict(straight, {1: 5.0, 2: 4.0, 4: 3.0}, 2)
     assert not missing["ok"] and missing["why"] == "logged steps [1, 2, 4], expected [1, 2, 3, 4]"
+
+
+def test_without_torch_or_without_a_gpu_it_stops_at_once_saying_what_it_needs(tmp_path):
+    """``make gpu-check`` on a machine without a GPU (here: none visible), or with a Python that has no
+    torch (here: ``python -S``, without site-packages), ends within 10 s, before any step, naming it."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    for flags, needs in ((["-S"], "gpu-check needs torch, which"), ([], "gpu-check needs an NVIDIA GPU, and this")):
+        began = time.monotonic()
+        done = subprocess.run([sys.executable, *flags, str(ROOT / "benchmarks" / "gpu_check.py"), "--out",
+                               str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=60)
+        took = time.monotonic() - began
+        assert done.returncode == 2 and done.stderr.startswith(f"[gpu-check] {needs}"), done.stderr[-2000:]
+        assert took < 10, f"it took {took:.1f} s to say so"
+        assert not (tmp_path / "out").exists()  # no step ran

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import types
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,46 @@ def test_a_killed_rank_ends_the_run_and_its_peer_reports_the_broken_collective()
 def test_a_run_past_its_timeout_is_stopped():
     with pytest.raises(tensorpar.RankError, match=r"timed out after 1.5 s"):
         tensorpar.spawn(time.sleep, 2, 60, timeout=1.5)
+
+
+def fault_on_rank_one(directory, fault):
+    """Rank 1 raises, is killed or stops itself (SIGSTOP); rank 0 waits for it in an all-reduce."""
+    Path(directory, f"pid-{dist.get_rank()}").write_text(str(os.getpid()))
+    if dist.get_rank() == 1:
+        if fault == "raise":
+            raise ValueError("rank 1 gives up")
+        os.kill(os.getpid(), {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[fault])
+    dist.all_reduce(torch.ones(1))
+
+
+def still_running(pids):
+    """Those of ``pids`` that are processes still (a zombie has ended: it only awaits its reaper)."""
+    alive = []
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError):
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX":
+                alive.append(pid)
+    return alive
+
+
+@pytest.mark.parametrize("fault", ["raise", "kill", "stop"])
+def test_a_rank_that_raises_dies_or_stops_ends_every_rank_while_the_launcher_waits_in_the_kernel(tmp_path, fault):
+    """The call ends within its timeout (a stopped rank never answers: the timeout ends it), no rank is
+    left, and the launcher slept while it waited (it used a small part of a core)."""
+    began, cpu = time.monotonic(), time.process_time()
+    with pytest.raises(tensorpar.RankError) as info:
+        tensorpar.spawn(fault_on_rank_one, 2, str(tmp_path), fault, timeout=6, backend="gloo",
+                        collective_timeout=timedelta(seconds=120))
+    waited, busy = time.monotonic() - began, time.process_time() - cpu
+    said = {"raise": "rank 1: ValueError: rank 1 gives up",
+            "kill": "rank 1: process was killed by signal 9 before returning; then rank 0 failed: ",
+            "stop": "rank 0: timed out after 6 s; ranks [0, 1] had not finished"}[fault]
+    assert str(info.value).startswith(said), str(info.value)
+    pids = [int((tmp_path / f"pid-{r}").read_text()) for r in range(2)]
+    assert still_running(pids) == []
+    assert waited < 6 + 10  # the timeout, and start-up on a busy host
+    assert busy < 0.2 * waited, f"the launcher used {busy:.2f} s of CPU in {waited:.2f} s"
+    print(f"rank 1 {fault}: every rank gone after {waited:.2f} s; the launcher used {busy / waited:.0%} of a core")
 
 
 def test_spawn_rejects_a_bad_process_count():
@@ -119,7 +160,8 @@ def test_ranks_are_forked_with_the_launchers_environment_and_run_its_exit_handle
     """A rank is a fork of a fork server started earlier, but sees what its launcher has now (an
     environment variable and the working directory set after the server started), none of the
     launcher's other state (a module it imported), and runs the exit handlers it registers."""
-    tensorpar.spawn(report, 1, 0)  # the fork server now runs, with this process's environment of now
+    tensorpar.spawn(report, 1, 0, backend="gloo")  # the fork server now runs, with this environment of now
+    # (gloo: `report` all-reduces a CPU tensor, which NCCL, the default on a host with a GPU, cannot)
     monkeypatch.setenv("TENSORPAR_TEST_VARIABLE", "set after the server started")
     monkeypatch.chdir(tmp_path)
     import layers  # noqa: F401 - loaded here only

@@ -1,8 +1,8 @@
 """Persistent pools of ranks for tests: start a world once, send it many examples.
 
 A :class:`World` is ``size`` processes joined in one gloo group through
-:class:`tensorpar.launch.LocalRanks` (the launcher :func:`tensorpar.spawn`
-uses), kept alive between calls: an example costs a few milliseconds instead
+:class:`tensorpar.testing.ranks.LocalRanks` (what :func:`tensorpar.spawn`
+starts too), kept alive between calls: an example costs a few milliseconds instead
 of the ~1 s of starting processes. A function sent to a world must be
 importable (defined at the top level of a .py file), as for :func:`tensorpar.spawn`.
 """
@@ -22,9 +22,9 @@ from datetime import timedelta
 from typing import Any
 
 from ..bitwise.settings import Bitwise, use_bitwise
-from ..launch import LocalRanks, RankError, RanksTimedOut, reply
 from ..mesh import Mesh, init, shutdown, use_mesh
-from ..sendable import Packed, pack, unpack
+from .ranks import LocalRanks, RankError, reply
+from .sendable import Packed, pack, unpack
 
 
 def _run_task(payload: tuple[Packed, int, int | None, int, bool, Bitwise | None],
@@ -124,8 +124,8 @@ class World:
         try:
             return ranks.collect(f"pool worker running {name}", self.timeout if timeout is None else timeout,
                                  self.grace)
-        except RanksTimedOut as e:
-            raise TimeoutError(f"{e}; the pool was killed and will restart") from None
+        except TimeoutError as e:
+            raise TimeoutError(f"{e.args[0]}; the pool was killed and will restart") from None
         finally:
             if not all(p.is_alive() for p in ranks.procs):  # collect killed a stuck or broken group
                 self._ranks = None
@@ -135,7 +135,7 @@ class World:
         if self._ranks is not None:
             with contextlib.suppress(OSError):
                 self._ranks.send(("stop", None))
-            self._ranks.join(15)
+            self._ranks.kill(15)
             self._ranks = None
 
 
