@@ -22,7 +22,6 @@ import argparse
 import contextlib
 import ctypes
 import ctypes.util
-import math
 import tempfile
 import time
 from pathlib import Path
@@ -94,9 +93,8 @@ def rank_figures(config: dict[str, Any], directory: str) -> dict[str, Any]:
     other, other_optimizer = _trained(config)
     load_s, load_peak = _measured(lambda: checkpoint.load(directory, other, other_optimizer))
     meta = checkpoint.read_meta(directory)
-    shard = Path(meta["path"]) / f"shard-{mesh.rank:05d}-of-{mesh.world_size:05d}.safetensors"
-    model_bytes = sum(math.prod(e["size"]) * _ELEMENT[e["dtype"]] for k, e in meta["tensors"].items()
-                      if k.startswith("model."))
+    shard = Path(meta["path"]) / f"__{mesh.rank}_0.distcp"  # DCP's FileSystemWriter: one file per rank
+    model_bytes = sum(t.numel() * t.element_size() for t in tensorpar.full_state_dict(model).values())  # after timing
     held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     held += sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values())
     return {"save s": save_s, "load s": load_s, "save peak": save_peak, "load peak": load_peak,
