@@ -1,15 +1,8 @@
-"""A checkpoint directory on disk: its manifest ``meta.json``, atomic publishing, ``latest`` and keep-N.
-
-``meta.json`` holds the run's fields (step, layout, config, optimizer groups, the caller's ``extra``),
-``files``: ``{name: {"sha256", "bytes"}}`` of every other file of the directory (DCP's ``.metadata``
-and ``__R_0.distcp`` files), and ``meta_sha256``, the SHA-256 of its own canonical JSON. A reader
-checks all of it before it opens (or unpickles) any file, so a damaged or edited checkpoint is
-refused before anything is modified.
-
-A save fills ``.tmp-<pid>-<host>-<nonce>-step-NNNNNN`` and renames it into place (a copy of the
-same step is renamed aside first, and deleted last); ``latest`` is then replaced by a file naming
-it. Each step is one rename: after a crash ``latest`` names a complete directory (or its aside
-copy, which :func:`recover` puts back once its writer is gone).
+"""A checkpoint directory on disk: ``meta.json`` (the run's fields, ``files``: the size and SHA-256 of
+every other file, and ``meta_sha256``: its own), checked before any file is opened; the atomic publish
+(a ``.tmp-...`` directory renamed into place, a replaced step renamed ``.old-...`` aside first),
+``latest`` and keep-N. After a crash ``latest`` names a complete directory, or an aside copy that
+:func:`recover` puts back once its writer is gone.
 """
 
 from __future__ import annotations
@@ -163,7 +156,7 @@ def _writer_gone(pid: int, host: str) -> bool:
     except ProcessLookupError:
         return True
     except OSError:  # it exists, as another user's
-        return False
+        pass
     return False
 
 

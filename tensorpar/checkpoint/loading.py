@@ -1,9 +1,6 @@
-"""Loading: the manifest and every file's SHA-256 are checked (the ranks hash the files between them)
-before DCP's ``FileSystemReader`` opens anything; then each rank checks the model, optimizer and
-generator states against the checkpoint's metadata and reads just its own boxes with ``dcp.load``
-(:class:`~.layout.BoxLoadPlanner`: DCP's resharding from whatever layout wrote them). The ranks
-agree before any of them modifies anything: a refused load changes nothing anywhere.
-"""
+"""Loading: the manifest and the files' hashes are checked before DCP opens anything, then every
+tensor's size and dtype, then each rank reads its own boxes with ``dcp.load``; the ranks agree
+before any of them modifies anything."""
 
 from __future__ import annotations
 
