@@ -61,12 +61,16 @@ def fsync(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(directory: Path, fields: dict[str, Any], files: dict[str, dict[str, Any]]) -> None:
-    body = fields | {"files": files}
-    with open(directory / MANIFEST, "w") as f:
-        f.write(json.dumps(body | {SELF_HASH: canonical_sha256(body)}, indent=1))
+def _write(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
+
+
+def write_manifest(directory: Path, fields: dict[str, Any], files: dict[str, dict[str, Any]]) -> None:
+    body = fields | {"files": files}
+    _write(directory / MANIFEST, json.dumps(body | {SELF_HASH: canonical_sha256(body)}, indent=1))
 
 
 def _whole(value: object, minimum: int) -> bool:
@@ -92,14 +96,11 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     for key, minimum in (("step", 0), ("tp", 1), ("dp", 1), ("pp", 1)):
         if not _whole(meta.get(key), minimum):
             raise CheckpointError(f"{path}: {key} must be an integer >= {minimum} (it is {meta.get(key)!r})")
-    if meta.get("config") is not None and not isinstance(meta["config"], dict):
-        raise CheckpointError(f"{path}: config must be an object or null (it is {meta['config']!r})")
-    if not isinstance(meta.get("extra"), dict):
-        raise CheckpointError(f"{path}: extra must be an object (it is {meta.get('extra')!r})")
-    groups = meta.get("param_groups")
-    if not isinstance(groups, list):
-        raise CheckpointError(f"{path}: param_groups must be a list (it is {groups!r})")
-    for i, group in enumerate(groups):
+    for key, kinds, kind in (("config", (dict, type(None)), "an object or null"), ("extra", dict, "an object"),
+                             ("param_groups", list, "a list")):
+        if not isinstance(meta.get(key), kinds):
+            raise CheckpointError(f"{path}: {key} must be {kind} (it is {meta.get(key)!r})")
+    for i, group in enumerate(meta["param_groups"]):
         names = group.get("params") if isinstance(group, dict) else None
         if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
             raise CheckpointError(f"{path}: param_groups[{i}] must be an object with a list of parameter "
@@ -196,11 +197,7 @@ def publish(tmp: Path, final: Path) -> None:
             os.rename(aside, final)
         raise
     fsync(parent)
-    pointer = scratch(parent, LATEST)
-    with open(pointer, "w") as f:
-        f.write(final.name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    _write(pointer := scratch(parent, LATEST), final.name + "\n")
     os.replace(pointer, parent / LATEST)
     fsync(parent)
     if os.path.lexists(aside):

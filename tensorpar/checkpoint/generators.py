@@ -33,7 +33,7 @@ def streams(mesh: Mesh) -> dict[str, torch.Tensor]:
 
 
 def digests(mine: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    return {k: hashlib.sha256(bytes(v.contiguous().view(-1).view(torch.uint8).tolist())).hexdigest()
+    return {k: hashlib.sha256(v.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
             for k, v in mine.items()}
 
 
@@ -47,8 +47,7 @@ def destinations(entries: Mapping[str, tuple[tuple[int, ...], torch.dtype]], wor
                  rank: int, where: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Empty tensors to read the states this rank restores into, and the streams it cannot restore,
     after checking every state's name, dtype and size."""
-    cpu, found, lost = torch.get_rng_state().numel(), set(), set()
-    tensors = {}
+    cpu, found, lost, tensors = torch.get_rng_state().numel(), set(), set(), {}
     for key, (size, dtype) in entries.items():
         if not key.startswith(RNG):
             continue
