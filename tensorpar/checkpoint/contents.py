@@ -123,21 +123,14 @@ def optim_pieces(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[di
 
 def _conform(saved: Any, current: Any, where: str) -> Any:
     """``saved`` in the structure and type of ``current``, or a CheckpointError naming ``where``."""
+    flag = (bool, type(None))
+    kinds = {bool: flag, type(None): flag, int: (int,), float: (int, float), str: (str,)}  # JSON types it may be
     if isinstance(current, (list, tuple)):
         if isinstance(saved, list) and len(saved) == len(current):
             return type(current)(_conform(s, c, f"{where}[{i}]")
                                  for i, (s, c) in enumerate(zip(saved, current, strict=True)))
-    elif current is None or isinstance(current, bool):
-        if saved is None or isinstance(saved, bool):
-            return saved
-    elif isinstance(current, int):
-        if type(saved) is int:
-            return saved
-    elif isinstance(current, float):
-        if type(saved) in (int, float):
-            return float(saved)
-    elif isinstance(current, str) and isinstance(saved, str):
-        return saved
+    elif type(saved) in kinds.get(type(current), ()):
+        return float(saved) if type(current) is float else saved
     kind = f"a list of {len(current)}" if isinstance(current, (list, tuple)) else type(current).__name__
     raise CheckpointError(f"{where} must be {kind} like the optimizer's {current!r} (it is {saved!r})")
 
