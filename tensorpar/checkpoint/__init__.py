@@ -1,29 +1,12 @@
-"""Distributed checkpoints on ``torch.distributed.checkpoint`` (DCP): every rank writes only its own
-shards, and a checkpoint saved at one (tp, dp, pp), with or without FSDP2, loads at any other.
-
-A checkpoint is a directory ``step-NNNNNN`` written by torch's ``FileSystemWriter`` (``.metadata``
-and one ``__R_0.distcp`` per rank) plus ``meta.json``: step, layout, model config, optimizer groups,
-the caller's ``extra``, and the size and SHA-256 of every file (:mod:`.files`). torch's own tools
-read it as it is, e.g. ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save(step_dir,
-"out.pt")`` gives ``{"model.<key>": full tensor, "optim.state.<param>.<field>": ..., "rng...."}``.
-
-What tensorpar adds to DCP: the chunk of the full tensor each rank holds (:mod:`.layout`: balanced
-tp shards, FSDP2 chunks of them, fused projections), the generator states (:mod:`.generators`), and
-the run's management: atomic publish, ``latest``, keep-N, no non-finite state ever published, and
-a damaged or edited checkpoint refused before anything is modified.
-
-Trade against torch's format: DCP's ``.metadata`` is a pickle and its ranks exchange plans through
-object collectives; ``meta.json``'s hashes are checked before ``.metadata`` is opened, so a damaged
-or edited checkpoint is refused, but a forger who rewrites those hashes can hand the loader a pickle:
-load checkpoints you trust, as with ``torch.load``.
+"""Distributed checkpoints on ``torch.distributed.checkpoint`` (DCP), loadable at any (tp, dp, pp),
+with or without FSDP2. A checkpoint is a ``FileSystemWriter`` directory ``step-NNNNNN`` plus
+``meta.json`` (step, layout, config, optimizer groups, ``extra``, every file's SHA-256); the README's
+"Checkpoints" says what it holds and the trade against torch's format (DCP's ``.metadata`` is a pickle).
 
 Example::
 
-    path = tensorpar.checkpoint.save("out", model, optimizer, step=step, extra={"tokens": tokens})
+    tensorpar.checkpoint.save("out", model, optimizer, step=step, extra={"tokens": tokens})
     meta = tensorpar.checkpoint.load("out", model, optimizer)          # at any (tp, dp, pp)
-    pending = tensorpar.checkpoint.async_save("out", model, optimizer, step=step)
-    pending.wait()                                                      # latest moves now
-    tensorpar.checkpoint.export_safetensors("out", "model.safetensors")  # one unsharded file
 """
 
 from __future__ import annotations
@@ -46,18 +29,12 @@ __all__ = ["FORMAT", "MANIFEST", "NAME", "CheckpointError", "PendingSave", "asyn
 
 def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
          step: int, extra: Mapping[str, Any] | None = None, keep: int = 2, mesh: Mesh | None = None) -> Path:
-    """Write ``directory/step-NNNNNN`` (a collective: every rank calls it) and return its path.
+    """Write ``directory/step-NNNNNN`` (a collective) and return its path; keep the newest ``keep``.
 
-    Each rank writes its own chunks of the model (under FSDP2 too), of the optimizer's state
-    (``torch.optim`` optimizers and ``ZeroRedundancyOptimizer``) and its generator states. ``extra``
-    (JSON-serialisable) is stored in ``meta.json``. The newest ``keep`` checkpoints stay; saving a
-    step that exists replaces it. A state holding a NaN or an infinity (on any rank) is refused on
-    every rank with a :class:`CheckpointError` naming the tensors, and nothing on disk changes. Ranks
-    passing different ``step``, ``keep`` or ``extra`` all raise the same error, and nothing is written.
-
-    Example::
-
-        tensorpar.checkpoint.save("out", model, optimizer, step=step, extra={"tokens": tokens})
+    Each rank writes its chunks of the model, the optimizer's state (``ZeroRedundancyOptimizer``'s
+    too) and its generator states; ``extra`` (JSON) goes to ``meta.json``. A NaN or an infinity on
+    any rank, or ranks passing different ``step``, ``keep`` or ``extra``, raise the same
+    :class:`CheckpointError` on every rank, and nothing on disk changes.
     """
     mesh = mesh or current_mesh()
     return write(prepare(directory, model, optimizer, step=step, extra=extra, keep=keep, mesh=mesh))
@@ -66,15 +43,7 @@ def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimiz
 def async_save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                step: int, extra: Mapping[str, Any] | None = None, keep: int = 2,
                mesh: Mesh | None = None) -> PendingSave:
-    """Like :func:`save` through ``dcp.async_save``: the tensors are copied to CPU memory, written in a
-    thread, and ``PendingSave.wait()`` (a collective) publishes the checkpoint; ``latest`` does not
-    move before. The result is the checkpoint :func:`save` would have written when called.
-
-    Example::
-
-        pending = tensorpar.checkpoint.async_save("out", model, optimizer, step=step)
-        train_more_steps()
-        pending.wait()
-    """
+    """:func:`save` through ``dcp.async_save``: the tensors are staged to CPU memory and written in a
+    thread; ``PendingSave.wait()`` (a collective) publishes the checkpoint and moves ``latest``."""
     mesh = mesh or current_mesh()
     return PendingSave(prepare(directory, model, optimizer, step=step, extra=extra, keep=keep, mesh=mesh))

@@ -1,12 +1,7 @@
-"""What a checkpoint holds of a model and its optimizer, as boxes of full tensors (see :mod:`.layout`).
-
-Tensors are named as DCP names a flattened ``{"model": ..., "optim": {"state": ...}}``:
-``model.<state-dict key>`` and ``optim.state.<parameter>.<field>`` (a state shaped like its parameter
-lies where the parameter does; a scalar such as AdamW's ``step`` is a tensor of its own).
-``ZeroRedundancyOptimizer`` keeps each parameter's state on one dp rank, which writes it and, on load,
-reads the state of the parameters it owns in the new layout. The optimizer's groups (hyper-parameters
-and parameter names) go to ``meta.json``; on load they must name the optimizer's parameters, grouped
-alike, each hyper-parameter of the optimizer's own structure.
+"""A model's and its optimizer's state as DCP names it: ``model.<key>`` and
+``optim.state.<parameter>.<field>`` (a state shaped like its parameter lies like it; a scalar is a
+tensor of its own). A ``ZeroRedundancyOptimizer``'s rank writes and reads the parameters it owns.
+The optimizer's groups go to ``meta.json`` and must match the optimizer's on load.
 """
 
 from __future__ import annotations
@@ -49,18 +44,15 @@ def model_destinations(model: nn.Module, entries: Entries, where: Path, *, cast:
                        stage: bool) -> tuple[dict[str, torch.Tensor], dict[str, Box]]:
     """Empty tensors to read this rank's boxes of the model into, after checking that the checkpoint
     holds the model's keys (and no others, unless the model is one pipeline ``stage``), shapes, dtypes."""
-    state, found = model.state_dict(), placements(model)
-    stored = {k.removeprefix(MODEL) for k in entries if k.startswith(MODEL)}
-    if missing := sorted(set(state) - stored):
+    local, boxes = model_pieces(model)
+    stored = {k for k in entries if k.startswith(MODEL)}
+    if missing := sorted(k.removeprefix(MODEL) for k in set(boxes) - stored):
         raise CheckpointError(f"{where}: the checkpoint lacks {missing}")
-    if (unexpected := sorted(stored - set(state))) and not stage:
+    if (unexpected := sorted(k.removeprefix(MODEL) for k in stored - set(boxes))) and not stage:
         raise CheckpointError(f"{where}: the checkpoint holds {unexpected}, which the model lacks")
-    tensors, boxes = {}, {}
-    for key, value in state.items():
-        local, box = locate(value, *found.get(key, (None, None)))
-        _check(MODEL + key, entries, box, local.dtype, where, cast)
-        tensors[MODEL + key], boxes[MODEL + key] = torch.empty(box.sizes, dtype=entries[MODEL + key][1]), box
-    return tensors, boxes
+    for key, box in boxes.items():
+        _check(key, entries, box, local[key].dtype, where, cast)
+    return {k: torch.empty(box.sizes, dtype=entries[k][1]) for k, box in boxes.items()}, boxes
 
 
 def like(value: torch.Tensor, current: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -131,21 +123,14 @@ def optim_pieces(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[di
 
 def _conform(saved: Any, current: Any, where: str) -> Any:
     """``saved`` in the structure and type of ``current``, or a CheckpointError naming ``where``."""
+    flag = (bool, type(None))
+    kinds = {bool: flag, type(None): flag, int: (int,), float: (int, float), str: (str,)}  # JSON types it may be
     if isinstance(current, (list, tuple)):
         if isinstance(saved, list) and len(saved) == len(current):
             return type(current)(_conform(s, c, f"{where}[{i}]")
                                  for i, (s, c) in enumerate(zip(saved, current, strict=True)))
-    elif current is None or isinstance(current, bool):
-        if saved is None or isinstance(saved, bool):
-            return saved
-    elif isinstance(current, int):
-        if type(saved) is int:
-            return saved
-    elif isinstance(current, float):
-        if type(saved) in (int, float):
-            return float(saved)
-    elif isinstance(current, str) and isinstance(saved, str):
-        return saved
+    elif type(saved) in kinds.get(type(current), ()):
+        return float(saved) if type(current) is float else saved
     kind = f"a list of {len(current)}" if isinstance(current, (list, tuple)) else type(current).__name__
     raise CheckpointError(f"{where} must be {kind} like the optimizer's {current!r} (it is {saved!r})")
 

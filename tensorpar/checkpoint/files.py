@@ -1,15 +1,8 @@
-"""A checkpoint directory on disk: its manifest ``meta.json``, atomic publishing, ``latest`` and keep-N.
-
-``meta.json`` holds the run's fields (step, layout, config, optimizer groups, the caller's ``extra``),
-``files``: ``{name: {"sha256", "bytes"}}`` of every other file of the directory (DCP's ``.metadata``
-and ``__R_0.distcp`` files), and ``meta_sha256``, the SHA-256 of its own canonical JSON. A reader
-checks all of it before it opens (or unpickles) any file, so a damaged or edited checkpoint is
-refused before anything is modified.
-
-A save fills ``.tmp-<pid>-<host>-<nonce>-step-NNNNNN`` and renames it into place (a copy of the
-same step is renamed aside first, and deleted last); ``latest`` is then replaced by a file naming
-it. Each step is one rename: after a crash ``latest`` names a complete directory (or its aside
-copy, which :func:`recover` puts back once its writer is gone).
+"""A checkpoint directory on disk: ``meta.json`` (the run's fields, ``files``: the size and SHA-256 of
+every other file, and ``meta_sha256``: its own), checked before any file is opened; the atomic publish
+(a ``.tmp-...`` directory renamed into place, a replaced step renamed ``.old-...`` aside first),
+``latest`` and keep-N. After a crash ``latest`` names a complete directory, or an aside copy that
+:func:`recover` puts back once its writer is gone.
 """
 
 from __future__ import annotations
@@ -68,12 +61,16 @@ def fsync(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(directory: Path, fields: dict[str, Any], files: dict[str, dict[str, Any]]) -> None:
-    body = fields | {"files": files}
-    with open(directory / MANIFEST, "w") as f:
-        f.write(json.dumps(body | {SELF_HASH: canonical_sha256(body)}, indent=1))
+def _write(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
+
+
+def write_manifest(directory: Path, fields: dict[str, Any], files: dict[str, dict[str, Any]]) -> None:
+    body = fields | {"files": files}
+    _write(directory / MANIFEST, json.dumps(body | {SELF_HASH: canonical_sha256(body)}, indent=1))
 
 
 def _whole(value: object, minimum: int) -> bool:
@@ -99,14 +96,11 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     for key, minimum in (("step", 0), ("tp", 1), ("dp", 1), ("pp", 1)):
         if not _whole(meta.get(key), minimum):
             raise CheckpointError(f"{path}: {key} must be an integer >= {minimum} (it is {meta.get(key)!r})")
-    if meta.get("config") is not None and not isinstance(meta["config"], dict):
-        raise CheckpointError(f"{path}: config must be an object or null (it is {meta['config']!r})")
-    if not isinstance(meta.get("extra"), dict):
-        raise CheckpointError(f"{path}: extra must be an object (it is {meta.get('extra')!r})")
-    groups = meta.get("param_groups")
-    if not isinstance(groups, list):
-        raise CheckpointError(f"{path}: param_groups must be a list (it is {groups!r})")
-    for i, group in enumerate(groups):
+    for key, kinds, kind in (("config", (dict, type(None)), "an object or null"), ("extra", dict, "an object"),
+                             ("param_groups", list, "a list")):
+        if not isinstance(meta.get(key), kinds):
+            raise CheckpointError(f"{path}: {key} must be {kind} (it is {meta.get(key)!r})")
+    for i, group in enumerate(meta["param_groups"]):
         names = group.get("params") if isinstance(group, dict) else None
         if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
             raise CheckpointError(f"{path}: param_groups[{i}] must be an object with a list of parameter "
@@ -163,7 +157,7 @@ def _writer_gone(pid: int, host: str) -> bool:
     except ProcessLookupError:
         return True
     except OSError:  # it exists, as another user's
-        return False
+        pass
     return False
 
 
@@ -203,11 +197,7 @@ def publish(tmp: Path, final: Path) -> None:
             os.rename(aside, final)
         raise
     fsync(parent)
-    pointer = scratch(parent, LATEST)
-    with open(pointer, "w") as f:
-        f.write(final.name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    _write(pointer := scratch(parent, LATEST), final.name + "\n")
     os.replace(pointer, parent / LATEST)
     fsync(parent)
     if os.path.lexists(aside):

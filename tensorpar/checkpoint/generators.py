@@ -1,11 +1,6 @@
-"""The random-generator states in a checkpoint: torch's (``cpu``, ``cuda``) and the mesh's tp streams
-(``tp.<device>``, and their ``tp.base`` seed: :mod:`tensorpar.random`).
-
-A stream whose state is the same on every saving rank (torch's default generator, which every rank
-keeps in step, and so every dropout mask of the bitwise mode) is stored once as ``rng.<stream>`` and
-restored on every rank at any layout. A stream that differs by rank (a tp rank's dropout stream) is
-stored as ``rng.rank<r>.<stream>`` and restored only at the layout that saved it; at another, load
-warns naming it (a tp stream then restarts from its base seed).
+"""Generator states: torch's (``cpu``, ``cuda``) and the mesh's tp streams (``tp.<device>``,
+``tp.base``). A state equal on every saving rank is stored once as ``rng.<stream>`` and restored at
+any layout; one that differs by rank as ``rng.rank<r>.<stream>``, restored only at the saving layout.
 """
 
 from __future__ import annotations
@@ -38,7 +33,7 @@ def streams(mesh: Mesh) -> dict[str, torch.Tensor]:
 
 
 def digests(mine: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    return {k: hashlib.sha256(bytes(v.contiguous().view(-1).view(torch.uint8).tolist())).hexdigest()
+    return {k: hashlib.sha256(v.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
             for k, v in mine.items()}
 
 
@@ -52,8 +47,7 @@ def destinations(entries: Mapping[str, tuple[tuple[int, ...], torch.dtype]], wor
                  rank: int, where: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Empty tensors to read the states this rank restores into, and the streams it cannot restore,
     after checking every state's name, dtype and size."""
-    cpu, found, lost = torch.get_rng_state().numel(), set(), set()
-    tensors = {}
+    cpu, found, lost, tensors = torch.get_rng_state().numel(), set(), set(), {}
     for key, (size, dtype) in entries.items():
         if not key.startswith(RNG):
             continue

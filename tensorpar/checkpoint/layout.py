@@ -1,17 +1,9 @@
-"""Where a rank's tensor lies in the full tensor, stated to ``torch.distributed.checkpoint``.
+"""Where a rank's tensor lies in the full tensor, stated to DCP as a :class:`Box`.
 
-DCP describes a ``DTensor``'s part by ``torch.chunk``'s rule (10 rows over 4 ranks: 3, 3, 3, 1);
-tensorpar's tp shards are balanced (3, 3, 2, 2), and under FSDP2 (``tensorpar.fully_shard_dp``)
-chunked again over dp by torch's rule, in the coordinates of the tp shard. :func:`locate` composes
-the two into a :class:`Box` of the full tensor::
-
-    full (10, 4) --tp=4--> rows [6, 8) --FSDP2, dp=2--> rows [6, 7) and [7, 8)
-
-A fused projection's tp shard is several pieces of the full tensor laid end to end
-(:meth:`tensorpar.Shard.pieces`): its box lists them, each written as a chunk of its own. The
-planners take plain local tensors with their boxes: a save plan of one ``WriteItem`` per piece (DCP
-keeps one copy of a piece several ranks hold), and a load plan from DCP's own resharding, which
-reads each local box from whatever chunks were written, at whatever layout.
+DCP describes a ``DTensor``'s part by ``torch.chunk``'s rule; tensorpar's tp shards are balanced and,
+under FSDP2, chunked again over dp by torch's rule (full (10, 4) --tp=4--> rows [6, 8) --dp=2--> [6, 7)
+and [7, 8)); a fused projection's shard is several pieces of the full tensor, each a chunk of its own.
+The planners write and read plain local tensors by their boxes; DCP reshards between layouts.
 """
 
 from __future__ import annotations

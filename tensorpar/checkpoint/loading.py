@@ -1,9 +1,6 @@
-"""Loading: the manifest and every file's SHA-256 are checked (the ranks hash the files between them)
-before DCP's ``FileSystemReader`` opens anything; then each rank checks the model, optimizer and
-generator states against the checkpoint's metadata and reads just its own boxes with ``dcp.load``
-(:class:`~.layout.BoxLoadPlanner`: DCP's resharding from whatever layout wrote them). The ranks
-agree before any of them modifies anything: a refused load changes nothing anywhere.
-"""
+"""Loading: the manifest and the files' hashes are checked before DCP opens anything, then every
+tensor's size and dtype, then each rank reads its own boxes with ``dcp.load``; the ranks agree
+before any of them modifies anything."""
 
 from __future__ import annotations
 
@@ -47,9 +44,10 @@ def _read(directory: Path, state: dict[str, torch.Tensor], planner: Any = None) 
             raise CheckpointError(f"{directory}: its files cannot be read ({e})") from None
 
 
-def _entries(directory: Path, stored: int) -> Entries:
+def _entries(directory: Path, meta: dict[str, Any]) -> Entries:
     """Each tensor's full size and dtype from DCP's ``.metadata`` (hashed: it may be unpickled), after
-    checking that its chunks cover it exactly and that it fits in the ``stored`` bytes of the files."""
+    checking that its chunks cover it exactly and that it fits in the bytes of the files."""
+    stored = sum(f["bytes"] for f in meta["files"].values())
     try:
         metadata = dcp.FileSystemReader(directory).read_metadata()
     except Exception as e:  # noqa: BLE001 - what unpickling a damaged file raises
@@ -84,16 +82,10 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
          restore_rng: bool = True, cast: bool = False, mesh: Mesh | None = None) -> dict[str, Any]:
     """Load a checkpoint saved at any (tp, dp, pp), with or without FSDP2, into ``model`` (and
-    ``optimizer``); return its metadata. A collective: every rank calls it.
-
-    Each rank reads only its own boxes. Generator states the same on every saving rank (torch's
-    default generator: every dropout mask of the bitwise mode) are restored at any layout; those that
-    differ by rank (the tp streams) only at the saving layout, and otherwise a warning names them. A
-    tensor stored in another dtype than the model's is refused unless ``cast=True``. A missing,
-    corrupt, edited or mismatched checkpoint raises :class:`CheckpointError` on every rank, and
-    nothing (model, optimizer, generators, files) is modified on any rank.
-
-    Example::
+    ``optimizer``); return its metadata (a collective). Generator states that differ by rank are
+    restored only at the saving layout (elsewhere a warning names them); another dtype than the
+    model's is refused unless ``cast=True``. A missing, corrupt, edited or mismatched checkpoint
+    raises :class:`CheckpointError` on every rank, and nothing is modified on any rank. Example::
 
         meta = tensorpar.checkpoint.load("out", model, optimizer)   # the newest one
         tensorpar.checkpoint.load("bf16-run", fp32_model, cast=True)  # converts bf16 to float32
@@ -106,8 +98,7 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
         error = e
     settle(everyone(described(error)), error, mesh, "load the checkpoint")
     saved, optimizer_state = (meta["tp"], meta["dp"], meta["pp"]), None
-    states: dict[str, torch.Tensor] = {}
-    lost: list[str] = []
+    states, lost = dict[str, torch.Tensor](), list[str]()
     try:
         where = directory / MANIFEST
         ours, theirs = config_dict(model), meta.get("config")
@@ -115,7 +106,7 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
             diff = ", ".join(f"{k}: checkpoint {theirs.get(k)!r}, model {ours.get(k)!r}"
                              for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k))
             raise CheckpointError(f"{where}: config does not match the model's ({diff})")
-        entries = _entries(directory, sum(f["bytes"] for f in meta["files"].values()))
+        entries = _entries(directory, meta)
         tensors, boxes = model_destinations(model, entries, where, cast=cast, stage=mesh.pp > 1)
         if optimizer is not None:
             more, more_boxes, optimizer_state = optim_destinations(meta, entries, where, model, optimizer, cast=cast)
@@ -139,16 +130,9 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
 
 
 def export_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """The checkpoint's unsharded model state dict, for the plain (unsharded) model (no process group
-    needed).
-
-    Example::
-
-        plain.load_state_dict(tensorpar.checkpoint.export_state_dict("out"))
-    """
+    """The checkpoint's unsharded model state dict, for the plain model (no process group needed)."""
     directory, meta = _checked(path)
-    entries = _entries(directory, sum(f["bytes"] for f in meta["files"].values()))
-    full = {k: torch.empty(size, dtype=dtype) for k, (size, dtype) in entries.items()
+    full = {k: torch.empty(size, dtype=dtype) for k, (size, dtype) in _entries(directory, meta).items()
             if k.startswith(MODEL)}
     _read(directory, full)
     return {k.removeprefix(MODEL): v for k, v in full.items()}
@@ -156,18 +140,11 @@ def export_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 
 def export_safetensors(path: str | Path, out_file: str | Path) -> Path:
     """Write the checkpoint's unsharded model state dict to the safetensors file ``out_file`` (through the
-    ``safetensors`` package: ``pip install tensorpar[hf]``), replaced atomically when complete.
-
-    Example::
-
-        tensorpar.checkpoint.export_safetensors("out", "model.safetensors")
-        plain.load_state_dict(safetensors.torch.load_file("model.safetensors"))
-    """
+    ``safetensors`` package: ``pip install tensorpar[hf]``), replaced atomically when complete."""
     try:
         from safetensors.torch import save_file
     except ImportError:
         raise ImportError("export_safetensors needs the safetensors package: pip install 'tensorpar[hf]'") from None
-
     out = Path(out_file)
     tmp = files.scratch(out.parent, out.name)
     try:

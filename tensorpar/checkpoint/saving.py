@@ -1,15 +1,6 @@
-"""Saving: ``dcp.save`` (or ``dcp.async_save``) of every rank's boxes with torch's ``FileSystemWriter``
-into a temporary directory, then the manifest and the atomic publish (:mod:`.files`).
-
-1. *prepare* (a collective): each rank gathers its tensors (:mod:`.contents`, :mod:`.generators`)
-   and checks that they are finite; the first rank clears what dead writers left and makes the
-   temporary directory; the ranks compare ``step``, ``keep`` and ``extra`` and all refuse when
-   they differ or when any rank failed, before anything is written;
-2. *write*: ``dcp.save`` with :class:`~.layout.BoxSavePlanner`; for ``async_save``, DCP stages
-   the tensors to CPU memory and writes in a thread, over a process group of its own;
-3. *finish* (a collective): the ranks hash the files between them; the first rank writes
-   ``meta.json``, renames the directory into place, moves ``latest`` and prunes to ``keep``.
-"""
+"""Saving: *prepare* (a collective: gather and check every rank's tensors, agree on the arguments,
+make the temporary directory), *write* (``dcp.save`` or ``dcp.async_save`` with ``FileSystemWriter``),
+*finish* (a collective: hash the files, write ``meta.json``, publish, prune)."""
 
 from __future__ import annotations
 
@@ -169,30 +160,27 @@ def _writer(job: Job) -> dcp.FileSystemWriter:
 
 def finish(job: Job, error: BaseException | None) -> Path:
     """Step 3 (a collective), after every rank's write (or its ``error``)."""
-    mesh, hashed = job.mesh, {}
+    mesh, hashed, outcome = job.mesh, {}, None
     try:
         if error is None:
             names = sorted(os.listdir(job.tmp))
             hashed = {n: files.file_entry(job.tmp / n) for n in names[mesh.rank::mesh.world_size]}
     except Exception as e:  # noqa: BLE001 - shared below
         error = e
-    rows, outcome = everyone({"error": described(error), "files": hashed}), None
+    rows = everyone({"error": described(error), "files": hashed})
+    errors = [row["error"] for row in rows]
     if mesh.rank == 0:
         try:
-            if failed := [(r, row["error"]) for r, row in enumerate(rows) if row["error"] is not None]:
-                outcome = f"rank {failed[0][0]}: {failed[0][1]}"
-            else:
+            if all(e is None for e in errors):
                 files.write_manifest(job.tmp, job.fields, {k: v for row in rows for k, v in row["files"].items()})
                 files.publish(job.tmp, job.final)
                 files.prune(job.final.parent, job.keep, job.final.name)
         except Exception as e:  # noqa: BLE001 - a crash (a BaseException) leaves the directory to the next recover()
             outcome = f"rank 0: {described(e)}"
-        if outcome is not None and os.path.lexists(job.tmp):
+        if os.path.lexists(job.tmp):
             files.remove(job.tmp)
-    result = everyone(outcome)[0]
-    if error is not None:
-        settle([None], error, mesh, "save the checkpoint")
-    if result is not None:
+    settle(errors, error, mesh, "save the checkpoint")  # every rank alike: none publishes
+    if (result := everyone(outcome)[0]) is not None:
         raise CheckpointError(f"{result} (so rank {mesh.rank} did not save the checkpoint either)")
     return job.final
 
@@ -211,17 +199,12 @@ def write(job: Job) -> Path:
 
 
 class PendingSave:
-    """A checkpoint being written in the background (from :func:`~tensorpar.checkpoint.async_save`).
-
-    The tensors were copied to CPU memory when the save began, so training may go on. :meth:`wait`
-    (a collective) waits for every rank's file, then publishes the checkpoint and returns its path;
-    until then ``latest`` names the previous checkpoint.
-    """
+    _outcome: Path | BaseException | None
+    """A checkpoint being written in the background (from :func:`~tensorpar.checkpoint.async_save`);
+    :meth:`wait` (a collective) publishes it and returns its path."""
 
     def __init__(self, job: Job) -> None:
-        self._job: Job = job
-        self._path: Path | None = None
-        self._failed: BaseException | None = None
+        self._job, self._outcome = job, None  # the outcome: the path, or what wait() raises
         self._group = dist.new_group(backend="gloo")  # DCP's collectives run in its thread: not on the training's
         self._future: Future | None = None
         self._error: BaseException | None = None
@@ -239,19 +222,18 @@ class PendingSave:
 
     def wait(self) -> Path:
         """Finish the save on every rank (a collective) and return the checkpoint's path."""
-        if self._failed is not None:
-            raise self._failed
-        if self._path is None:
+        if self._outcome is None:
             try:
                 if self._future is not None:
                     self._future.result()
             except BaseException as e:  # noqa: BLE001 - shared in finish()
                 self._error = e
             try:
-                self._path = finish(self._job, self._error)
-            except BaseException as e:
-                self._failed = e
-                raise
+                self._outcome = finish(self._job, self._error)
+            except BaseException as e:  # noqa: BLE001 - raised below, and by every later wait()
+                self._outcome = e
             finally:
                 dist.destroy_process_group(self._group)
-        return self._path
+        if isinstance(self._outcome, BaseException):
+            raise self._outcome
+        return self._outcome
