@@ -1,6 +1,6 @@
 """Bitwise mode: a model sharded over tp ranks computes exactly the bits of the same model at tp = 1.
 
-:func:`enable` (or :func:`use_bitwise` for a block) sets the mode for the layers built afterwards; each
+:func:`enable` (or :func:`use_bitwise` for a block) sets the mode for the modules built afterwards; each
 layer chooses its numerics once, when built (:func:`current_bitwise`). The mode removes the three ways
 tp changes the bits (README, "Bitwise"): split reductions become sums of one partial result per
 canonical segment along one fixed tree (:mod:`.segments`, :mod:`.tree_sum`); every product, activation
