@@ -1,20 +1,10 @@
 """tensorpar: Megatron-style tensor parallelism for PyTorch.
 
-The runtime core: the (pp, dp, tp) process mesh, Megatron's ``f`` and ``g`` and
-the other autograd collectives (:mod:`tensorpar.comm`), balanced sharding and
-full views of sharded models, tp-invariant initialisation, per-rank random
-streams, vocab-parallel cross-entropy, gradient clipping, pipeline stages and
-schedules (:mod:`tensorpar.pipeline`), checkpoints and a local launcher.
-``tensorpar.testing`` is the multi-process test kit. The ``nn.Module``\\ s
-built on this core live in a package of their own; the training app (data,
-command line, run directory, loggers) lives beside ``examples/train_gpt.py``.
-
-``import tensorpar`` loads the mesh, sharding, the collectives and what a
-model's forward and backward use. The checkpoint store, the launcher
-(:func:`spawn`), FSDP2, pipelines and the test kit
-load on first use (``tensorpar.checkpoint``,
-``tensorpar.spawn``, ...), and so do ``torch.distributed.checkpoint`` and
-DTensor, which only they need.
+The core: the (pp, dp, tp) mesh, Megatron's ``f`` and ``g`` and the other autograd collectives
+(:mod:`tensorpar.comm`), balanced sharding and full views of sharded models, tp-invariant
+initialisation, per-rank random streams, vocab-parallel cross-entropy and gradient clipping.
+``import tensorpar`` loads those; the checkpoint store, the launcher (:func:`spawn`), FSDP2,
+pipelines and the test kit load on first use, and so do torch's DCP and DTensor, which only they need.
 """
 
 from __future__ import annotations
@@ -23,64 +13,25 @@ import importlib
 import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
-from . import tiled_init
+from . import comm, tiled_init
 from .bitwise.settings import current_bitwise
 from .clipping import clip_grad_norm_, grad_norm
-from .comm import (
-    all_gather,
-    all_gather_sequence,
-    column_parallel_linear,
-    copy_to_tp,
-    gather_from_tp,
-    gather_sequence,
-    reduce_from_tp,
-    reduce_scatter,
-    reduce_scatter_sequence,
-    row_parallel_linear,
-    save_sequence_shard,
-    scatter_sequence,
-    scatter_to_tp,
-    sequence_length,
-    sequence_parallel_column_linear,
-    sequence_parallel_row_linear,
-    sequence_sizes,
-)
+from .comm import *  # noqa: F403  (the collectives and fused linear maps: comm.__all__)
 from .cross_entropy import vocab_parallel_cross_entropy
 from .full import full_grads, full_state_dict, load_full_state_dict, shard_geometry, unshard
-from .mesh import (
-    Mesh,
-    current_mesh,
-    group_rank_size,
-    init,
-    manual_seed,
-    shutdown,
-    tp_group,
-    use_mesh,
-)
+from .mesh import Mesh, current_mesh, group_rank_size, init, manual_seed, shutdown, tp_group, use_mesh
 from .random import RNGStatesTracker
 from .sharding import Shard, partition_bounds, partition_offsets, partition_sizes, shard
 
-
-def _installed_version() -> str:
-    """This distribution's version, as installed (``pip install``); ``0+unknown`` in a source tree
-    that was never installed."""
-    try:
-        return importlib.metadata.version("tensorpar")
-    except importlib.metadata.PackageNotFoundError:
-        return "0+unknown"
-
-
-__version__ = _installed_version()
+try:
+    __version__ = importlib.metadata.version("tensorpar")  # as installed
+except importlib.metadata.PackageNotFoundError:  # a source tree never installed
+    __version__ = "0+unknown"
 
 #: what loads on first use: attribute -> (module, name in it; None for the module itself)
-_ON_FIRST_USE = (
-    ("checkpoint", "tensorpar.checkpoint", None),
-    ("pipeline", "tensorpar.pipeline", None),
-    ("testing", "tensorpar.testing", None),
-    ("spawn", "tensorpar.launch", "spawn"),
-    ("RankError", "tensorpar.launch", "RankError"),
-    ("fully_shard_dp", "tensorpar.fsdp", "fully_shard_dp"),
-)
+_ON_FIRST_USE = (("checkpoint", "tensorpar.checkpoint", None), ("pipeline", "tensorpar.pipeline", None),
+                 ("testing", "tensorpar.testing", None), ("spawn", "tensorpar.launch", "spawn"),
+                 ("RankError", "tensorpar.launch", "RankError"), ("fully_shard_dp", "tensorpar.fsdp", "fully_shard_dp"))
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr__ below
     from . import checkpoint
@@ -103,50 +54,10 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *(attribute for attribute, _, _ in _ON_FIRST_USE)})
 
 
-__all__ = [
-    "Mesh",
-    "RNGStatesTracker",
-    "RankError",
-    "Shard",
-    "all_gather",
-    "all_gather_sequence",
-    "checkpoint",
-    "clip_grad_norm_",
-    "column_parallel_linear",
-    "copy_to_tp",
-    "current_bitwise",
-    "current_mesh",
-    "full_grads",
-    "full_state_dict",
-    "fully_shard_dp",
-    "gather_from_tp",
-    "gather_sequence",
-    "grad_norm",
-    "group_rank_size",
-    "init",
-    "load_full_state_dict",
-    "manual_seed",
-    "partition_bounds",
-    "partition_offsets",
-    "partition_sizes",
-    "reduce_from_tp",
-    "reduce_scatter",
-    "reduce_scatter_sequence",
-    "row_parallel_linear",
-    "save_sequence_shard",
-    "scatter_sequence",
-    "scatter_to_tp",
-    "sequence_length",
-    "sequence_parallel_column_linear",
-    "sequence_parallel_row_linear",
-    "sequence_sizes",
-    "shard",
-    "shard_geometry",
-    "shutdown",
-    "spawn",
-    "tiled_init",
-    "tp_group",
-    "unshard",
-    "use_mesh",
-    "vocab_parallel_cross_entropy",
+__all__ = [  # the core's own names, then comm's
+    "Mesh", "RNGStatesTracker", "RankError", "Shard", "checkpoint", "clip_grad_norm_", "current_bitwise",
+    "current_mesh", "full_grads", "full_state_dict", "fully_shard_dp", "grad_norm", "group_rank_size", "init",
+    "load_full_state_dict", "manual_seed", "partition_bounds", "partition_offsets", "partition_sizes", "shard",
+    "shard_geometry", "shutdown", "spawn", "tiled_init", "tp_group", "unshard", "use_mesh",
+    "vocab_parallel_cross_entropy", *comm.__all__,
 ]

@@ -1,10 +1,5 @@
-"""Checks of arguments, each failing with an error that names the argument and its value: sizes and
-counts (:func:`check_int`) and ids within a range (:func:`check_ids`). The core and the modules built
-on it check their arguments with these.
-
-Whether the ranks of a group called a collective alike is torch's check, made under
-``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (see :mod:`tensorpar.comm.collectives`).
-"""
+"""Checks of arguments whose errors name the argument and its value: sizes and counts (:func:`check_int`)
+and ids within a range (:func:`check_ids`)."""
 
 from __future__ import annotations
 
@@ -12,11 +7,8 @@ import torch
 
 
 def check_int(value: object, name: str, *, minimum: int = 1, optional: bool = False) -> None:
-    """Raise unless ``value`` is an ``int`` of at least ``minimum`` (or ``None`` when ``optional``).
-
-    A ``bool`` is no size or count, though Python makes it an ``int``: ``True``
-    raises a ``TypeError``, as any other non-integer does; an integer below
-    ``minimum`` raises a ``ValueError``. The message names ``name`` and the value.
+    """Raise unless ``value`` is an ``int`` of at least ``minimum`` (or ``None`` when ``optional``): a
+    ``TypeError`` for a non-integer (a ``bool`` too), a ``ValueError`` below ``minimum``.
 
     Example::
 
@@ -36,13 +28,10 @@ def check_int(value: object, name: str, *, minimum: int = 1, optional: bool = Fa
 
 
 def check_ids(ids: torch.Tensor, limit: int, what: str, detail: str, *, allowed: int | None = None) -> None:
-    """Assert that every id in ``ids`` is in ``[0, limit)`` (or equals ``allowed``), without a host sync.
-
-    The check is an assertion in the stream of ops (``torch._assert_async``), as ``nn.Embedding``'s
-    own: on a GPU a device-side assertion with the message ``"a {what} is out of range for {detail}"``,
-    raised by the next operation that waits for the device; in a ``torch.compile`` graph a part of the
-    graph. On the CPU it fails at once, and the ``ValueError`` it becomes names the first id out of
-    range: ``"{what} {id} is out of range for {detail}"``.
+    """Assert that every id in ``ids`` is in ``[0, limit)`` (or equals ``allowed``), without a host sync:
+    ``torch._assert_async``, as ``nn.Embedding``'s own (on a GPU "a {what} is out of range for {detail}",
+    raised by the next op that waits; in a compiled graph, part of it). On the CPU it fails at once, as a
+    ``ValueError`` naming the first id out of range: "{what} {id} is out of range for {detail}".
     """
     ok = (ids >= 0) & (ids < limit)  # (*)
     if allowed is not None:

@@ -1,24 +1,13 @@
 """The gradient norm of a tensor-parallel model, and clipping by it.
 
-The gradient norm of a sharded model is the norm of the *unsharded* model's
-gradient: each split parameter contributes its shard on every tp rank (summed
-over the group), each replicated parameter (LayerNorms, row-parallel biases)
-once, however many ranks hold a copy::
+The norm is the *unsharded* model's: each split parameter contributes its shard on every tp rank,
+each replicated one (LayerNorms, row-parallel biases, a split parameter's replicated tail) once::
 
     ‖g‖² = Σ_r Σ_{p split} ‖g_p,r‖²  +  Σ_{p replicated} ‖g_p‖²
 
-(a split parameter's replicated tail, such as the K and V rows of a ``c_attn``
-held whole by every rank, counts once too).
-
-Without FSDP that is one all-reduce of a scalar over the tp group: data-parallel
-replicas hold the same (averaged) gradients and need nothing more.
-
-Under FSDP2 (:func:`tensorpar.fully_shard_dp`) a gradient is a ``DTensor``
-whose global tensor is the rank's tp shard (or replicated copy), split
-``Shard(0)`` over the dp sub-mesh: the dp ranks hold disjoint pieces of it, so
-their squares are summed over dp as well (one more scalar all-reduce). A
-``DTensor`` dimension placed ``Replicate`` holds copies, each counted
-``1 / size`` so that the sum over it counts one.
+Without FSDP that is one scalar all-reduce over tp (dp replicas hold the same averaged gradients).
+Under FSDP2 a gradient is a ``DTensor`` over the dp sub-mesh whose global tensor is the rank's tp shard:
+its ``Shard(0)`` pieces are summed over dp too, and each copy along a ``Replicate`` dim counts ``1 / size``.
 """
 
 from __future__ import annotations
@@ -55,17 +44,13 @@ def _replicas(x: DTensor, name: str) -> int:
 def grad_norm(model: nn.Module, group: ProcessGroup | None = None, *, pp_group: ProcessGroup | None = None,
               exclude: Collection[str] = ()) -> torch.Tensor:
     """The 2-norm of the unsharded model's gradient, the same on every rank: float64 where a gradient is
-    float64 (as ``torch.nn.utils.get_total_norm`` of the unsharded model), else float32.
+    float64 (as ``torch.nn.utils.get_total_norm``), else float32 (16-bit gradients accumulate in float32).
 
-    A collective over the tp group, and under FSDP2 over the dp sub-mesh too (every rank calls it).
-    ``model`` may be one pipeline stage (or a rank's stages) of a larger model: then its squares are
-    summed over ``pp_group`` too, leaving out the parameters named in ``exclude`` (copies of a
-    parameter that another stage counts, such as a tied head).
-
-    The norms are taken by torch's foreach kernels (16-bit gradients accumulated in float32, where torch
-    would return a 16-bit norm), one launch per bucket of gradients that share a mesh, a replica count, a
-    device and a dtype; for a model built in bitwise mode (it says so: ``model.numerics``, asked once),
-    by canonical segments (:mod:`tensorpar.bitwise.grad_norm`), the same bits at every tp.
+    A collective over tp (under FSDP2 over dp too). For a pipeline stage (or a rank's stages) the squares
+    are summed over ``pp_group`` too, leaving out ``exclude`` (copies another stage counts, such as a tied
+    head). torch's foreach norms, one launch per bucket of gradients sharing a mesh, replica count, device
+    and dtype; a model built in bitwise mode (``model.numerics``) sums by canonical segments
+    (:mod:`tensorpar.bitwise.grad_norm`), the same bits at every tp.
     """
     split = placements(model)
     group = next(iter(split.values()))[1] if group is None and split else tp_group(group)
@@ -87,8 +72,9 @@ def grad_norm(model: nn.Module, group: ProcessGroup | None = None, *, pp_group: 
     device = next(iter(buckets))[2] if buckets else local_part(next(model.parameters())).device
     total_dtype = torch.float64 if any(key[3] == torch.float64 for key in buckets) else torch.float32
     with torch.no_grad():  # 16-bit gradients' norms in float32; float64's in float64
-        norms = {key: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=_norm_dtype(key[3]))))
-                 .to(device, total_dtype) for key, grads in buckets.items()}  # () each
+        norms = {key: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(
+            grads, 2.0, dtype=torch.float32 if key[3].itemsize < 4 else None))).to(device, total_dtype)
+            for key, grads in buckets.items()}  # () each
     if n == 1 and _size(pp_group) == 1 and len(norms) == 1 and next(iter(norms))[0] is None:
         return next(iter(norms.values()))  # one bucket of whole, unreplicated gradients: nothing to sum
     zero = torch.zeros((), dtype=total_dtype, device=device)
@@ -118,10 +104,6 @@ def _parts(grad: torch.Tensor, placement: Shard | None, n: int) -> list[tuple[to
     lo = min(max(grad.shape[dim] - placement.replicated - start, 0), local.shape[dim])  # the tail's first local row
     return [(local.narrow(dim, 0, lo), 1), (local.narrow(dim, lo, local.shape[dim] - lo), n)]
 
-def _norm_dtype(dtype: torch.dtype) -> torch.dtype | None:
-    """The dtype ``torch._foreach_norm`` returns for gradients of ``dtype``: at least float32."""
-    return torch.float32 if dtype.itemsize < 4 else None
-
 def _size(group: ProcessGroup | None) -> int:
     return 1 if group is None else group_rank_size(group)[1]
 
@@ -132,20 +114,14 @@ def _summed(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
 def clip_grad_norm_(model: nn.Module, max_norm: float, group: ProcessGroup | None = None, *,
                     pp_group: ProcessGroup | None = None, exclude: Collection[str] = (),
                     error_if_nonfinite: bool = False) -> torch.Tensor:
-    """Scale the gradients so that the unsharded model's gradient norm is at most ``max_norm``
-    (as ``torch.nn.utils.clip_grad_norm_`` would on the unsharded model); return the norm before.
+    """Scale the gradients so that the unsharded model's gradient norm is at most ``max_norm`` (as
+    ``torch.nn.utils.clip_grad_norm_`` on the unsharded model); return the norm before. For plain tp models
+    (DDP or ZeRO over dp), FSDP2 models and pipeline stages (``pp_group``, ``exclude``: :func:`grad_norm`).
 
-    Works alike on plain tp models (with DDP or ``ZeroRedundancyOptimizer`` over dp) and on
-    models sharded over dp with :func:`tensorpar.fully_shard_dp`, and on pipeline stages (``pp_group``,
-    ``exclude``: see :func:`grad_norm`).
-
-    No host sync: the factor ``min(1, max_norm / (norm + 1e-6))`` stays on the device and every gradient
-    is multiplied by it (as torch's own clipping does; by exactly 1.0 when the norm is within
-    ``max_norm``). As in torch, a NaN or infinite gradient makes the norm non-finite and the factor
-    NaN or 0, which then reaches every gradient; ``error_if_nonfinite=True`` raises a ``RuntimeError``
-    naming the norm instead, before any gradient changes, on every rank (the norm is the same on all),
-    at the cost of one host sync. ``max_norm`` must be a number >= 0 (``ValueError`` otherwise: a
-    negative one would flip the gradients); 0 zeroes them.
+    No host sync: every gradient is multiplied by ``min(1, max_norm / (norm + 1e-6))`` on the device. As in
+    torch, a non-finite norm makes the factor NaN or 0; ``error_if_nonfinite=True`` raises a
+    ``RuntimeError`` on every rank instead, before any gradient changes (one host sync). ``max_norm``
+    must be a number >= 0.
 
     Example::
 

@@ -1,16 +1,12 @@
 """Cross-entropy from vocab-sharded logits, without gathering them.
 
-Rank ``r`` holds the logits of vocabulary rows ``[lo_r, hi_r)`` (a balanced
-split of ``vocab_size``). For each position with target ``t``::
+Rank ``r`` holds the logits of vocabulary rows ``[lo_r, hi_r)`` (a balanced split). For target ``t``::
 
     loss = log Σ_v exp(z_v) − z_t = log Σ_v exp(z_v − m) − (z_t − m),   m = max_v z_v
 
-Each of the three ingredients is a reduction over the vocabulary, so each rank
-reduces its own rows and one all-reduce of ``(*)`` elements (the token shape)
-combines the ranks: the max ``m`` (op MAX), the target logit ``z_t − m`` (SUM;
-only the rank owning ``t`` contributes), and the sum of exponentials (SUM).
-Subtracting ``m`` keeps ``exp`` from overflowing. The gradient is local:
-``∂loss/∂z_v = softmax(z)_v − [v = t]`` on each rank's own rows.
+Each rank reduces its own rows, and one all-reduce of ``(*)`` elements combines each ingredient: ``m``
+(MAX), ``z_t − m`` (SUM; only the rank owning ``t`` contributes) and the sum of exponentials (SUM). The
+gradient is local: ``∂loss/∂z_v = softmax(z)_v − [v = t]`` on each rank's rows.
 """
 
 from __future__ import annotations
@@ -91,18 +87,13 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
                                  bitwise: bool | Bitwise | None = None) -> torch.Tensor:
     """``F.cross_entropy`` of vocab-sharded ``logits`` (*, vocab_size / tp) against full ``targets`` (*).
 
-    ``targets`` holds token ids in ``[0, vocab_size)`` (any integer dtype), the same on every rank;
-    positions equal to ``ignore_index`` add nothing (and ``"mean"`` averages
-    over the others). The loss is the same on every rank; three all-reduces of
-    ``targets.numel()`` elements, no gathered logits. The loss is float32 for
-    16-bit logits (reduced in float32 at every tp, 1 included), else in the logits' dtype;
-    the logits' gradient comes back in their own dtype. Backward reuses the
-    saved softmax in place, so it runs once (no ``retain_graph`` second pass).
-    ``bitwise`` (a :class:`~tensorpar.bitwise.Bitwise`, ``True`` for the current one or the
-    defaults, ``False`` for none; default: the current mode, :func:`tensorpar.current_bitwise`) sums
-    the exponentials by canonical segments of the vocabulary, the same bits at every tp of the mode
-    (:mod:`tensorpar.bitwise.vocabulary`); at tp = 1 too, where ``F.cross_entropy`` would add them
-    in an order of its own.
+    ``targets`` holds token ids in ``[0, vocab_size)`` (any integer dtype), the same on every rank; positions
+    equal to ``ignore_index`` add nothing. The loss is the same on every rank (three all-reduces of
+    ``targets.numel()`` elements), float32 for 16-bit logits, else in their dtype; the gradient comes back
+    in the logits' dtype. Backward reuses the saved softmax in place, so it runs once. ``bitwise`` (a
+    :class:`~tensorpar.bitwise.Bitwise`, ``True`` for the current one or the defaults, ``False`` for none;
+    default: :func:`tensorpar.current_bitwise`) sums the exponentials by canonical segments of the
+    vocabulary, the same bits at every tp of the mode, 1 included.
 
     Example::
 

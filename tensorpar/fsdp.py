@@ -1,23 +1,13 @@
 """Fully sharded data parallelism (FSDP2) over the mesh's dp dimension, tensor parallelism inside.
 
-On a ``(dp, tp)`` mesh each rank already holds its balanced tp shard of every
-split parameter as a plain tensor (and the whole of each replicated one).
-:func:`fully_shard_dp` hands those local tensors to torch's ``fully_shard`` on
-the 1-D ``dp`` sub-mesh, which treats each as a tensor of its own and splits
-its dim 0 into ``dp`` chunks (``torch.chunk``: ``⌈d0 / dp⌉`` rows, the last
-chunks shorter or empty). A weight of full shape ``(m, k)`` split by rows over
-tp is then held as about ``m / (tp · dp)`` rows on each rank, and so are its
-gradient and its optimizer state::
+Each rank's local tensors (its tp shards, and replicated parameters whole) go to torch's ``fully_shard``
+on the 1-D ``dp`` sub-mesh, which splits each one's dim 0 like ``torch.chunk``::
 
     full (m, k) --tensorpar, tp--> (m_r, k) --FSDP2, dp--> (⌈m_r / dp⌉, k) or fewer rows
 
-Registered parameters and gradients become ``DTensor``\\ s sharded ``Shard(0)``
-over the dp sub-mesh, whose global shape is the rank's tp shard. Before a
-module's forward and backward FSDP2 all-gathers its parameters over dp, so the
-module computes on its plain tp shard exactly as without FSDP; after backward
-it reduce-scatters (and averages) the gradients over dp. tensorpar's full views
-(:mod:`tensorpar.full`) and gradient norm (:mod:`tensorpar.clipping`) read
-those ``DTensor``\\ s on both dimensions.
+Parameters and gradients become ``DTensor``\\ s (``Shard(0)`` over dp, global shape the tp shard): FSDP2
+all-gathers them over dp around each forward and backward, so modules compute on their plain tp shards,
+and reduce-scatters the gradients; :mod:`tensorpar.full` and :mod:`tensorpar.clipping` read both dims.
 """
 
 from __future__ import annotations
@@ -40,17 +30,11 @@ def fully_shard_dp(model: nn.Module, mesh: Mesh | None = None, *, modules: Itera
     """Shard ``model``'s parameters, gradients and optimizer state over the dp dimension of ``mesh``
     with FSDP2, keeping tensorpar's tp shards inside; return ``model`` (now an ``FSDPModule``).
 
-    Each of ``modules`` (e.g. the transformer blocks) becomes its own FSDP2 unit, all-gathered and
-    reduce-scattered as one; ``model`` itself then takes every parameter left. ``mesh`` defaults
-    to the current mesh. Build the optimizer *after* this call: FSDP2 replaces the parameters.
-    ``reshard_after_forward`` frees each unit's gathered parameters after its forward (gathering
-    them again for backward); ``mp_policy`` is an FSDP2 ``MixedPrecisionPolicy``, ``offload_policy``
-    its ``CPUOffloadPolicy`` (the dp shards of parameters, gradients and optimizer state kept in host
-    memory, the optimizer stepping there: FSDP2's own ZeRO-Offload).
-
-    Under FSDP2, :func:`tensorpar.full_state_dict`, :func:`tensorpar.full_grads` and
-    :func:`tensorpar.clip_grad_norm_` are collectives over the whole mesh (every rank calls them);
-    gradient accumulation skips the dp reduction with ``model.set_requires_gradient_sync(False)``.
+    Each of ``modules`` (e.g. the blocks) becomes its own FSDP2 unit; ``model`` takes the parameters left.
+    Build the optimizer *after* this call (FSDP2 replaces the parameters). ``reshard_after_forward``,
+    ``mp_policy`` (a ``MixedPrecisionPolicy``) and ``offload_policy`` (``CPUOffloadPolicy``: FSDP2's
+    ZeRO-Offload) are ``fully_shard``'s. Then :func:`tensorpar.full_state_dict`, :func:`tensorpar.full_grads`
+    and :func:`tensorpar.clip_grad_norm_` are collectives over the whole mesh.
 
     Example::
 
@@ -80,14 +64,12 @@ def fully_shard_dp(model: nn.Module, mesh: Mesh | None = None, *, modules: Itera
                          f"{len({id(u) for u in units})} distinct)")
     dp_mesh = (mesh or current_mesh()).device_mesh["dp"]
     options: dict[str, Any] = dict(mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
-    if mp_policy is not None:
-        if not isinstance(mp_policy, MixedPrecisionPolicy):
-            raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-        options["mp_policy"] = mp_policy
-    if offload_policy is not None:
-        if not isinstance(offload_policy, OffloadPolicy):
-            raise TypeError(f"offload_policy must be an FSDP2 OffloadPolicy, got {type(offload_policy).__name__}")
-        options["offload_policy"] = offload_policy
+    for name, policy, kind in (("mp_policy", mp_policy, MixedPrecisionPolicy),
+                               ("offload_policy", offload_policy, OffloadPolicy)):
+        if policy is not None and not isinstance(policy, kind):
+            raise TypeError(f"{name} must be an FSDP2 {kind.__name__}, got {type(policy).__name__}")
+        if policy is not None:
+            options[name] = policy
     for unit in units:  # bottom-up: each unit keeps its own parameters, the root takes the rest
         fully_shard(unit, **options)
     fully_shard(model, **options)

@@ -1,17 +1,9 @@
 """Full (unsharded) views of sharded tensors and of models built from sharded modules.
 
-A sharded module describes its parameters with two members: ``tp_group`` (the
-group it is split over) and ``sharding()`` returning ``{param_name: Shard}`` for
-its split parameters (the others are replicated). :func:`placements` walks a
-model by that description, so everything here works for any model built from
-such modules; it is the one place where shards are gathered into full tensors
-(:func:`unshard`) or full tensors are cut into this rank's shards
-(:func:`shard_of`).
-
-Under FSDP2 (:func:`tensorpar.fully_shard_dp`) parameters and gradients are
-``DTensor``\\ s over the dp sub-mesh whose global tensor is the rank's tp shard:
-they are all-gathered over dp first (:func:`tp_local`), then over tp as usual;
-loading cuts a full tensor to the tp shard, then to this rank's dp chunk of it.
+A sharded module has ``tp_group`` and ``sharding()`` (``{param_name: Shard}`` of its split parameters; the
+others are replicated). :func:`placements` walks a model by them; this is the one place where shards are
+gathered into full tensors (:func:`unshard`) or cut from them (:func:`load_full_state_dict`). Under FSDP2 a
+``DTensor`` is all-gathered over dp first (:func:`tp_local`); loading cuts the tp shard, then the dp chunk.
 """
 
 from __future__ import annotations
@@ -47,8 +39,7 @@ def placements(model: nn.Module) -> dict[str, tuple[Shard, ProcessGroup]]:
 
 
 def is_dtensor(x: object) -> TypeGuard[DTensor]:
-    """Whether ``x`` is a ``DTensor`` (FSDP2's parameters and gradients are), without loading DTensor's
-    module, which ``import tensorpar`` leaves out: until something has loaded it, nothing is one."""
+    """Whether ``x`` is a ``DTensor``, without loading DTensor's module (until loaded, nothing is one)."""
     module = sys.modules.get("torch.distributed.tensor")
     dtensor = getattr(module, "DTensor", None)
     return dtensor is not None and isinstance(x, dtensor)
@@ -60,8 +51,8 @@ def local_part(x: torch.Tensor) -> torch.Tensor:
 
 
 def tp_local(x: torch.Tensor) -> torch.Tensor:
-    """The rank's whole tp shard (or replicated copy) of ``x``, detached: a ``DTensor`` (FSDP2's
-    dp shards of it) is all-gathered over its mesh, a collective; any other tensor is itself."""
+    """The rank's whole tp shard (or replicated copy) of ``x``, detached: a ``DTensor`` is all-gathered over
+    its mesh (a collective)."""
     with torch.no_grad():
         return x.full_tensor() if is_dtensor(x) else x.detach()
 
@@ -74,12 +65,6 @@ def unshard(x: torch.Tensor, placement: Shard, group: ProcessGroup) -> torch.Ten
         if len(placement.pieces(len(sizes), 0)) == 1:  # one slice each: the shards in rank order are the tensor
             return gathered
         return join_shards(gathered.split(sizes, placement.dim), placement)
-
-
-def shard_of(x: torch.Tensor, placement: Shard, group: ProcessGroup) -> torch.Tensor:
-    """This rank's shard of the full tensor ``x`` (a view)."""
-    rank, n = group_rank_size(group)
-    return shard(x, placement, n, rank)
 
 
 def gather(tensors: Mapping[str, torch.Tensor], where: Placements) -> dict[str, torch.Tensor]:
@@ -100,43 +85,29 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return gather({k: p.grad for k, p in model.named_parameters() if p.grad is not None}, placements(model))
 
 
-def full_shape(shape: torch.Size | tuple[int, ...], placement: Shard | None) -> tuple[int, ...]:
-    """The full shape of a tensor whose local shard has ``shape`` (itself when replicated)."""
-    full = list(shape)
-    if placement is not None:
-        full[placement.dim] = placement.size
-    return tuple(full)
-
-
 def shard_geometry(model: nn.Module) -> dict[str, dict[str, Any]]:
-    """``{name: {"full_shape": ..., "offset": ...}}`` for every parameter of ``model``:
-    where this rank's block sits in the full tensor (replicated: the whole of it).
-
-    The values are the keyword arguments of :mod:`tensorpar.tiled_init`'s fills,
-    so a model initialises tp-invariantly with, e.g.::
+    """``{name: {"full_shape": ..., "offset": ...}}`` for every parameter: where this rank's block sits in
+    the full tensor (and ``dim`` and ``pieces`` for a shard of several pieces), the keyword arguments of
+    :mod:`tensorpar.tiled_init`'s fills, e.g.::
 
         geometry = tensorpar.shard_geometry(model)
         for name, p in model.named_parameters():
             tensorpar.tiled_init.normal_(p, 0.0, 0.02, **geometry[name])
-
-    A parameter whose shard is several pieces of the full tensor (a fused projection, see
-    :class:`~tensorpar.sharding.Shard`) also gets ``dim`` and ``pieces``, which those fills take
-    as well.
     """
     where = placements(model)
     geometry: dict[str, dict[str, Any]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        offset = [0] * p.dim()
-        placement, group = where.get(name, (None, None))
-        geometry[name] = {"full_shape": full_shape(p.shape, placement)}
-        if placement is not None and group is not None:  # placements() gives both or neither
+        shape, offset = list(p.shape), [0] * p.dim()
+        geometry[name] = {}
+        if name in where:
+            placement, group = where[name]
             rank, n = group_rank_size(group)
             dim = placement.dim % p.dim()
             pieces = placement.pieces(n, rank)
-            offset[dim] = pieces[0][0]
+            shape[dim], offset[dim] = placement.size, pieces[0][0]
             if len(pieces) > 1:
                 geometry[name] |= {"dim": dim, "pieces": tuple(pieces)}
-        geometry[name]["offset"] = tuple(offset)
+        geometry[name] |= {"full_shape": tuple(shape), "offset": tuple(offset)}
     return geometry
 
 
@@ -148,7 +119,8 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
         if key not in local:
             continue  # load_state_dict reports the missing key
         try:
-            local[key] = shard_of(local[key], placement, group)
+            rank, n = group_rank_size(group)
+            local[key] = shard(local[key], placement, n, rank)
         except ValueError as e:
             raise ValueError(f"{key}: {e}") from None
     for key, current in model.state_dict().items():

@@ -1,14 +1,8 @@
 """The (pp, dp, tp) process mesh and the default-mesh context.
 
-Ranks are laid out row-major on a ``(pp, dp, tp)`` grid: tensor-parallel groups
-are runs of ``tp`` consecutive ranks (so they share a node under torchrun),
-data-parallel groups stride across them, and pipeline stages are the outermost
-blocks of ``dp * tp`` ranks. With 4 ranks and ``tp=2``::
-
-    tp groups: [0, 1], [2, 3]        dp groups: [0, 2], [1, 3]      (pp = 1)
-
-and with 8 ranks at ``pp=2, dp=2, tp=2``: stages 0-3 and 4-7, dp groups [0, 2], [1, 3],
-[4, 6], [5, 7], and pp groups (a rank and its twins in other stages) [0, 4], [1, 5], ...
+Ranks are laid out row-major on a ``(pp, dp, tp)`` grid: tp groups are runs of ``tp`` consecutive
+ranks (one node under torchrun), dp groups stride across them, pipeline stages are the outermost blocks
+of ``dp * tp`` ranks. 4 ranks at ``tp=2``: tp groups [0, 1], [2, 3]; dp groups [0, 2], [1, 3].
 """
 
 from __future__ import annotations
@@ -20,7 +14,7 @@ import ctypes
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -31,17 +25,15 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .random import RNGStatesTracker
 
-__all__ = ["DEFAULT_TIMEOUT", "Mesh", "collective_device", "current_mesh", "current_mesh_or_none",
-           "default_backend",
-           "exchange_ints", "group_rank_size", "init", "manual_seed", "shutdown", "tp_group", "use_mesh"]
+__all__ = ["DEFAULT_TIMEOUT", "Mesh", "agree", "collective_device", "current_mesh", "current_mesh_or_none",
+           "default_backend", "exchange_ints", "group_rank_size", "init", "manual_seed", "shutdown", "tp_group",
+           "use_mesh"]
 
 
 @dataclass(frozen=True)
 class Mesh:
-    """A 3-D ``("pp", "dp", "tp")`` mesh over the world, with its groups, ranks and sizes.
-
-    ``rng`` is this rank's random stream for sharded regions (see :mod:`tensorpar.random`).
-    """
+    """A 3-D ``("pp", "dp", "tp")`` mesh over the world, with its groups, ranks and sizes; ``rng`` is this
+    rank's random stream for sharded regions (:mod:`tensorpar.random`)."""
 
     device_mesh: DeviceMesh
     tp_group: ProcessGroup
@@ -93,8 +85,7 @@ def _init_process_group(backend: str | None, timeout: timedelta) -> None:
 
 
 def _end_with_parent() -> None:
-    """Have the kernel kill this process when its parent (torchrun's agent) ends, however it ends:
-    torchrun's workers otherwise outlive an agent killed by SIGKILL. Linux only (elsewhere a no-op)."""
+    """Have the kernel kill this process when its parent (torchrun's agent) ends, even by SIGKILL. Linux only."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
 
@@ -103,17 +94,12 @@ def init(tp: int | None = None, dp: int | None = None, *, pp: int = 1, backend: 
          timeout: timedelta = DEFAULT_TIMEOUT) -> Mesh:
     """Build the ``(pp, dp, tp)`` mesh over the world and make it the default.
 
-    Initialises ``torch.distributed`` from torchrun's environment first when it
-    is not initialised yet (a single-process world when there is none). ``pp``
-    (pipeline stages) defaults to 1; ``dp`` defaults to ``world // (pp * tp)``
-    and ``tp`` to ``world // (pp * dp)`` (all ranks of a stage when neither is
-    given). Every rank must call it, with the same arguments: they are compared
-    across ranks, and ranks that differ all raise. An ``init`` that raises
-    leaves no process group behind that it created. A group it creates is closed
-    by :func:`shutdown` at the latest when the process exits (gloo threads still
-    running at interpreter exit abort the process: "terminate called without an
-    active exception"); call it yourself to close it sooner. Under torchrun it
-    asks the kernel to end this rank when torchrun's agent ends.
+    Initialises ``torch.distributed`` from torchrun's environment when it is not yet (a world of one
+    without one). ``pp`` defaults to 1, ``dp`` to ``world // (pp * tp)``, ``tp`` to ``world // (pp * dp)``
+    (a whole stage when neither is given). Every rank calls it with the same arguments (compared: ranks
+    that differ all raise); one that raises leaves no group behind. A group it creates is closed by
+    :func:`shutdown` at the latest at exit (gloo threads alive at interpreter exit abort the process).
+    Under torchrun the kernel ends this rank when torchrun's agent ends.
 
     Example::
 
@@ -132,7 +118,9 @@ def init(tp: int | None = None, dp: int | None = None, *, pp: int = 1, backend: 
         raise ValueError(f"init(backend={backend!r}): the process group already exists with backend "
                          f"{dist.get_backend()!r}; destroy it first or leave backend out")
     try:
-        _agree(tp, dp, pp, backend)
+        agree([tp or 0, dp or 0, pp, _BACKENDS.index(backend) if backend in _BACKENDS else -1],
+              "called tensorpar.init with different arguments", lambda t, d, p, b:
+              f"tp={t or None}, dp={d or None}, pp={p}, backend={_BACKENDS[b] if b >= 0 else 'other'!r}")
         mesh = _build_mesh(tp, dp, pp)
     except BaseException:
         if created:  # leave nothing half-initialised
@@ -143,11 +131,8 @@ def init(tp: int | None = None, dp: int | None = None, *, pp: int = 1, backend: 
 
 
 def shutdown(timeout: timedelta = DEFAULT_TIMEOUT) -> None:
-    """Wait for every rank (up to ``timeout``), then destroy the process group; a no-op without one.
-
-    Ranks that tear gloo down while a peer still uses it can abort; the barrier first avoids that.
-    If a peer is gone the barrier fails and the group is left for the process exit to drop.
-    """
+    """Wait for every rank (up to ``timeout``; a peer tearing gloo down under another can abort it), then
+    destroy the process group; a no-op without one, and with a peer gone the group is left to the exit."""
     if not dist.is_initialized():
         return
     try:
@@ -161,8 +146,7 @@ def shutdown(timeout: timedelta = DEFAULT_TIMEOUT) -> None:
 
 
 def _close_at_exit(timeout: timedelta) -> None:
-    """:func:`shutdown` when the process exits after a clean run (a no-op once the group is gone); after
-    an uncaught exception, exit at once: a barrier with peers blocked elsewhere would only delay the end."""
+    """:func:`shutdown` at a clean exit; after an uncaught exception, exit at once (peers may be blocked)."""
     if getattr(sys, "last_value", None) is None:
         shutdown(timeout)
 
@@ -172,8 +156,8 @@ _BACKENDS = (None, "gloo", "nccl")
 
 def exchange_ints(row: list[int], group: ProcessGroup | None = None,
                   device: torch.device | None = None) -> list[list[int]]:
-    """Every rank's ``row`` (the same length on all), in rank order: one small all-reduce in which
-    each rank fills its own row of zeros, so nothing needs pickling. ``device``: the group's."""
+    """Every rank's ``row`` (the same length on all), in rank order: one all-reduce of a zero matrix in which
+    each rank fills its own row (nothing pickled). ``device``: the group's."""
     rows = torch.zeros(dist.get_world_size(group), len(row), dtype=torch.int64)
     rows[dist.get_rank(group)] = torch.tensor(row, dtype=torch.int64)
     everyone = rows.to(device)
@@ -182,22 +166,19 @@ def exchange_ints(row: list[int], group: ProcessGroup | None = None,
 
 
 def collective_device(group: ProcessGroup | None = None) -> torch.device | None:
-    """Where ``group``'s collectives take their tensors: the current CUDA device for an NCCL group (the
-    default group when ``None``), else ``None`` (host memory)."""
+    """The current CUDA device for an NCCL ``group`` (default: the world), else ``None`` (host memory)."""
     return torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(group)) else None
 
 
-def _agree(tp: int | None, dp: int | None, pp: int, backend: str | None) -> None:
-    """Compare ``init``'s arguments across the world (one small all-reduce); every rank raises alike."""
+def agree(row: list[int], what: str, describe: Callable[..., str]) -> None:
+    """Compare ``row`` across the world (one small all-reduce); where the ranks differ every rank raises
+    alike: "the ranks {what} (rank 0: {describe(*row_0)}; ...)"."""
     if dist.get_world_size() == 1:
         return
-    everyone = exchange_ints([tp or 0, dp or 0, pp, _BACKENDS.index(backend) if backend in _BACKENDS else -1],
-                             device=collective_device())
-    if all(row == everyone[0] for row in everyone):
-        return
-    views = [f"rank {r}: tp={t or None}, dp={d or None}, pp={p}, backend={_BACKENDS[b] if b >= 0 else 'other'!r}"
-             for r, (t, d, p, b) in enumerate(everyone)]
-    raise ValueError(f"the ranks called tensorpar.init with different arguments ({'; '.join(views)})")
+    everyone = exchange_ints(row, device=collective_device())
+    if any(other != everyone[0] for other in everyone):
+        views = "; ".join(f"rank {r}: {describe(*other)}" for r, other in enumerate(everyone))
+        raise ValueError(f"the ranks {what} ({views})")
 
 
 def _build_mesh(tp: int | None, dp: int | None, pp: int) -> Mesh:
@@ -205,15 +186,13 @@ def _build_mesh(tp: int | None, dp: int | None, pp: int) -> Mesh:
     if world % pp:
         raise ValueError(f"pp ({pp}) does not divide the world size ({world})")
     stage = world // pp  # ranks per pipeline stage
+    where = f"the ranks of a pipeline stage ({stage} = {world} // pp ({pp}))" if pp > 1 else f"the world size ({world})"
     if dp is not None and stage % dp:
-        raise ValueError(f"dp ({dp}) does not divide the ranks of a pipeline stage ({stage} = {world} // pp ({pp}))"
-                         if pp > 1 else f"dp ({dp}) does not divide the world size ({world})")
-    if tp is None:
-        tp = stage // dp if dp is not None else stage
+        raise ValueError(f"dp ({dp}) does not divide {where}")
+    tp = tp or stage // (dp or 1)
     if stage % tp:
-        raise ValueError(f"tp ({tp}) does not divide the ranks of a pipeline stage ({stage} = {world} // pp ({pp}))"
-                         if pp > 1 else f"tp ({tp}) does not divide the world size ({world})")
-    dp = stage // tp if dp is None else dp
+        raise ValueError(f"tp ({tp}) does not divide {where}")
+    dp = dp or stage // tp
     if pp * dp * tp != world:
         shape = (f"pp ({pp}) x dp ({dp}) x tp ({tp}) = {pp * dp * tp}" if pp > 1
                  else f"tp ({tp}) x dp ({dp}) = {tp * dp}")

@@ -1,25 +1,14 @@
 """Random streams for tensor-parallel regions (Megatron's RNG-states tracker).
 
-Dropout in a tensor-parallel model comes in two kinds:
+* **replicated** regions (residual and embedding dropout) act on tensors every tp rank holds whole and
+  must draw the *same* mask: torch's default generator, which ranks seeded alike keep in step;
+* **sharded** regions (attention-probability dropout over each rank's own heads) must draw *different*
+  masks: they run inside :meth:`RNGStatesTracker.fork`, on a stream of this rank's own, seeded from a base
+  seed and the tp rank (without :func:`manual_seed`, the base is one draw of the default generator at the
+  first fork, the same on every rank).
 
-* **replicated** regions (residual dropout, embedding dropout) act on tensors
-  every tp rank holds whole, so every rank must draw the *same* mask: they use
-  torch's default generator, which ranks seeded alike keep in step;
-* **sharded** regions (attention-probability dropout, where each rank holds
-  its own heads) must draw *different* masks on each rank, or the heads of
-  different ranks would share one mask pattern. They run inside
-  :meth:`RNGStatesTracker.fork`, which swaps in a stream of this rank's own
-  and swaps the default state back afterwards, untouched.
-
-The rank's stream is seeded from a base seed and the tp rank; without
-:func:`manual_seed` the base is one draw of the default generator, taken at
-the first fork (identically on every rank, so ranks stay in step).
-
-Activation checkpointing that recomputes a forked region must restore the
-tracker's state too (``torch.utils.checkpoint`` restores only the default
-generators): :func:`recompute_contexts` is a ``context_fn`` for
-``torch.utils.checkpoint`` that does so, and leaves the live stream untouched
-by the recomputation.
+``torch.utils.checkpoint`` restores only the default generators: :func:`recompute_contexts` is a
+``context_fn`` that replays the trackers too, leaving the live streams untouched.
 """
 
 from __future__ import annotations
@@ -141,20 +130,10 @@ def recompute_contexts(*trackers: RNGStatesTracker) -> tuple[AbstractContextMana
                                                              AbstractContextManager[None]]:
     """The two contexts ``torch.utils.checkpoint(..., context_fn=...)`` asks for, replaying ``trackers``.
 
-    The first wraps the checkpointed forward and notes each tracker's state as
-    it begins; the second wraps the recomputation (during backward): it puts
-    those states back, so every forked region draws the masks it drew the
-    first time, and afterwards restores the states the trackers had when the
-    recomputation began, so the live streams go on as if it never ran. The
-    default generator is ``torch.utils.checkpoint``'s own to restore
-    (``preserve_rng_state=True``, its default).
-
-    While ``torch.compile`` traces the region, the recomputation becomes
-    the compiled graph's, whose random draws torch's partitioner saves or
-    replays itself, and no Python runs again: nothing is to replay, and torch
-    asks for dispatch-mode contexts there, so the contexts returned then are
-    selective checkpointing's, with every operation recomputed. (A region
-    that does not compile whole runs eagerly, with the contexts above.)
+    The first notes each tracker's state as the checkpointed forward begins; the second, around the
+    recomputation, puts those states back (every forked region draws its masks again) and afterwards
+    restores the live states. While ``torch.compile`` traces, the compiled graph recomputes and replays its
+    own draws: the contexts are then selective checkpointing's, recomputing every operation.
 
     Example::
 

@@ -1,18 +1,10 @@
 """Balanced partitions of a dimension across tensor-parallel ranks.
 
-A dimension of ``size`` elements made of ``size // unit`` units (a unit is one
-feature, or one attention head of ``unit`` features) is split over ``parts``
-ranks so that shard sizes differ by at most one unit: the first
-``units % parts`` ranks get one unit more. For 10 features over 4 ranks the
-shards are 3, 3, 2, 2 at offsets 0, 3, 6, 8. Nothing is padded, so a sharded
-computation sees exactly the elements the unsharded one does.
-
-Every shard size and offset in tensorpar comes from :func:`partition_sizes`
-(directly, through :func:`partition_bounds` and :class:`Shard`, or for the tokens
-of sequence parallelism, which may leave ranks none, through
-:func:`~tensorpar.comm.sequence.sequence_sizes`); gathering shards back into a full tensor is
-a collective and lives in :mod:`tensorpar.full`. Every size, count and unit
-is checked by :func:`~tensorpar.checks.check_int`: a ``bool`` is never taken for ``1``.
+A dimension of ``size // unit`` units (a unit is one feature, or one attention head of ``unit``
+features) is split over ``parts`` ranks so that shard sizes differ by at most one unit: the first
+``units % parts`` ranks get one unit more. 10 features over 4 ranks: 3, 3, 2, 2 at offsets 0, 3, 6, 8.
+Nothing is padded. Every shard size and offset in tensorpar comes from :func:`partition_sizes`;
+gathering shards back is a collective, in :mod:`tensorpar.full`.
 """
 
 from __future__ import annotations
@@ -28,9 +20,8 @@ from .checks import check_int
 
 def partition_sizes(size: int, parts: int, *, unit: int = 1, name: str = "size",
                     allow_empty: bool = False) -> list[int]:
-    """Sizes of ``parts`` balanced shards of ``size`` elements, in whole units. Fewer units than
-    parts is an error, unless ``allow_empty`` (the tokens of sequence parallelism): the last shards
-    are then empty.
+    """Sizes of ``parts`` balanced shards of ``size`` elements, in whole units. Fewer units than parts is
+    an error, unless ``allow_empty`` (the tokens of sequence parallelism): the last shards are then empty.
 
     Example::
 
@@ -69,22 +60,15 @@ def partition_bounds(size: int, parts: int, index: int, *, unit: int = 1, name: 
 
 @dataclass(frozen=True)
 class Shard:
-    """Placement of a parameter split along ``dim`` of a full ``size``, in units of ``unit``.
+    """Placement of a parameter split along ``dim`` of a full ``size``, in units of ``unit``; sharded
+    modules return ``{param_name: Shard(...)}`` from ``sharding()`` (parameters it omits are replicated).
 
-    Sharded modules describe their parameters with a ``sharding()`` method
-    returning ``{param_name: Shard(...)}``; parameters it omits are replicated.
-
-    A tuple ``unit=(u_0, u_1, ...)`` describes a dim made of consecutive *blocks*
-    holding the same number ``n`` of units each, block ``b``'s units ``u_b``
-    elements long (``size - replicated == n * sum(unit)``). The ``n`` units are
-    split as usual and a rank's shard is its units of every block, laid end to
-    end in block order (Megatron's partition stride). GPT-2's fused
-    ``[Q | K | V]`` of ``n_head`` heads is ``unit=(d, d, d)``: with 2 ranks rank 0
-    holds ``[Q_0 | K_0 | V_0]``. Grouped-query ``[Q | K | V]`` split by whole query
-    groups (``g`` query heads and one KV head each) is ``unit=(g * d, d, d)``.
-    The last ``replicated`` elements of the dim are held whole by every rank,
-    after its shard of the rest. A shard is then several *pieces* of the full
-    tensor (:meth:`pieces`), no single slice of it.
+    A tuple ``unit=(u_0, u_1, ...)`` is a dim of consecutive *blocks* of ``n`` units each, block ``b``'s
+    ``u_b`` elements long (``size - replicated == n * sum(unit)``): the ``n`` units are split as usual and
+    a rank holds its units of every block, end to end (Megatron's partition stride). GPT-2's fused
+    ``[Q | K | V]`` is ``unit=(d, d, d)`` (rank 0 of 2 holds ``[Q_0 | K_0 | V_0]``); grouped-query
+    ``[Q | K | V]`` by whole query groups is ``unit=(g * d, d, d)``. The last ``replicated`` elements are
+    held whole by every rank, after its shard of the rest. Such a shard is several :meth:`pieces`.
     """
 
     dim: int
@@ -139,17 +123,15 @@ class Shard:
         return found + ([(start, self.replicated)] if self.replicated else [])
 
     def bounds(self, parts: int, index: int) -> tuple[int, int]:
-        """``(offset, length)`` of shard ``index`` of ``parts``, a single slice of the full dim
-        (see :meth:`pieces` for shards of several pieces)."""
+        """``(offset, length)`` of shard ``index`` of ``parts``, when it is a single slice."""
         pieces = self.pieces(parts, index)
         if len(pieces) > 1:
             raise ValueError(f"a shard of {len(pieces)} pieces along dim {self.dim} is no single slice")
         return pieces[0]
 
     def index(self, ndim: int, parts: int, index: int) -> tuple[slice | list[int], ...]:
-        """The subscript that takes shard ``index`` out of a full ``ndim``-dimensional tensor
-        (or out of anything indexed like one, such as a lazily read checkpoint tensor): a slice,
-        or for a shard of several pieces the list of its positions along ``dim``."""
+        """The subscript that takes shard ``index`` out of a full ``ndim``-d tensor (or anything indexed
+        like one): a slice, or for a shard of several pieces the list of its positions along ``dim``."""
         pieces = self.pieces(parts, index)
         subscript: list[slice | list[int]] = [slice(None)] * ndim
         if len(pieces) == 1:
@@ -161,8 +143,7 @@ class Shard:
 
 
 def shard(tensor: torch.Tensor, placement: Shard, parts: int, index: int) -> torch.Tensor:
-    """Shard ``index`` of ``parts`` of a full tensor (a view, a copy for a shard of several pieces;
-    clone before writing in place)."""
+    """Shard ``index`` of ``parts`` of a full tensor (a view; a copy for a shard of several pieces)."""
     shape = tuple(tensor.shape)
     if not -len(shape) <= placement.dim < len(shape) or shape[placement.dim] != placement.size:
         raise ValueError(f"expected size {placement.size} in dim {placement.dim}, got a tensor of shape {shape}")
@@ -170,16 +151,8 @@ def shard(tensor: torch.Tensor, placement: Shard, parts: int, index: int) -> tor
 
 
 def join_shards(shards: Sequence[torch.Tensor], placement: Shard) -> torch.Tensor:
-    """The full tensor from every rank's shard, in rank order (the inverse of :func:`shard`; a
-    replicated tail is taken from the first rank).
-
-    Example::
-
-        >>> full = torch.arange(6)  # [Q | K | V], 2 elements each, over 2 ranks
-        >>> pieces = [shard(full, Shard(0, 6, unit=(1, 1, 1)), 2, r) for r in range(2)]  # [0, 2, 4], [1, 3, 5]
-        >>> join_shards(pieces, Shard(0, 6, unit=(1, 1, 1)))
-        tensor([0, 1, 2, 3, 4, 5])
-    """
+    """The full tensor from every rank's shard, in rank order: the inverse of :func:`shard` (a replicated
+    tail is taken from the first rank)."""
     placed: dict[int, torch.Tensor] = {}  # full offset -> piece
     for r, local in enumerate(shards):
         pieces = placement.pieces(len(shards), r)

@@ -1,14 +1,9 @@
 """Initialisation that does not depend on the tp size.
 
-The full ``(d0, d1, ...)`` tensor is cut into a fixed grid of ``TILE``-sized
-tiles. Each tile is drawn from its own ``torch.Generator``, seeded from the
-tile's grid coordinates and one base seed taken from torch's global RNG. A rank
-draws only the tiles that overlap its shard and keeps the overlap, so:
-
-* the full tensor is bitwise the same at tp = 1, 2, 3, 4, ... (the tiles are);
-* no rank materialises more than one tile beyond its own shard at a time;
-* every rank consumes exactly one draw of the global RNG per tensor, whatever
-  its shard, so ranks seeded alike stay in step.
+The full tensor is cut into a fixed grid of ``TILE``-sized tiles, each drawn from its own generator seeded
+from the tile's grid coordinates and one base seed drawn from torch's global RNG. A rank draws only the
+tiles overlapping its shard and keeps the overlap: the full tensor is bitwise the same at every tp, no rank
+materialises more than one tile beyond its shard, and every rank takes one global draw per tensor.
 """
 
 from __future__ import annotations

@@ -34,8 +34,8 @@ def attention_dropped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: t
 
 class _ExpandKV(torch.autograd.Function):
     """Each local query head's copy of the K (or V) head it reads (``index``, into the held KV heads);
-    backward, every KV head's gradient as the sum of its ``g`` query heads' gradients, added in head order,
-    first gathered from every rank (``query_sizes``: each rank's query heads) when every rank holds them all."""
+    backward, each KV head's gradient as its ``g`` query heads' added in head order (first gathered from
+    every rank, ``query_sizes`` query heads each, when every rank holds every KV head)."""
 
     @staticmethod
     def forward(ctx: Any, kv: torch.Tensor, index: Sequence[int], g: int, query_sizes: Sequence[int] | None,
@@ -58,12 +58,10 @@ class _ExpandKV(torch.autograd.Function):
 
 
 class HeadByHead:
-    """Causal attention of this rank's query heads ``q_lo, q_lo + 1, ...`` of ``n_head``, one head at a time:
-    a callable ``(q, k, v, p)`` of ``(B, h, T, d)`` queries and ``(B, held KV heads, T, d)`` keys and values.
-    ``kv_index`` is the held KV head each local query head reads, ``g`` the query heads per KV head, and
-    ``query_sizes`` every rank's number of query heads where every rank holds every KV head (else ``None``).
-    Dropout ``p`` draws one mask for all ``n_head`` heads, of which this rank's heads take theirs (the same
-    mask at every tp)."""
+    """Causal attention of this rank's query heads ``q_lo, ...`` of ``n_head``, one head at a time: a callable
+    ``(q, k, v, p)`` of ``(B, h, T, d)`` queries and ``(B, held KV heads, T, d)`` keys and values (``kv_index``,
+    ``g``, ``query_sizes``: as :class:`_ExpandKV` takes them). Dropout ``p`` draws one mask for all ``n_head``
+    heads, of which this rank takes its heads' (the same mask at every tp)."""
 
     def __init__(self, n_head: int, q_lo: int, kv_index: Sequence[int], g: int, query_sizes: Sequence[int] | None,
                  group: ProcessGroup) -> None:

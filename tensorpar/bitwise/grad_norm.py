@@ -1,12 +1,9 @@
 """The unsharded gradient's squared norm, the same bits at every tp (the bitwise mode's clipping).
 
-The sum of squares is split into one term per (parameter, canonical segment of its split dim): the
-segments the module computes by (its ``product``'s ``placed``, see :mod:`.segments`; a split of the
-same layout at every tp, such as an embedding's rows, is cut by its placement) and one term for each
-replicated parameter. Each rank
-computes the terms of its own segments, every rank the replicated ones; the ranks all-gather the
-former (one collective of a few hundred numbers), and every rank lays all terms out in the same
-order, parameter by parameter and segment by segment, and adds them with one sum of that fixed vector.
+One term per (parameter, canonical segment of its split dim: its module's ``product.placed``, else cut by
+its placement), one per replicated parameter. Each rank computes its own segments' terms (every rank the
+replicated ones), the ranks all-gather them (one small collective), and every rank adds all terms in one
+fixed order with one sum.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """Column- and row-parallel linear maps computed leaf by leaf (the bitwise mode).
 
-With the leaves of the split dimension (:mod:`.segments`: each a segment, or the segments one rank
-holds together at every tp, such as a head group's Q, K and V rows):
+* **column-parallel** ``Y = X Wᵀ``: one product ``X W_lᵀ (+ b_l)`` per leaf ``l`` (:mod:`.segments`) of the
+  output features; the input gradient ``Σ_l G_l W_l`` is a tree sum (:mod:`.tree_sum`) in place of ``f``;
+* **row-parallel** ``Y = Σ_l X_l W_lᵀ``: a tree sum of one product per leaf of the input features in
+  place of ``g``, then the bias, whose gradient is the token-wise tree sum of :func:`token_sum`.
 
-* **column-parallel** ``Y = X Wᵀ``, ``W``'s rows split: each leaf ``l`` of the output features is one
-  product ``X W_lᵀ (+ b_l)``, of the same shape at every tp. The input gradient ``Σ_l G_l W_l`` is
-  the tree sum of one product per leaf (:func:`~.tree_sum.tree_sum`): it takes the place of ``f``'s
-  all-reduce, so the map is called without ``f`` in front of it;
-* **row-parallel** ``Y = Σ_l X_l W_lᵀ``, ``W``'s columns split: the output is the tree sum of one
-  product per leaf of the input features, in place of ``g``; the bias is added after it, and its
-  gradient is the token-wise tree sum of :func:`token_sum`.
-
-Weight and input gradients are computed per leaf too (``G_lᵀ X`` and ``G W_l``): BLAS and cuBLAS
-choose a product's kernel by its shape, so a slice of a larger product need not hold the same bits.
-Every operand a kernel reads is contiguous and aligned (:func:`fixed`), a copy where the segment is a
-strided or offset view, so that whichever tensor a segment was cut from, the kernel sees the same.
+Weight and input gradients are per leaf too (BLAS and cuBLAS choose kernels by shape), and every operand
+a kernel reads is contiguous and aligned (:func:`fixed`), whichever tensor a segment was cut from.
 """
 
 from __future__ import annotations
@@ -71,22 +63,16 @@ def blockwise(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], d
     return torch.cat([_FixedGradient.apply(fn(*(fixed(b) for b in block))) for block in blocks], dim)
 
 
-def by_segment(t: torch.Tensor, placed: PlacedTree, fn: Callable[[torch.Tensor], torch.Tensor],
-               dim: int = -1) -> torch.Tensor:
-    """``fn`` applied to each of this rank's segments of ``t`` along ``dim`` (:func:`blockwise`): an
-    elementwise ``fn`` then computes each element with the same code at every tp (CPU kernels run the
-    last elements of a tensor, which depend on its layout, through scalar code)."""
-    return blockwise(fn, [t], dim, placed.lengths())
-
-
 class BySegment:
-    """``fn(x)`` by the segments ``placed`` of the last dim (:func:`by_segment`): a callable ``(x, fn)``."""
+    """``fn(x)`` applied to each of this rank's segments ``placed`` of the last dim (:func:`blockwise`), a
+    callable ``(x, fn)``: an elementwise ``fn`` then computes each element with the same code at every tp
+    (CPU kernels run the last elements of a tensor, which depend on its layout, through scalar code)."""
 
     def __init__(self, placed: PlacedTree) -> None:
         self.placed = placed
 
     def __call__(self, x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        return by_segment(x, self.placed, fn)
+        return blockwise(fn, [x], -1, self.placed.lengths())
 
 
 def gathered(t: torch.Tensor, pieces: Sequence[tuple[int, int]], dim: int) -> torch.Tensor:
@@ -200,24 +186,9 @@ class _SegmentedRowLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None
 
 
-def segmented_column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, placed: PlacedTree,
-                            group: ProcessGroup | None) -> torch.Tensor:
-    """Column-parallel ``F.linear(x, weight, bias)`` by ``placed``'s segments of the output features,
-    the input gradient summed over the group by the tree (no ``f`` in front of it)."""
-    return _SegmentedColumnLinear.apply(x, weight, bias, placed, group)
-
-
-def segmented_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, placed: PlacedTree,
-                         tokens: PlacedTree, group: ProcessGroup | None) -> torch.Tensor:
-    """Row-parallel ``Σ_ranks F.linear(x, weight) + bias`` by ``placed``'s segments of the input
-    features, summed over the group by the tree; the bias gradient by the token segments ``tokens``
-    (every token held here: see :func:`token_sum`)."""
-    return _SegmentedRowLinear.apply(x, weight, bias, placed, tokens, group)
-
-
 class SegmentedColumn:
     """A column-parallel layer's product by the segments ``placed`` of its output features, a callable
-    ``(x, weight, bias, seq_len)`` (:func:`segmented_column_linear`): the input gradient's tree sum stands
+    ``(x, weight, bias, seq_len)``: the input gradient's tree sum stands
     for ``f``, so the region entry in front of it is the identity. With sequence parallelism the tokens are
     all-gathered first, backward keeping this rank's. Replicated rows must be given whole gradients."""
 
@@ -228,13 +199,13 @@ class SegmentedColumn:
                  seq_len: int | None = None) -> torch.Tensor:
         if self.sequence_parallel:  # (..., T_r, in) -> (..., T, in); backward keeps this rank's tokens
             x = gather_sequence(x, seq_len, self.group)
-        return segmented_column_linear(x, weight, bias, self.placed, self.group)  # (*, out / tp)
+        return _SegmentedColumnLinear.apply(x, weight, bias, self.placed, self.group)  # (*, out / tp)
 
 
 class SegmentedRow:
     """A row-parallel layer's product by the segments ``placed`` of its input features, a callable
-    ``(x, weight, bias)`` (:func:`segmented_row_linear`), the bias gradient by segments of the tokens
-    (every token is here); with sequence parallelism each rank keeps its tokens of the sum."""
+    ``(x, weight, bias)``, summed over the group by the tree, the bias gradient by segments of the tokens
+    (every token is here: :func:`token_sum`); with sequence parallelism each rank keeps its tokens of the sum."""
 
     def __init__(self, placed: PlacedTree, group: ProcessGroup, sequence_parallel: bool,
                  tp_sizes: Sequence[int]) -> None:
@@ -243,5 +214,5 @@ class SegmentedRow:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         tokens = placed_tokens(x.shape[-2] if x.dim() > 1 else 1, self.placed.tp, self.placed.rank, self.tp_sizes,
                                split=False)
-        y = segmented_row_linear(x, weight, bias, self.placed, tokens, self.group)  # (*, out)
+        y = _SegmentedRowLinear.apply(x, weight, bias, self.placed, tokens, self.group)  # (*, out)
         return scatter_sequence(y, self.group) if self.sequence_parallel else y

@@ -50,18 +50,11 @@ class _TokenwiseLayerNorm(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None
 
 
-def tokenwise_layer_norm(x: torch.Tensor, shape: list[int], weight: torch.Tensor | None, bias: torch.Tensor | None,
-                         eps: float, tokens: PlacedTree, group: ProcessGroup | None) -> torch.Tensor:
-    """``F.layer_norm`` of ``x`` ``(..., T_r, C)``, the weight and bias gradients summed over the tokens by
-    the canonical segments ``tokens`` (this rank's: all of them, or its share under sequence
-    parallelism, then summed over ``group`` too)."""
-    return _TokenwiseLayerNorm.apply(x, weight, bias, shape, eps, tokens, group)
-
-
 class TokenwiseNorm:
-    """A LayerNorm of ``shape`` and ``eps`` by :func:`tokenwise_layer_norm`, a callable ``(x, weight, bias,
-    seq_len)``: the tokens are this rank's share with ``sequence_parallel`` (``seq_len`` names the full
-    length, else one small collective finds it), else every token."""
+    """``F.layer_norm`` of ``shape`` and ``eps``, a callable ``(x, weight, bias, seq_len)`` of ``x``
+    ``(..., T_r, C)`` whose weight and bias gradients add the tokens by their canonical segments: this rank's
+    share of them with ``sequence_parallel`` (then summed over the group; ``seq_len`` names the full length,
+    else one small collective finds it), else every token."""
 
     def __init__(self, shape: Sequence[int], eps: float, group: ProcessGroup, sequence_parallel: bool,
                  tp_sizes: Sequence[int]) -> None:
@@ -75,5 +68,5 @@ class TokenwiseNorm:
             seq_len = sequence_length(x, seq_len, self.group)
         tokens = placed_tokens(x.shape[-2] if not self.sequence_parallel and x.dim() > 1 else seq_len or 1,
                                tp, rank, self.tp_sizes, split=self.sequence_parallel)
-        return tokenwise_layer_norm(x, self.shape, weight, bias, self.eps, tokens,
-                                    self.group if self.sequence_parallel else None)
+        return _TokenwiseLayerNorm.apply(x, weight, bias, self.shape, self.eps, tokens,
+                                         self.group if self.sequence_parallel else None)

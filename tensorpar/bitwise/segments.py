@@ -60,14 +60,10 @@ def _priority(tp: int) -> tuple[bool, int]:
 class SegmentTree:
     """The canonical segments of a dimension of ``size`` and the tree that adds their partial results.
 
-    ``segments`` are ``(offset, length)`` runs in order. The tree's *leaves* are groups of segments
-    that one rank holds together at every tp (the Q, K and V rows of one group of heads; a plain
-    split's segments are leaves of one each), ``leaves`` giving each leaf's segments, leaf by leaf in
-    the tree's order: by which rank holds them at each tp, smallest tp first (for a plain split, the
-    segments' own order). ``nodes`` are the runs ``[lo, hi)`` of two or more leaves that are nodes of
-    the tree (the root ``(0, n)`` included), pairwise nested or disjoint. A node's value is its
-    children's values added left to right; its children are the largest nodes inside it and the
-    single leaves between them.
+    ``segments``: ``(offset, length)`` runs in order. ``leaves``: each leaf's segments (held together by
+    one rank at every tp), ordered by which rank holds them at each tp, smallest tp first. ``nodes``: the
+    runs ``[lo, hi)`` of two or more leaves that are nodes (the root included), pairwise nested or
+    disjoint; a node's children are the largest nodes inside it and the single leaves between them.
     """
 
     size: int
@@ -157,10 +153,9 @@ def _nested_or_apart(a: Node, b: Node) -> bool:
 
 @dataclass(frozen=True)
 class PlacedTree:
-    """A :class:`SegmentTree` over the ranks of one tp group: which ranks hold which segments
-    (``holders``) and leaves (``leaf_holders``), this rank's segments in the order its local tensor holds
-    them (``local``: ``(segment, local offset, length)``), and where each leaf it holds lies in its local
-    tensor (:meth:`pieces`). A segment every rank holds (a replicated part) is computed by each, alike."""
+    """A :class:`SegmentTree` over the ranks of one tp group: which ranks hold which segments (``holders``)
+    and leaves (``leaf_holders``), and this rank's segments in its local order (``local``: ``(segment,
+    local offset, length)``). A segment every rank holds (a replicated part) is computed by each, alike."""
 
     tree: SegmentTree
     tp: int

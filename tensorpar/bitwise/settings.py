@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import check_int
-from ..mesh import collective_device, current_mesh, exchange_ints
+from ..mesh import agree, current_mesh
 
 #: tp sizes whose results agree when nothing else is asked: every size up to 4
 DEFAULT_TP_SIZES = (1, 2, 3, 4)
@@ -30,11 +30,8 @@ class Bitwise:
     """Bitwise mode: a model sharded over any tp in ``tp_sizes`` computes exactly the bits it computes
     at tp = 1 (see :mod:`tensorpar.bitwise`).
 
-    ``threads`` is each rank's number of CPU threads for intra-op work (``torch.set_num_threads``),
-    set by :func:`enable`: CPU kernels split large products and reductions between their
-    threads, and a different split adds in another order, so runs compared bit for bit must use the
-    same count on every rank (``None`` leaves it as it is, for a caller who sets it alike everywhere).
-    GPU kernels do not depend on it.
+    ``threads``: each rank's CPU intra-op threads, set by :func:`enable` (CPU kernels split their sums
+    between threads, so runs compared bit for bit need the same count; ``None`` leaves it as it is).
 
     Example::
 
@@ -104,25 +101,14 @@ def enable(mode: bool | Bitwise | Sequence[int] = True) -> Bitwise | None:
     (``Bitwise.threads``)."""
     chosen = Bitwise.of(mode)
     mesh = current_mesh()
-    _agree(chosen)  # first: then a mode that leaves out this tp raises on every rank alike
+    sizes = sum(1 << t for t in chosen.tp_sizes if t < 62) if chosen is not None else 0  # the tp sizes as bits
+    # compared first: then a mode that leaves out this tp raises on every rank alike
+    agree([sizes, -1 if chosen is None else chosen.threads or 0], "asked for different bitwise modes",
+          lambda bits, threads: "off" if threads < 0 else
+          f"tp sizes {[t for t in range(62) if bits >> t & 1]}, threads {threads or None}")
     if chosen is not None:
         chosen.check_tp(mesh.tp)
-    if chosen is not None and chosen.threads is not None and mesh.device.type == "cpu":
-        torch.set_num_threads(chosen.threads)
+        if chosen.threads is not None and mesh.device.type == "cpu":
+            torch.set_num_threads(chosen.threads)
     _mode.set(chosen)
     return chosen
-
-
-def _agree(mode: Bitwise | None) -> None:
-    """Compare ``mode`` across the world (one small all-reduce); every rank raises alike."""
-    sizes = sum(1 << t for t in mode.tp_sizes if t < 62) if mode is not None else 0  # the tp sizes as bits
-    everyone = exchange_ints([sizes, -1 if mode is None else mode.threads or 0], device=collective_device())
-    if all(row == everyone[0] for row in everyone):
-        return
-
-    def named(bits: int, threads: int) -> str:
-        sizes = [t for t in range(62) if bits >> t & 1]
-        return "off" if threads < 0 else f"tp sizes {sizes}, threads {threads or None}"
-
-    views = "; ".join(f"rank {r}: {named(bits, threads)}" for r, (bits, threads) in enumerate(everyone))
-    raise ValueError(f"the ranks asked for different bitwise modes ({views})")

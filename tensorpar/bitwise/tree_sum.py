@@ -1,14 +1,9 @@
 """The sum of per-leaf partial results along the fixed tree, the same bits on every rank and at every tp.
 
-Each rank holds the partial results of its own leaves (and of the leaves every
-rank holds, computed alike by each). It adds up the largest subtrees it
-holds whole (:attr:`~tensorpar.bitwise.segments.PlacedTree.sent`), the ranks
-all-gather those partial sums (one collective; none when no rank holds
-anything of its own), and every rank then adds the rest of the tree in the
-tree's order. A node's value is its children's values added left to right
-wherever it is computed, so the result does not depend on which rank computed
-which subtree, nor on how many ranks there are: at tp = 1 the one rank adds the
-whole tree itself.
+Each rank adds up the largest subtrees it holds whole (:attr:`~.segments.PlacedTree.sent`), the ranks
+all-gather those partial sums (one collective; none when no rank holds anything of its own), and every
+rank adds the rest in the tree's order. A node's value is its children's added left to right wherever
+it is computed, so the result depends neither on who computed which subtree nor on the number of ranks.
 """
 
 from __future__ import annotations

@@ -31,21 +31,8 @@ from .sequence import (
 )
 
 __all__ = [
-    "all_gather",
-    "all_gather_sequence",
-    "column_parallel_linear",
-    "copy_to_tp",
-    "gather_from_tp",
-    "gather_sequence",
-    "reduce_from_tp",
-    "reduce_scatter",
-    "reduce_scatter_sequence",
-    "row_parallel_linear",
-    "save_sequence_shard",
-    "scatter_sequence",
-    "scatter_to_tp",
-    "sequence_length",
-    "sequence_parallel_column_linear",
-    "sequence_parallel_row_linear",
-    "sequence_sizes",
+    "all_gather", "all_gather_sequence", "column_parallel_linear", "copy_to_tp", "gather_from_tp", "gather_sequence",
+    "reduce_from_tp", "reduce_scatter", "reduce_scatter_sequence", "row_parallel_linear", "save_sequence_shard",
+    "scatter_sequence", "scatter_to_tp", "sequence_length", "sequence_parallel_column_linear",
+    "sequence_parallel_row_linear", "sequence_sizes",
 ]

@@ -1,25 +1,19 @@
 """Out-of-place collectives along any dim over balanced (uneven) shards: one route each, on torch.
 
-Every collective here is a functional collective (``torch.ops._c10d_functional``), eagerly and while
-``torch.compile`` traces alike: an op that starts c10d's collective and returns a new tensor, and
-``wait_tensor``, which waits for it where the result is needed. Eagerly the collective runs while the
-caller computes until ``wait()``; in a graph Dynamo records both ops and the compiler schedules work
-between them. Nothing here reads the environment, looks up a mesh, counts, or depends on who watches:
-``CommDebugMode`` counts these ops and ``torch.profiler`` records them as they run unwatched.
+Every collective is a functional collective (``torch.ops._c10d_functional``), eager and traced alike: an
+op that starts c10d's collective and returns a new tensor, and ``wait_tensor`` where the result is needed
+(eagerly the caller computes meanwhile; in a graph the compiler schedules work between them). Nothing here
+reads the environment, looks up a mesh or counts: ``CommDebugMode`` and ``torch.profiler`` see these ops.
 
-Agreement across ranks is torch's: a collective whose byte sizes differ across ranks aborts gloo ("Is
-there a distributed collective mismatch in your code?") and so ends every rank; one of the same byte size
-with another dtype returns garbage unless ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` was set before the process
-group was made: c10d then compares each all-reduce's (and broadcast's) op, dtype and shape across the
-group first, and every rank raises where they differ. An all-gather against a reduce-scatter of the same
-bytes is compared by neither and ends at the group's timeout, as does a stopped peer. A wrong split that
-only one rank can see raises a ``ValueError`` there, its peers waiting for the timeout. CUDA tensors on a
-gloo group travel through host memory.
+Agreement across ranks is torch's: byte sizes that differ abort gloo ("Is there a distributed collective
+mismatch in your code?"), ending every rank; the same bytes in another dtype return garbage unless
+``TORCH_DISTRIBUTED_DEBUG=DETAIL`` was set before the group was made (c10d then compares each all-reduce's
+and broadcast's op, dtype and shape, and every rank raises). An all-gather against a reduce-scatter of the
+same bytes, or a stopped peer, ends at the group's timeout. CUDA tensors on gloo travel through host memory.
 
-gloo cannot all-gather tensors of unequal sizes, so uneven shards travel padded to the largest and are
-trimmed afterwards. A tensor is viewed as ``(pre, n, post)`` around the split dim, so that shard ``r``
-of every rank is one contiguous block of a ``(world, pre, n_max, post)`` buffer: the layout of
-``all_gather_into_tensor`` and ``reduce_scatter_tensor``.
+gloo cannot all-gather unequal sizes, so uneven shards travel padded to the largest and are trimmed after:
+a tensor is viewed as ``(pre, n, post)`` around the split dim, shard ``r`` being one contiguous block of a
+``(world, pre, n_max, post)`` buffer (the layout of ``all_gather_into_tensor`` and ``reduce_scatter_tensor``).
 """
 
 from __future__ import annotations
@@ -98,9 +92,13 @@ def _split_view(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
     return x.reshape(pre, x.shape[dim], post), dim
 
 
-def _check_split(what: str, sizes: Sequence[int], n: int) -> None:
+def _prepare(what: str, x: torch.Tensor, dim: int, sizes: Sequence[int], group: ProcessGroup
+             ) -> tuple[int, int, torch.Tensor, int]:
+    """The group's size, this rank, ``x`` as ``(pre, n, post)`` and ``dim`` made non-negative."""
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
     if len(sizes) != n:
         raise ValueError(f"{what}: the split {list(sizes)} has {len(sizes)} parts for {n} ranks")
+    return n, rank, *_split_view(x, dim)
 
 
 def all_gather_along(x: torch.Tensor, dim: int, sizes: Sequence[int], group: ProcessGroup) -> torch.Tensor:
@@ -110,9 +108,7 @@ def all_gather_along(x: torch.Tensor, dim: int, sizes: Sequence[int], group: Pro
 
 def start_all_gather_along(x: torch.Tensor, dim: int, sizes: Sequence[int], group: ProcessGroup) -> Pending:
     """Start :func:`all_gather_along` and return at once; ``wait()`` returns the concatenation."""
-    n, rank = dist.get_world_size(group), dist.get_rank(group)
-    _check_split("all-gather", sizes, n)
-    x3, dim = _split_view(x, dim)
+    n, rank, x3, dim = _prepare("all-gather", x, dim, sizes, group)
     pre, local, post = x3.shape
     if local != sizes[rank]:
         raise ValueError(f"all-gather along dim {dim}: rank {rank} of {n} holds {local} elements there "
@@ -144,9 +140,7 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, sizes: Sequence[int], group:
 
 def start_reduce_scatter_along(x: torch.Tensor, dim: int, sizes: Sequence[int], group: ProcessGroup) -> Pending:
     """Start :func:`reduce_scatter_along` and return at once; ``wait()`` returns this rank's slice."""
-    n, rank = dist.get_world_size(group), dist.get_rank(group)
-    _check_split("reduce-scatter", sizes, n)
-    x3, dim = _split_view(x, dim)
+    n, rank, x3, dim = _prepare("reduce-scatter", x, dim, sizes, group)
     pre, full, post = x3.shape
     if full != sum(sizes):
         raise ValueError(f"reduce-scatter along dim {dim}: size {full} does not match "

@@ -1,18 +1,10 @@
 """Linear maps fused with their tensor-parallel communication (Megatron's ``f`` and ``g``).
 
-Fusing lets the communication work on buffers the op owns: the column-parallel
-backward reduces its freshly computed input gradient in place while the weight
-gradient is computed, and the row-parallel forward reduces its freshly
-computed partial product and adds the bias once, after the sum. No
-autograd input is ever written to. Both equal the unfused compositions
-``F.linear(copy_to_tp(x), W, b)`` and ``reduce_from_tp(F.linear(x, W)) + b``.
-
-Several column-parallel maps of one input (Q, K and V) share one ``f``
-instead: the module that owns them applies :func:`~tensorpar.copy_to_tp` once
-and calls each projection on its result, so autograd sums their input
-gradients (and those of any adapter wrapped around them) before the single
-all-reduce. That all-reduce cannot overlap their weight gradients, which
-autograd has computed by the time it runs.
+The column-parallel backward all-reduces its fresh input gradient while the weight gradient is computed;
+the row-parallel forward reduces its fresh partial product and adds the bias once, after the sum. Both
+equal ``F.linear(copy_to_tp(x), W, b)`` and ``reduce_from_tp(F.linear(x, W)) + b``. Several column maps of
+one input (Q, K, V) share one ``f`` instead (:func:`~tensorpar.copy_to_tp` once, in front of them all), so
+autograd sums their input gradients before the single all-reduce, which then cannot overlap them.
 """
 
 from __future__ import annotations
@@ -52,8 +44,8 @@ def weight_grads(grad: torch.Tensor, x2: torch.Tensor, needs_weight: bool,
 
 
 def add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``y + bias``, a new tensor (compiled by torch 2.11, a Function whose forward returns a tensor
-    it wrote in place gets zero gradients)."""
+    """``y + bias``, a new tensor (torch 2.11 compiles a Function returning a tensor it wrote in place to zero
+    gradients)."""
     return y if bias is None else y + bias
 
 

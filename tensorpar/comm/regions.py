@@ -1,30 +1,16 @@
 """Megatron's regions: the autograd collectives over the tensor-parallel group.
 
-Megatron-LM (Shoeybi et al., 2019) names two conjugate operators:
+Megatron-LM (Shoeybi et al., 2019) names two conjugate operators: ``f`` = :func:`copy_to_tp` (identity
+forward, all-reduce backward) enters a region whose input is replicated; ``g`` = :func:`reduce_from_tp`
+(all-reduce forward, identity backward) leaves it, each rank holding a partial sum.
 
-* ``f`` = :func:`copy_to_tp`: identity forward, all-reduce backward. It enters a
-  tensor-parallel region whose input is replicated: each rank's branch
-  contributes part of the input gradient, and the parts must be summed.
-* ``g`` = :func:`reduce_from_tp`: all-reduce forward, identity backward. It
-  leaves the region: each rank holds a partial sum of the output.
-
-The scatter/gather pair moves a tensor between "replicated" and "sharded along
-``dim``"; the reduce-scatter/all-gather pair does the same where the replicated
-side holds partial sums (sequence parallelism). Each gather is named by what its
-backward does, the same way here and in :mod:`tensorpar.comm.sequence`:
-
-* ``gather_*`` is the conjugate of ``scatter_*``: backward keeps this rank's
-  slice of a gradient that is already whole on every rank;
-* ``all_gather*`` is the conjugate of ``reduce_scatter*``: backward
-  reduce-scatters the gradient, each rank holding a part of it. Every function takes
-``group=None`` (the default mesh's tp group) and is the identity at tp = 1.
-Shards are balanced (see :mod:`tensorpar.sharding`), so sizes need not divide.
-Arguments are checked first, from what every rank shares, so that a bad one (not
-a tensor, a ``dim`` out of range, a ``size`` or ``unit`` that is no positive
-integer) raises the same error on every rank, at every tp, before any collective.
-Parallel linear modules fuse ``f`` and ``g`` with their matmuls (:mod:`tensorpar.comm.linear`).
-Backward is first-order only: a double backward raises instead of silently
-missing the collectives.
+Scatter/gather move a tensor between replicated and sharded along ``dim``; reduce-scatter/all-gather do
+the same where the replicated side holds partial sums. Each gather is named by its backward, here and in
+:mod:`tensorpar.comm.sequence`: ``gather_*`` (the conjugate of ``scatter_*``) keeps this rank's slice of
+a gradient already whole on every rank; ``all_gather*`` (the conjugate of ``reduce_scatter*``)
+reduce-scatters it. Every function takes ``group=None`` (the default mesh's tp group), is the identity at
+tp = 1, checks its arguments alike on every rank before any collective, and is first-order only (a double
+backward raises).
 """
 
 from __future__ import annotations
@@ -126,9 +112,10 @@ class AllGather(torch.autograd.Function):
         return reduce_scatter_along(grad, ctx.dim, ctx.sizes, ctx.group), None, None, None
 
 
-def _group_and_size(group: ProcessGroup | None) -> tuple[ProcessGroup, int]:
+def tp_group_rank_size(group: ProcessGroup | None) -> tuple[ProcessGroup, int, int]:
+    """The tp group (``group``, or the default mesh's) with this rank in it and its size."""
     group = tp_group(group)
-    return group, group_rank_size(group)[1]
+    return (group, *group_rank_size(group))
 
 
 def _check(op: str, x: object, dim: int | None = None) -> None:
@@ -161,14 +148,14 @@ def _gathered(op: str, x: torch.Tensor, dim: int, size: int, n: int) -> list[int
 def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """Megatron's ``f``: ``x`` unchanged; backward all-reduces the gradient over the tp group."""
     _check("copy_to_tp", x)
-    group, n = _group_and_size(group)
+    group, _, n = tp_group_rank_size(group)
     return x if n == 1 else CopyToTP.apply(x, group)
 
 
 def reduce_from_tp(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """Megatron's ``g``: the sum of ``x`` over the tp group; backward passes the gradient through."""
     _check("reduce_from_tp", x)
-    group, n = _group_and_size(group)
+    group, _, n = tp_group_rank_size(group)
     return x if n == 1 else ReduceFromTP.apply(x, group)
 
 
@@ -178,20 +165,16 @@ def scatter_to_tp(x: torch.Tensor, dim: int = -1, group: ProcessGroup | None = N
     backward all-gathers."""
     _check("scatter_to_tp", x, dim)
     check_int(unit, "scatter_to_tp: unit")
-    group, n = _group_and_size(group)
+    group, _, n = tp_group_rank_size(group)
     sizes = _split(x, dim, n, unit)
     return x if n == 1 else ScatterToTP.apply(x, dim, sizes, group)
 
 
 def gather_from_tp(x: torch.Tensor, dim: int, size: int, group: ProcessGroup | None = None) -> torch.Tensor:
-    """Concatenate every rank's shard along ``dim``; backward keeps this rank's slice.
-
-    ``size`` is the full (gathered) size along ``dim``, split in balanced
-    shards. It is required: shards need not be equal, and ranks that disagree
-    on the split would corrupt the collective.
-    """
+    """Concatenate every rank's balanced shard along ``dim`` into the full ``size``; backward keeps this
+    rank's slice. ``size`` is required: shards need not be equal."""
     _check("gather_from_tp", x, dim)
-    group, n = _group_and_size(group)
+    group, _, n = tp_group_rank_size(group)
     sizes = _gathered("gather_from_tp", x, dim, size, n)
     return x if n == 1 else GatherFromTP.apply(x, dim, sizes, group)
 
@@ -199,17 +182,15 @@ def gather_from_tp(x: torch.Tensor, dim: int, size: int, group: ProcessGroup | N
 def reduce_scatter(x: torch.Tensor, dim: int = 0, group: ProcessGroup | None = None) -> torch.Tensor:
     """This rank's balanced slice along ``dim`` of the sum of ``x``; backward all-gathers."""
     _check("reduce_scatter", x, dim)
-    group, n = _group_and_size(group)
+    group, _, n = tp_group_rank_size(group)
     sizes = _split(x, dim, n)
     return x if n == 1 else ReduceScatter.apply(x, dim, sizes, group)
 
 
 def all_gather(x: torch.Tensor, dim: int, size: int, group: ProcessGroup | None = None) -> torch.Tensor:
-    """Concatenate every rank's shard along ``dim``; backward reduce-scatters the gradient.
-
-    ``size`` is the full size along ``dim``, as in :func:`gather_from_tp`.
-    """
+    """Concatenate every rank's shard along ``dim`` into the full ``size`` (as :func:`gather_from_tp`);
+    backward reduce-scatters the gradient."""
     _check("all_gather", x, dim)
-    group, n = _group_and_size(group)
+    group, _, n = tp_group_rank_size(group)
     sizes = _gathered("all_gather", x, dim, size, n)
     return x if n == 1 else AllGather.apply(x, dim, sizes, group)

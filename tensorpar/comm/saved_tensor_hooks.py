@@ -1,11 +1,8 @@
 """A sequence-gathered activation kept for backward as this rank's tokens, gathered again there.
 
-Column maps that share one gathered input (Q, K and V after one
-:func:`~tensorpar.comm.sequence.all_gather_sequence`) would each keep the whole
-``(..., T, C)`` for their weight gradients. Inside :func:`save_sequence_shard`,
-autograd's saved-tensor hooks keep ``(..., T_r, C)`` instead and rebuild the
-gathered tensor once per backward pass, when its first user needs it, letting
-it go with its last (Megatron's re-gather, Korthikanti et al., 2022).
+Column maps sharing one gathered input (Q, K and V after one ``all_gather_sequence``) would each keep the
+whole ``(..., T, C)`` for their weight gradients; inside :func:`save_sequence_shard` autograd keeps
+``(..., T_r, C)`` and gathers again once per backward pass (Megatron's re-gather, Korthikanti et al., 2022).
 """
 
 from __future__ import annotations
@@ -19,7 +16,8 @@ from torch.distributed import ProcessGroup
 
 from ..mesh import group_rank_size
 from .collectives import start_all_gather_along
-from .sequence import SEQ_DIM, check_tokens, sequence_sizes, tp_group_rank_size
+from .regions import tp_group_rank_size
+from .sequence import SEQ_DIM, check_tokens, sequence_sizes
 
 
 class _Regather:
@@ -67,14 +65,11 @@ class _SavedShard:
 @contextlib.contextmanager
 def save_sequence_shard(full: torch.Tensor, local: torch.Tensor,
                         group: ProcessGroup | None = None) -> Iterator[None]:
-    """Inside the block, whatever autograd saves of ``full`` (the all-gather of the sequence shards
-    ``local``; under autocast, of ``local`` cast as autocast casts) is kept as ``local`` and gathered
-    again, once for all its users, when backward first needs it. It composes with saved-tensor
-    policies already active (activation checkpointing, offloading, measurement hooks): they are
-    handed ``local`` instead of ``full``, once. While ``torch.compile`` traces, it does nothing (the
-    compiler decides what is kept). Modifying ``local`` in place before backward is an error there.
-    Each user's copy of ``local`` is handed to the outer policy, which unpacks only the one that
-    backward gathers again.
+    """Inside the block, whatever autograd saves of ``full`` (the all-gather of the sequence shards ``local``,
+    cast as autocast casts) is kept as ``local`` and gathered again, once for all its users, when backward
+    first needs it. Saved-tensor policies already active (checkpointing, offloading) are handed ``local``
+    instead. While ``torch.compile`` traces it does nothing. Modifying ``local`` in place before backward
+    is an error there.
 
     Example::
 

@@ -1,33 +1,16 @@
 """Sequence parallelism: Megatron's regions along the tokens (Korthikanti et al., 2022).
 
-Outside its matmuls a transformer block (LayerNorm, dropout, residual adds) is
-replicated by plain tensor parallelism. Sequence parallelism splits those
-regions along the sequence instead, a balanced split of the ``T`` tokens
-(``dim=-2`` of a ``(..., T, C)`` activation; 17 tokens at tp=4 → 5/4/4/4, and
-fewer tokens than ranks leave some ranks none). The conjugate operators become:
+The regions outside a block's matmuls (LayerNorm, dropout, residual adds) are split along the sequence,
+a balanced split of the ``T`` tokens (dim -2 of ``(..., T, C)``; 17 tokens at tp=4 → 5/4/4/4; fewer tokens
+than ranks leave some none). ``ḡ`` replaces ``g``: the row layer's partial sums are **reduce-scattered**
+into sequence shards; ``f̄`` replaces ``f``: the shards are **all-gathered** before a column layer, its
+input gradient reduce-scattered. Gathers are named by their backward as in :mod:`tensorpar.comm.regions`.
 
-* ``ḡ`` where ``g`` was: the row layer's partial sums are **reduce-scattered**
-  into sequence shards (:func:`sequence_parallel_row_linear`);
-* ``f̄`` where ``f`` was: sequence shards are **all-gathered** before a column
-  layer, and its input gradient reduce-scattered in backward
-  (:func:`sequence_parallel_column_linear`, or :func:`all_gather_sequence`
-  shared by several column maps). Gathers are named as in
-  :mod:`tensorpar.comm.regions`: ``all_gather_sequence`` reduce-scatters its
-  gradient, ``gather_sequence`` keeps this rank's tokens of it.
-
-A reduce-scatter and an all-gather move what one all-reduce moves, so the
-traffic is Megatron's; what a rank keeps for backward falls to ``1/tp``.
-The gathered input of a column layer is not kept: each rank keeps its own
-tokens and gathers them again in backward, as Megatron does (in the fused
-map, overlapped with the input-gradient matmul;
-:func:`~tensorpar.comm.saved_tensor_hooks.save_sequence_shard` for a gather shared
-by several column maps): one all-gather per column region
-more in backward, for ``(tp - 1) / tp`` of its input's memory.
-
-Overlap: the column forward multiplies this rank's own tokens while the
-others' arrive (collective matmul), its backward gathers the tokens again
-while computing the input gradient and reduce-scatters that while computing
-the weight gradient; the row forward reduce-scatters its output after its matmul.
+The traffic is Megatron's (a reduce-scatter and an all-gather move what one all-reduce moves). A column
+layer keeps only this rank's tokens for backward and gathers them again there (``save_sequence_shard``
+for a gather shared by several maps). Overlap: the column forward multiplies this rank's tokens while the
+others' arrive; its backward gathers them while computing the input gradient and reduce-scatters that
+while computing the weight gradient.
 """
 
 from __future__ import annotations
@@ -44,7 +27,7 @@ from ..mesh import exchange_ints, group_rank_size, tp_group
 from ..sharding import partition_sizes
 from .collectives import start_all_gather_along, start_reduce_scatter_along
 from .linear import add_bias, autocast_inputs, check_linear_args, weight_grads
-from .regions import AllGather, GatherFromTP, ReduceScatter, ScatterToTP
+from .regions import AllGather, GatherFromTP, ReduceScatter, ScatterToTP, tp_group_rank_size
 
 SEQ_DIM = -2  # tokens: (..., T, C)
 
@@ -98,12 +81,9 @@ def all_gather_sequence(x: torch.Tensor, seq_len: int | None = None, group: Proc
 
 
 def gather_sequence(x: torch.Tensor, seq_len: int | None = None, group: ProcessGroup | None = None) -> torch.Tensor:
-    """Every rank's tokens ``(..., T_r, C)`` concatenated, ``(..., T, C)``, as :func:`all_gather_sequence`;
-    backward keeps this rank's tokens of a gradient that is already summed over the group (the conjugate
-    of :func:`scatter_sequence`) (by the
-    bitwise mode's column maps, :mod:`tensorpar.bitwise.linear`), where ``f̄`` would reduce-scatter it.
-    Under autocast the tokens travel in their own dtype: the maps after it cast them, and add their
-    input gradients in it, as they do without sequence parallelism."""
+    """Every rank's tokens ``(..., T_r, C)`` concatenated, ``(..., T, C)``; backward keeps this rank's tokens
+    of a gradient already summed over the group (by the bitwise mode's column maps), the conjugate of
+    :func:`scatter_sequence`. Under autocast the tokens travel in their own dtype."""
     check_tokens("gather_sequence", x)
     group, _, n = tp_group_rank_size(group)
     seq_len = sequence_length(x, seq_len, group)
@@ -184,12 +164,6 @@ class _SequenceParallelRowLinear(torch.autograd.Function):
         # every rank has every token's output gradient: the bias gradient is whole, the same on every rank
         grad_w, grad_b = weight_grads(full, x.reshape(-1, x.shape[-1]), needs[1], ctx.has_bias and needs[2])
         return grad_x, grad_w, grad_b, None, None
-
-
-def tp_group_rank_size(group: ProcessGroup | None) -> tuple[ProcessGroup, int, int]:
-    """The tp group (``group``, or the default mesh's) with this rank in it and its size."""
-    group = tp_group(group)
-    return (group, *group_rank_size(group))
 
 
 def sequence_parallel_column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

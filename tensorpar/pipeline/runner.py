@@ -1,21 +1,14 @@
 """One training (or evaluation) step of a pipeline, through a schedule of ``torch.distributed.pipelining``.
 
-A rank runs one stage (GPipe, 1F1B) or several (interleaved 1F1B). The batch is
-cut into ``microbatches`` equal micro-batches along dim 0; the loss of each is
-divided by their number, so the gradients are those of the whole batch's mean
-loss and keep accumulating over calls (gradient accumulation works as without
-pipelining). The step's loss comes back on every rank of the pipeline.
+A rank runs one stage (GPipe, 1F1B) or several (interleaved 1F1B). The batch is cut into ``microbatches``
+equal micro-batches along dim 0, each loss divided by their number: the gradients are the whole batch's
+mean loss's, accumulating over calls. The step's loss comes back on every rank of the pipeline.
 
-Each stage is built with its input's and output's shapes and dtypes (``stage_shapes``, given
-by the model), so torch's pipelining never infers them at run time: that inference sends
-each stage's description to the next as a pickle (``send_object_list``), which the next
-unpickles. With static shapes no rank unpickles anything a peer sent.
+Stages are built with their inputs' and outputs' shapes (``stage_shapes``), so torch's pipelining never
+infers them at run time, which would unpickle what a peer sent (``send_object_list``).
 
-Each stage also measures itself (:class:`StageTimes`): seconds spent computing
-forward and backward chunks against the step's wall time (the rest is waiting
-for a neighbour stage: the bubble), and the most micro-batches whose
-activations it held at once. With ``timed=True`` the stages start each step
-together (a barrier), so that every stage's wall time spans the whole step.
+Each stage measures itself (:class:`StageTimes`); with ``timed=True`` the stages start each step together
+(a barrier), so that every stage's wall time spans the whole step.
 """
 
 from __future__ import annotations
@@ -48,13 +41,9 @@ def _schedule_class(name: str) -> type:
 
 @dataclass
 class StageTimes:
-    """What stage ``stage`` did over the steps since the last reset.
-
-    ``busy``: seconds in its forward and backward chunks; ``wall``: seconds of
-    the steps; ``idle_fraction = 1 - busy / wall`` (time spent waiting for the
-    neighbour stages, plus the small cost of the sends); ``peak_in_flight``: the
-    most micro-batches whose forward had run and whose backward had not.
-    """
+    """What stage ``stage`` did since the last reset: ``busy`` seconds in its forward and backward chunks of
+    ``wall`` seconds of steps (``idle_fraction``: the rest, waiting for neighbours: the bubble), and
+    ``peak_in_flight``, the most micro-batches whose forward had run and whose backward had not."""
 
     stage: int
     busy: float
@@ -102,19 +91,12 @@ class Pipeline:
     """Run ``modules`` (this rank's stages, numbered ``stages`` of ``mesh.pp * len(modules)``) as one
     pipeline over ``mesh.pp_group`` with the schedule ``schedule``.
 
-    ``stage_shapes(stage, micro)`` gives each stage's example input and output (see :data:`StageShapes`):
-    the stages are built with them, so nothing about shapes travels between ranks as a pickle.
-
-    ``loss_fn(output, target)`` is the mean loss of one micro-batch, from the last stage's output;
-    ``check_inputs(inputs, target)`` raises for a batch the model cannot take, on every rank before
-    any of them starts (give every rank the batch, so that all raise alike instead of waiting);
-    ``after_backward()`` runs on every rank after each training step's last backward (to sum the
-    gradients of weights shared between stages, say).
-    ``step(inputs, target)`` runs forward and backward over the batch (the gradients accumulate in
-    the stages' parameters); ``evaluate`` runs forward only. Both return the batch's mean loss, a
-    float64 scalar (summed over the micro-batches in float64), on every rank of the pipeline. A module may be wrapped in
-    ``DistributedDataParallel`` or be an FSDP2 module: the schedule reduces its gradients over dp
-    after the step's last backward.
+    ``stage_shapes``: see :data:`StageShapes`. ``loss_fn(output, target)`` is one micro-batch's mean loss;
+    ``check_inputs(inputs, target)`` raises for a batch the model cannot take, on every rank before any
+    starts (give every rank the batch); ``after_backward()`` runs on every rank after each training
+    step's last backward (to sum the gradients of weights shared between stages, say). :meth:`step` and
+    :meth:`evaluate` return the batch's mean loss, float64, on every rank. A module may be wrapped in DDP or
+    be an FSDP2 module: the schedule reduces its gradients over dp after the step's last backward.
 
     Example::
 
@@ -154,22 +136,12 @@ class Pipeline:
         self._schedules: dict[tuple[Any, ...], tuple[Any, list[Any]]] = {}
         self.reset_times()
 
-    @property
-    def has_first(self) -> bool:
-        return 0 in self.stage_ids
-
-    @property
-    def has_last(self) -> bool:
-        return self.n_stages - 1 in self.stage_ids
-
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # summed over the micro-batches: the mean (times the step's loss_scale)
         return self._loss_fn(output, target) * (self._scale / self.microbatches)
 
     def _schedule(self, inputs: torch.Tensor, train: bool) -> tuple[Any, list[Any]]:
-        """The schedule (and its stages) for batches like ``inputs``: its stages are built with their
-        tensors' shapes, strides and dtypes (:data:`StageShapes`), so each batch layout and autocast state gets
-        its own."""
+        """The schedule (and its stages) for batches like ``inputs``: one per batch layout and autocast state."""
         device = self.mesh.device.type
         autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         key = (train, tuple(inputs.shape), inputs.stride(), inputs.dtype, autocast)
@@ -201,9 +173,9 @@ class Pipeline:
             self._check(inputs, target)
         schedule, stages = self._schedule(inputs, train)
         self._scale = loss_scale
-        args = (inputs,) if self.has_first else ()
+        args = (inputs,) if 0 in self.stage_ids else ()  # the first stage takes the batch, the last the target
         losses: list[torch.Tensor] = []
-        kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.has_last else {}
+        kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.n_stages - 1 in self.stage_ids else {}
         if self.timed:  # the stages start together, so each one's wall time spans the whole pipeline's step
             dist.barrier(group=self.mesh.pp_group)
         began = time.perf_counter()
