@@ -53,9 +53,8 @@ def _serve(conn: multiprocessing.connection.Connection) -> None:
 
 
 def _end() -> None:
-    """End this rank as a fork-started ``multiprocessing`` child ends: once threads that tasks left
-    running have finished, with its output flushed, and without the interpreter's teardown, which
-    with torch loaded costs about a second of CPU per rank (and a pool's ranks all stop at once)."""
+    """End this rank once threads that tasks left running have finished, output flushed, without the
+    interpreter's teardown (about a second of CPU per rank with torch loaded, and a pool's ranks all stop at once)."""
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()
