@@ -1,21 +1,11 @@
 """Sharded twins of the pieces of Hugging Face models that our own layers do not cover.
 
-* GPT-2's ``Conv1D`` is a linear map with its weight stored transposed,
-  ``y = x W + b`` with ``W`` of shape ``(in, out)``. :class:`ColumnParallelConv1D`
-  splits ``W`` by columns (output features, dim 1) and :class:`RowParallelConv1D`
-  by rows (input features, dim 0): the same maps as
-  :class:`~layers.linear.ColumnParallelLinear` and
-  :class:`~layers.linear.RowParallelLinear`, on ``Wᵀ``, with the weights kept in
-  GPT-2's layout so that the full state dict has GPT-2's own keys and shapes.
-  GPT-2 fuses Q, K and V into one ``c_attn`` whose output is ``[Q | K | V]``: a
-  rank's heads are a piece of each of the three blocks (``blocks=3``: a
-  :class:`~tensorpar.sharding.Shard` of ``unit=(d, d, d)``), so its local output is
-  ``[Q_r | K_r | V_r]``, as our own attention's ``c_attn``.
-* :class:`ReplicatedHeadsLinear` is a K or V projection held whole on every
-  rank (fewer KV heads than ranks) that outputs only the KV heads this rank's
-  query heads read, selected or repeated.
-* :class:`PaddedVocabParallelEmbedding` is a vocab-parallel embedding whose
-  padding row, as ``nn.Embedding(padding_idx=...)``'s, gets no gradient.
+* GPT-2's ``Conv1D`` is ``y = x W + b`` with ``W`` of shape ``(in, out)``: :class:`ColumnParallelConv1D`
+  and :class:`RowParallelConv1D` are the column and row maps of :mod:`layers.linear` on ``Wᵀ``, keeping
+  GPT-2's layout (its keys and shapes in the full state dict); ``blocks=3`` splits a fused ``[Q | K | V]``.
+* :class:`ReplicatedHeadsLinear`: a K or V projection held whole on every rank (fewer KV heads than
+  ranks), outputting only the KV heads this rank's query heads read.
+* :class:`PaddedVocabParallelEmbedding`: a vocab-parallel embedding whose padding row gets no gradient.
 """
 
 from __future__ import annotations
@@ -72,13 +62,7 @@ class _ParallelConv1D(nn.Module):
 
     @classmethod
     def from_conv1d(cls, conv: nn.Module, **options: Any) -> _ParallelConv1D:
-        """Shard a Hugging Face ``Conv1D`` (the same on every rank), keeping its weights.
-
-        Example::
-
-            c_fc = ColumnParallelConv1D.from_conv1d(block.mlp.c_fc)
-            c_proj = RowParallelConv1D.from_conv1d(block.mlp.c_proj)
-        """
+        """Shard a Hugging Face ``Conv1D`` (the same on every rank), keeping its weights."""
         weight = getattr(conv, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or getattr(conv, "bias", None) is None:
             raise TypeError(f"{cls.__name__}.from_conv1d expects a Conv1D with a (nx, nf) weight and a bias, "
@@ -99,10 +83,8 @@ class _ParallelConv1D(nn.Module):
 class ColumnParallelConv1D(_ParallelConv1D):
     """GPT-2's ``Conv1D(nf, nx)`` with its output features split: ``(*, nx) -> (*, nf / tp)``.
 
-    ``blocks=3`` splits a fused ``[Q | K | V]`` output block by block (each rank
-    gets its heads of Q, of K and of V, output as ``[Q_r | K_r | V_r]``), and
-    ``unit`` keeps whole heads together. ``copy_input=False`` leaves ``f`` to a
-    :class:`~layers.regions.CopyToTP` shared with other layers reading the input.
+    ``blocks=3`` splits a fused ``[Q | K | V]`` output block by block (output ``[Q_r | K_r | V_r]``),
+    ``unit`` keeps whole heads together, ``copy_input=False`` leaves ``f`` to a shared ``CopyToTP``.
 
     Example::
 
@@ -163,12 +145,9 @@ class ReplicatedHeadsLinear(ReplicatedLinear):
     """A K or V projection held whole on every rank, outputting the heads ``heads`` of its
     ``out_features / head_dim``: ``(*, in) -> (*, len(heads) * head_dim)``.
 
-    ``heads`` lists, for each head this rank uses, the KV head it is: contiguous
-    KV heads (each read by the same number of this rank's query heads) or one KV
-    head per local query head, repeated where several read it. The weight
-    gradient of each rank covers the heads it used; ``f`` on the weights sums
-    them (see :class:`~layers.linear.ReplicatedLinear`). Parameters keep
-    ``nn.Linear``'s names and full shapes.
+    ``heads`` lists, for each head this rank uses, the KV head it is (contiguous, or one per local query
+    head, repeated where several read it); ``f`` on the weights sums the ranks' weight gradients (see
+    :class:`~layers.linear.ReplicatedLinear`). Parameters keep ``nn.Linear``'s names and full shapes.
 
     Example::
 

@@ -7,12 +7,9 @@ same code on its heads once its projections output them and its per-rank
 attributes say how many it has (GPT-2's ``split_size`` and ``num_heads``;
 ``num_key_value_groups`` elsewhere). What changes, per decoder layer:
 
-* attention: Q, K and V column-parallel by whole heads (balanced and uneven:
-  4 heads over 3 ranks are 2, 1, 1), the output projection row-parallel over
-  the same heads; with grouped-query attention a rank owns whole query groups
-  (a KV head and its query heads) when there are at least tp KV heads, and
-  otherwise splits the query heads alone and holds K and V whole, using the KV
-  heads its query heads read (:class:`~layers.hf_modules.ReplicatedHeadsLinear`);
+* attention: Q, K and V column-parallel by whole heads, the output projection row-parallel over the
+  same heads, partitioned as :mod:`layers.attention` partitions them (:func:`~layers.heads.head_layout`;
+  K and V held whole by a :class:`~layers.hf_modules.ReplicatedHeadsLinear` when tp exceeds the KV heads);
 * MLP: the up (and gate) projections column-parallel, the down projection row-parallel;
 * one ``f`` enters each region and one ``g`` leaves it, as in Megatron: Q, K
   and V (gate and up) share a :class:`~layers.regions.CopyToTP`, stored on

@@ -15,14 +15,10 @@ A linear layer ``Y = X Wᵀ + b`` with ``W`` of shape ``(out, in)`` splits two w
   in place on buffers the op owns and overlap the backward all-reduce with the
   weight-gradient computation.
 
-Column then row (an MLP) needs no communication in between: the column layer's
-sharded output is exactly the row layer's sharded input. Several column layers
-reading one input share one ``f`` instead of applying their own: the module
-owning them calls a :class:`~layers.regions.CopyToTP` once and builds them with
-``copy_input=False``. ``unit=k`` keeps whole groups of ``k`` features together
-(``unit=head_dim``: whole attention heads per rank); a tuple ``unit=(d, d, d)``
-splits a fused ``[Q | K | V]`` projection block by block. Shards are balanced
-and need not divide evenly; weights are initialised identically at every tp.
+Column then row (an MLP) needs no communication in between: the column layer's sharded output is
+exactly the row layer's sharded input. Several column layers reading one input share one ``f``
+(:class:`~layers.regions.CopyToTP`, and ``copy_input=False``). ``unit=k`` keeps whole groups of ``k``
+features together; shards are balanced, need not divide evenly, and initialise alike at every tp.
 """
 
 from __future__ import annotations
@@ -143,20 +139,13 @@ class ColumnParallelLinear(_ParallelLinear):
     Input ``(*, in_features)``, replicated on every rank. Output
     ``(*, out_features / tp)`` (this rank's balanced slice), or the full
     ``(*, out_features)`` on every rank with ``gather_output=True``.
-    ``copy_input=False`` leaves ``f`` out: the input has already entered the
-    tensor-parallel region through a :class:`~layers.regions.CopyToTP` shared
-    with other layers reading it, whose backward sums the input gradient.
-    ``sequence_parallel=True`` takes this rank's tokens ``(..., T_r, in_features)``
-    instead and all-gathers them (``f̄``, :mod:`tensorpar.comm.sequence`);
-    ``forward(x, seq_len=T)`` names the full length (else one small collective finds it).
-
-    ``unit`` may be a tuple: the outputs are then consecutive blocks split alike, such
-    as a fused ``[Q | K | V]`` projection (see :class:`~tensorpar.sharding.Shard`);
-    the local output is this rank's piece of each block, end to end. The last
-    ``replicated`` output features are held whole by every rank, after its shard
-    of the others; each rank's weight gradient covers its own use of them, so
-    backward sums their rows of the weight and bias gradients over the group
-    (``f`` on those rows).
+    ``copy_input=False`` leaves ``f`` to a :class:`~layers.regions.CopyToTP` shared with other
+    layers reading the input. ``sequence_parallel=True`` takes this rank's tokens
+    ``(..., T_r, in_features)`` and all-gathers them (``f̄``); ``forward(x, seq_len=T)`` names the
+    full length (else one small collective finds it). A tuple ``unit`` splits consecutive blocks
+    alike (a fused ``[Q | K | V]``, see :class:`~tensorpar.sharding.Shard`), the local output this
+    rank's piece of each block. The last ``replicated`` output features are held whole by every
+    rank, after its shard; backward sums their weight and bias gradient rows over the group.
 
     Example::
 

@@ -1,13 +1,9 @@
 """The numerics a layer computes in, chosen once, when it is built: its default computation, or its twin
 in the bitwise mode (:mod:`tensorpar.bitwise`), which computes the same bits at every tp of the mode.
 
-A layer asks here once, in ``__init__``, giving its default computation, keeps what it gets and calls it
-in its forward, which has one path whatever the mode. Outside the mode (:func:`tensorpar.current_bitwise`
-is ``None`` while the layer is built) each function returns the default. In the mode, products run by
-canonical segments, their sums added by the segments' tree in place of ``g`` and ``f`` (a region entry
-is then the identity, or with sequence parallelism a gather that keeps this rank's tokens for backward),
-activations one segment at a time, attention one head at a time, LayerNorm's gradients by segments of
-the sequence; and a model built in the mode says so (:func:`mark`), for its gradient norm.
+A layer asks here once, in ``__init__``, giving its default computation, and calls what it gets in its
+one-path forward. Outside the mode (:func:`tensorpar.current_bitwise` is ``None`` while the layer is
+built) each function returns the default; in it, the bitwise twin of :mod:`tensorpar.bitwise`.
 """
 
 from __future__ import annotations

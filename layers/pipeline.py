@@ -75,13 +75,8 @@ class PipelinedGPT(nn.Module):
     """This rank's stages of a GPT pipelined over ``mesh.pp`` ranks, ``stages_per_rank`` each
     (more than one for the interleaved schedule), under the GPT's parameter names.
 
-    ``pipeline(schedule, microbatches)`` returns the :class:`tensorpar.pipeline.Pipeline` that trains
-    it: ``step(idx, targets)`` runs forward and backward over the batch and returns the mean loss on
-    every rank. After a step's last backward, :meth:`finish_gradients` averages the gradients over dp
-    and sums the tied head's over its two stages; then ``grad_norm`` and ``clip_grad_norm_`` read (and
-    clip by) the norm of the whole model's gradient, over tp and pp. Every rank of the mesh builds it,
-    with the same seed
-    (:func:`tensorpar.manual_seed`): the weights equal a :class:`GPT`'s.
+    :meth:`pipeline` returns the :class:`tensorpar.pipeline.Pipeline` that trains it. Every rank of the
+    mesh builds it with the same seed (:func:`tensorpar.manual_seed`): the weights equal a :class:`GPT`'s.
 
     Example::
 
@@ -151,11 +146,9 @@ class PipelinedGPT(nn.Module):
     def pipeline(self, schedule: str = "1f1b", microbatches: int = 1, *,
                  wrap: Callable[[nn.Module], nn.Module] | None = None, timed: bool = False) -> Pipeline:
         """The pipeline that trains this model with ``schedule`` (``"gpipe"``, ``"1f1b"`` or
-        ``"interleaved"``) over ``microbatches`` micro-batches. Over dp, the gradients are averaged
-        once per optimizer step by :meth:`finish_gradients` (one flat all-reduce per dtype), unless
-        the stages are FSDP2 modules (:func:`tensorpar.fully_shard_dp` on each of ``self.stages``) or
-        ``wrap`` wraps each stage module in something that reduces them itself. ``timed``: see
-        :class:`tensorpar.pipeline.Pipeline`."""
+        ``"interleaved"``) over ``microbatches`` micro-batches: ``step(idx, targets)`` returns the mean
+        loss on every rank. ``wrap`` wraps each stage module in something that averages the gradients
+        over dp itself (else :meth:`finish_gradients` does). ``timed``: see :class:`~tensorpar.pipeline.Pipeline`."""
         self.average_over_dp = wrap is None
         modules = [wrap(stage) if wrap else stage for stage in self.stages]
         return Pipeline(modules, self.stage_ids, self.mesh, schedule=schedule, microbatches=microbatches,

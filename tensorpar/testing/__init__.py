@@ -1,29 +1,8 @@
-"""Testing tensor-parallel code in real processes: a persistent worker pool, and
-comparisons against unsharded twins. Hypothesis strategies are in
-:mod:`tensorpar.testing.strategies` (the only part that needs ``hypothesis``).
-
-Draw examples with hypothesis in the test process and send each example to
-every rank of a :class:`World`; never run ``@given`` inside the ranks (their
-draws would diverge and their collectives deadlock). A function sent to a
-world must be importable (defined at module level).
-
-Example (a pytest test)::
-
-    from tensorpar.testing import Worlds, assert_sharded_equivalent
-    from tensorpar.testing.strategies import tp_sizes
-
-    WORLDS = Worlds()                            # one pool per world size, started on first use
-
-    def check(n, seed):                          # runs on every rank, default mesh tp = world size
-        torch.manual_seed(seed)
-        dense = torch.nn.Linear(n, 3 * n)
-        return assert_sharded_equivalent(ColumnParallelLinear.from_linear(dense), dense,
-                                         torch.randn(4, n), output_shard=Shard(-1, 3 * n))
-
-    @given(tp=tp_sizes(), n=st.integers(4, 64), seed=st.integers(0, 2**31))
-    def test_column(tp, n, seed):
-        WORLDS[tp].run(check, n, seed)
-"""
+"""Testing tensor-parallel code in real processes: a persistent worker pool (:class:`Worlds`), comparisons
+against unsharded twins, the equivalence debugger and collective counts; hypothesis strategies in
+:mod:`.strategies`. Draw examples in the test process and send each to every rank of a world (``@given``
+inside the ranks would draw differently per rank and deadlock their collectives); a function sent to a
+world must be importable. Example: ``Worlds()[2].run(check, n, seed)`` with ``check`` at module level."""
 
 from typing import TYPE_CHECKING, Any
 

@@ -1,18 +1,12 @@
-"""Collective accounting on torch's ``CommDebugMode``: which collectives ran, with what payload, in which phase.
-
-:class:`~torch.distributed.tensor.debug.CommDebugMode` counts every collective dispatched while it is
-active: c10d's ops and functional collectives, eager or compiled (``get_comm_counts()``). Tests and
-benchmarks that check Megatron's counts and bytes also need each call's payload and whether autograd's
-backward issued it: :func:`count_collectives` is that mode, keeping one :class:`CollectiveRecord` per
-collective. The collectives themselves neither know nor care that they are watched.
+"""Collective accounting on torch's ``CommDebugMode`` (which counts c10d's ops and functional collectives,
+eager or compiled: ``get_comm_counts()``), also keeping each call's payload and whether autograd's
+backward issued it, for tests and benchmarks that check Megatron's counts and bytes.
 
 Example::
 
     with count_collectives() as counts:
         mlp(x).sum().backward()
-    counts.count("all_reduce", phase="forward")   # 1 at tp > 1: g
     counts.count("all_reduce", phase="backward")  # 1 at tp > 1: f
-    counts.get_comm_counts()                      # CommDebugMode's own counts, by op
 """
 
 from __future__ import annotations

@@ -33,11 +33,18 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor, scale: float = 0.0) 
     return (a - e).norm().item() / (norm if norm > 0 else 1.0)
 
 
+def tolerance(dtype: torch.dtype, rtol: float | None = None) -> float:
+    """``rtol``, else the default of ``dtype`` (bfloat16's for other low-precision floats; exact for the rest)."""
+    if rtol is not None:
+        return rtol
+    return TOLERANCES.get(dtype, TOLERANCES[torch.bfloat16] if dtype.is_floating_point else 0.0)
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float | None = None, name: str = "",
                  scale: float = 0.0) -> float:
     """Raise unless the norm-wise relative error (see :func:`rel_error`) is within ``rtol``
     (default: by dtype); return it."""
-    rtol = TOLERANCES[expected.dtype] if rtol is None else rtol
+    rtol = tolerance(expected.dtype, rtol)
     err = rel_error(actual, expected, scale)
     if not err <= rtol:
         raise AssertionError(f"{name or 'tensor'}: relative error {err:.3g} exceeds {rtol:.1g} ({expected.dtype})")

@@ -1,27 +1,15 @@
 """The equivalence debugger: where does a sharded model first differ from its dense twin?
 
-:func:`find_divergence` runs a sharded model and its dense twin (same weights,
-on every rank) on the same input with hooks on every submodule whose dotted
-name both share: forward hooks record each call's output in call order, full
-backward pre-hooks and hooks each call's output and input gradients in backward
-order (the gradient of a module's output is recorded when backward reaches the
-module, of its input when backward leaves it). It compares them, then every
-parameter and parameter gradient, and returns a
-:class:`~tensorpar.testing.findings.DivergenceReport` naming the first
-diverging module of each pass, with a diagnosis where a pattern says what went
-wrong (see :mod:`tensorpar.testing.divergence`).
+Hooks on every submodule name both models share record each call's output (forward order) and its
+output and input gradients (backward order: an output's when backward reaches the module, an input's
+when it leaves). Before comparing, the ranks agree on the sequence of hooks that fired (a hash
+exchange), so a fault that changes control flow on one rank raises there instead of a hang.
 
-It is a collective over the tp group: every rank calls it alike. Before any
-comparison the ranks agree on the sequence of hooks that fired (a hash
-exchange), so a fault that changes control flow on one rank raises a
-rank-tagged ``RuntimeError`` instead of leaving the others waiting.
-
-A tensor whose ranks' copies sum to the dense one (a partial sum: a
-vocab-parallel embedding's unreduced lookup, the input gradient of a column
-layer whose ``f`` is shared) is a divergence only if the next diverging tensor
-comes before any that matches: when one matches first, a module the dense twin
-lacks (an ``f`` or ``g``) summed the partial results, as designed. A partial sum
-that a module elsewhere in the model reduces can hide a fault in between.
+A tensor whose ranks' copies sum to the dense one (a partial sum: a vocab-parallel embedding's
+unreduced lookup, the input gradient of a column layer whose ``f`` is shared) is a divergence only if
+the next diverging tensor comes before any that matches: when one matches first, a module the dense
+twin lacks (an ``f`` or ``g``) summed the partial results, as designed. A partial sum that a module
+elsewhere reduces can hide a fault in between.
 """
 
 from __future__ import annotations
@@ -237,17 +225,16 @@ def group_of_one() -> ProcessGroup:
 def find_divergence(sharded: nn.Module, dense: nn.Module, *inputs: Any,
                     loss_fn: Callable[..., torch.Tensor] | None = None, target: Any = None,
                     rtol: float | None = None, group: ProcessGroup | None = None, seed: int = 0) -> DivergenceReport:
-    """Find where ``sharded`` first differs from ``dense``, its unsharded twin; a collective.
+    """Find where ``sharded`` first differs from ``dense``, its unsharded twin; a collective over the tp group,
+    returning the same :class:`~tensorpar.testing.findings.DivergenceReport` on every rank.
 
-    Both models get ``inputs`` (the full inputs, the same on every rank; floating-point ones
-    are cloned to require gradients). Compared, for every submodule name both models have:
-    each call's output (one split along a dim across ranks is gathered), then each call's output
-    and input gradients after backward of ``loss_fn(output[, target])`` (on the full output: a
-    split one is gathered first), or by default of the output itself when it is a scalar and
-    else of a fixed random projection of it (drawn from ``seed``); then every parameter and parameter
-    gradient (split ones by their ``sharding()``). Norm-wise relative tolerance ``rtol``, by default per dtype
-    (:data:`~tensorpar.testing.TOLERANCES`). Both models' ``.grad`` are reset first and hold
-    this backward's gradients after. Run it with dropout off (``model.eval()`` or ``p=0``).
+    Both models get ``inputs`` (full, the same on every rank; floating-point ones cloned to require
+    gradients). Compared: each call's output (a split one gathered), each call's output and input
+    gradients after backward of ``loss_fn(output[, target])`` (on the full output), by default of the
+    output itself when a scalar, else of a fixed random projection of it (from ``seed``); then every
+    parameter and parameter gradient. Norm-wise relative tolerance ``rtol``, by default per dtype
+    (:data:`~tensorpar.testing.TOLERANCES`). Both models' ``.grad`` are reset first and hold this
+    backward's gradients after. Run it with dropout off (``model.eval()`` or ``p=0``).
 
     A sharded model built in bitwise mode (its ``numerics``, :mod:`tensorpar.bitwise`) is compared
     exactly (``rtol`` 0 unless given): its twin is the same model built in bitwise mode at tp = 1, on a

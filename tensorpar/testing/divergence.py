@@ -31,6 +31,7 @@ tensor with the comparison's tolerance, and nothing is said when none holds:
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -43,18 +44,8 @@ from ..comm.collectives import all_gather_along
 from ..full import placements, tp_local
 from ..mesh import exchange_ints, group_rank_size
 from ..sharding import Shard, join_shards, shard
-from .compare import TOLERANCES, rel_error
+from .compare import rel_error, tolerance
 from .findings import Finding
-
-#: dtypes by number, for describing a tensor in integers
-DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-          torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
-
-
-def dtype_code(dtype: torch.dtype) -> int:
-    """``dtype``'s number in :data:`DTYPES` (-1 for any other)."""
-    return DTYPES.index(dtype) if dtype in DTYPES else -1
-
 
 MISSING = "a missing f/g: the reduction over the tp group was not applied"
 DOUBLED = "a doubled f/g (an all-reduce applied twice)"
@@ -127,13 +118,6 @@ class Item:
         return full.index_select(self.dim, torch.tensor(index, device=full.device))
 
 
-def tolerance(dtype: torch.dtype, rtol: float | None) -> float:
-    """``rtol``, else the default of ``dtype`` (bfloat16's for other low-precision floats; exact for the rest)."""
-    if rtol is not None:
-        return rtol
-    return TOLERANCES.get(dtype, TOLERANCES[torch.bfloat16] if dtype.is_floating_point else 0.0)
-
-
 def exchange_floats(values: Sequence[float], group: ProcessGroup, device: torch.device | None) -> list[list[float]]:
     """Every rank's ``values`` (the same count on all), in rank order, bit for bit (as int64 words)."""
     if not values:
@@ -147,7 +131,7 @@ def _descriptor(item: Item) -> list[int]:
     t = item.local
     if t is None or item.dense is None or t.dim() > _MAX_DIMS:
         return [0] * (_MAX_DIMS + 3)
-    return [1, dtype_code(t.dtype), t.dim(), *t.shape, *[0] * (_MAX_DIMS - t.dim())]
+    return [1, zlib.crc32(str(t.dtype).encode()), t.dim(), *t.shape, *[0] * (_MAX_DIMS - t.dim())]
 
 
 def _split_dim(item: Item, full: tuple[int, ...]) -> int | None:
@@ -261,10 +245,10 @@ def diagnose(item: Item, group: ProcessGroup) -> tuple[str | None, bool]:
     everyone = _joined(item, shards) if shards is not None else gathered(item, group)
     parts = list(everyone) if item.kind == "replicated" else None
     whole = everyone if item.kind == "sharded" else None
-    if (whole is not None and _close(whole, n * d, tol)) or (parts and all(_close(p, n * d, tol) for p in parts)):
-        return f"{noun} is tp× too large: {DOUBLED}", False
-    if (whole is not None and _close(whole, d / n, tol)) or (parts and all(_close(p, d / n, tol) for p in parts)):
-        return f"{noun} is 1/tp of the dense one: {MISSING}", False
+    for expected, says in ((n * d, f"{noun} is tp× too large: {DOUBLED}"),
+                           (d / n, f"{noun} is 1/tp of the dense one: {MISSING}")):
+        if all(_close(t, expected, tol) for t in (parts or [everyone])):
+            return says, False
     if whole is not None and shards is not None and item.placement is not None and item.placement.replicated \
             and _close(_tail_summed(item, whole, shards), d, tol):  # e.g. the K/V rows of a c_attn's output gradient
         return (f"only this rank's part of the elements every rank holds (the ranks' {noun}s of them sum to the "
@@ -272,16 +256,14 @@ def diagnose(item: Item, group: ProcessGroup) -> tuple[str | None, bool]:
     if whole is not None:
         return _misplaced(item, whole), False
     assert parts is not None
-    total = everyone.sum(0)
+    total, zero = everyone.sum(0), [r for r, p in enumerate(parts) if not p.any()]
     if _close(total, d, tol):
-        zero = [r for r, p in enumerate(parts) if not p.any()]
         only = f", zero on rank{'s' * (len(zero) > 1)} {', '.join(map(str, zero))}" if zero else ""
         return f"only this rank's part (the ranks' {noun}s sum to the dense one{only}): {MISSING}", True
     b = item.bias
     if b is not None and b.dim() == 1 and d.dim() >= 1 and b.shape[0] == d.shape[-1] and \
             _close(total - (n - 1) * b.detach().to(total.dtype), d, tol):
         return f"only this rank's part (partial sums, each with the bias added): {MISSING}", False
-    zero = [r for r, p in enumerate(parts) if not p.any()]
     if zero and d.any():
         return f"{noun} is zero on rank{'s' * (len(zero) > 1)} {', '.join(map(str, zero))}: {MISSING}", False
     good = [r for r in range(n) if item.errors[r] <= tol]

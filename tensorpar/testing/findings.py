@@ -103,8 +103,7 @@ class DivergenceReport:
 
         def finding(f: dict[str, Any]) -> Finding:
             return Finding(**(f | {k: tuple(f[k]) for k in ("ranks", "errors", "full_shape")}
-                               | {"local_shapes": tuple(tuple(s) for s in f["local_shapes"])}))
-        forward, backward = raw["first_forward"], raw["first_backward"]
-        return cls(raw["tp"], None if forward is None else finding(forward),
-                   None if backward is None else finding(backward),
-                   tuple(finding(f) for f in raw["findings"]), raw["compared"], tuple(raw["notes"]))
+                               | {"local_shapes": tuple(map(tuple, f["local_shapes"]))}))
+        forward, backward = (None if raw[k] is None else finding(raw[k]) for k in ("first_forward", "first_backward"))
+        return cls(raw["tp"], forward, backward, tuple(map(finding, raw["findings"])), raw["compared"],
+                   tuple(raw["notes"]))

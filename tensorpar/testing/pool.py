@@ -1,11 +1,5 @@
-"""Persistent pools of ranks for tests: start a world once, send it many examples.
-
-A :class:`World` is ``size`` processes joined in one gloo group through
-:class:`tensorpar.testing.ranks.LocalRanks` (what :func:`tensorpar.spawn`
-starts too), kept alive between calls: an example costs a few milliseconds instead
-of the ~1 s of starting processes. A function sent to a world must be
-importable (defined at the top level of a .py file), as for :func:`tensorpar.spawn`.
-"""
+"""Persistent pools of ranks for tests: start a world once (the ranks of :func:`tensorpar.spawn`), send it
+many examples, each a few milliseconds instead of the ~1 s of starting processes."""
 
 from __future__ import annotations
 
@@ -59,9 +53,8 @@ def _serve(conn: multiprocessing.connection.Connection) -> None:
 
 
 def _end() -> None:
-    """End this rank as a fork-started ``multiprocessing`` child ends: once threads that tasks left
-    running have finished, with its output flushed, and without the interpreter's teardown, which
-    with torch loaded costs about a second of CPU per rank (and a pool's ranks all stop at once)."""
+    """End this rank once threads that tasks left running have finished, output flushed, without the
+    interpreter's teardown (about a second of CPU per rank with torch loaded, and a pool's ranks all stop at once)."""
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()
@@ -71,16 +64,10 @@ def _end() -> None:
 
 
 class World:
-    """``size`` worker processes joined in one gloo group, started once and reused.
-
-    ``run(fn, *args)`` calls ``fn(*args)`` on every rank with a default mesh
-    (``tp`` = the world size unless given) and returns the per-rank results. A
-    rank that raises fails the call with :class:`tensorpar.RankError` naming it
-    and its traceback; if other ranks do not answer within ``grace`` seconds
-    (blocked in a collective the failed rank never joined), or the call takes
-    longer than ``timeout`` seconds, the pool is killed, restarted on next use,
-    and the call raises.
-    """
+    """``size`` worker processes joined in one gloo group, started once and reused. A rank that raises
+    fails :meth:`run` with :class:`tensorpar.RankError` naming it, with its traceback; if other ranks do not
+    answer within ``grace`` seconds (blocked in a collective the failed rank never joined), or the call
+    takes longer than ``timeout`` seconds, the pool is killed, restarted on next use, and the call raises."""
 
     def __init__(self, size: int, *, timeout: float = 60.0, grace: float = 3.0, startup: float = 120.0) -> None:
         self.size, self.timeout, self.grace, self.startup = size, timeout, grace, startup
@@ -130,11 +117,15 @@ class World:
             if not all(p.is_alive() for p in ranks.procs):  # collect killed a stuck or broken group
                 self._ranks = None
 
-    def close(self) -> None:
-        """Stop the workers (killing any that do not stop in time)."""
+    def _stop(self) -> None:
         if self._ranks is not None:
             with contextlib.suppress(OSError):
                 self._ranks.send(("stop", None))
+
+    def close(self) -> None:
+        """Stop the workers (killing any that do not stop in time)."""
+        self._stop()
+        if self._ranks is not None:
             self._ranks.kill(15)
             self._ranks = None
 
@@ -156,25 +147,16 @@ class Worlds(Mapping[int, World]):
 
     def close(self) -> None:
         for world in self._worlds.values():
-            if world._ranks is not None:
-                with contextlib.suppress(OSError):
-                    world._ranks.send(("stop", None))  # all worlds stop at once
+            world._stop()  # all worlds stop at once
         for world in self._worlds.values():
             world.close()
 
 
 def run_script(path: str | os.PathLike[str], *argv: str) -> None:
     """Run a Python script in this process as ``python path *argv`` would: as ``__main__``, with
-    ``sys.argv`` set and the script's folder first on ``sys.path`` (both restored afterwards).
-
-    On every rank of a :class:`World` (or of :func:`tensorpar.spawn`) this runs a training script
-    the way ``torchrun`` does: the ranks are already in a process group, with torchrun's
-    environment variables set.
-
-    Example::
-
-        WORLDS[4].run(run_script, "examples/train_gpt.py", "--tp=2", "--steps=5", "--out=run")
-    """
+    ``sys.argv`` set and the script's folder first on ``sys.path`` (both restored afterwards). On every
+    rank of a :class:`World` this runs a training script as ``torchrun`` does, e.g.
+    ``WORLDS[4].run(run_script, "examples/train_gpt.py", "--tp=2")``."""
     path = os.fspath(path)
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv[:] = [path, *argv]

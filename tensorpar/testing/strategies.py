@@ -1,10 +1,5 @@
-"""Hypothesis strategies for tensor-parallel tests: tp sizes, feature counts that do or do not
-divide by tp, batch shapes and dtypes.
-
-Draw examples in the test process and send each one to every rank of a
-:class:`~tensorpar.testing.World`; never draw inside the ranks (their draws
-would diverge and their collectives deadlock).
-"""
+"""Hypothesis strategies for tensor-parallel tests: tp sizes, feature counts that do or do not divide by
+tp, batch shapes and dtypes. Draw in the test process, never inside the ranks (see :mod:`tensorpar.testing`)."""
 
 from __future__ import annotations
 
