@@ -201,6 +201,27 @@ def test_under_torch_distributed_debug_detail_every_disagreement_raises_on_every
         assert after == [3.0, 3.0, 3.0]
 
 
+def world_all_reduce_of_another_dtype():
+    """A float32 all-reduce on rank 0 against an int32 one of the same bytes on rank 1, in the group spawn made:
+    what each rank's call raised, or ``None``."""
+    x = torch.ones(4, dtype=(torch.float32, torch.int32)[dist.get_rank()])
+    try:
+        dist.all_reduce(x)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_spawn_ranks_read_torch_distributed_debug_from_the_launchers_environment_of_now(monkeypatch):
+    """The fork server imported torch (and c10d read TORCH_DISTRIBUTED_DEBUG) before the variable was set
+    here: the ranks spawned afterwards still compare their collectives."""
+    monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
+    assert tensorpar.spawn(os.getpid, 2, timeout=60)  # the fork server runs, without the variable
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    errors = tensorpar.spawn(world_all_reduce_of_another_dtype, 2, timeout=120)
+    assert all(e is not None and "Detected mismatch between collectives on ranks" in e for e in errors), errors
+
+
 # ---------------------------------------------------------------- a peer stops or dies
 
 def stop_one_rank():

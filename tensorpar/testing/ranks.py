@@ -86,6 +86,7 @@ def _rank_process(main: RankMain, rank: int, world_size: int, port: int, backend
     os.environ.clear()  # the launcher's environment of now, not the fork server's
     os.environ.update(environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=_LOOPBACK, MASTER_PORT=str(port))
+    dist.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG as the launcher has it (c10d read it at import)
     threading.Thread(target=_end_with_launcher, args=(lifeline, rank), daemon=True).start()
     try:
         try:
