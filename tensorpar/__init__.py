@@ -23,10 +23,16 @@ from .mesh import Mesh, current_mesh, group_rank_size, init, manual_seed, shutdo
 from .random import RNGStatesTracker
 from .sharding import Shard, partition_bounds, partition_offsets, partition_sizes, shard
 
-try:
-    __version__ = importlib.metadata.version("tensorpar")  # as installed
-except importlib.metadata.PackageNotFoundError:  # a source tree never installed
-    __version__ = "0+unknown"
+
+def _installed_version() -> str:
+    """This distribution's version as installed; ``0+unknown`` in a source tree never installed."""
+    try:
+        return importlib.metadata.version("tensorpar")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+__version__ = _installed_version()
 
 #: what loads on first use: attribute -> (module, name in it; None for the module itself)
 _ON_FIRST_USE = (("checkpoint", "tensorpar.checkpoint", None), ("pipeline", "tensorpar.pipeline", None),
