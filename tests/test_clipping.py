@@ -14,16 +14,22 @@ from tensorpar.testing import TOLERANCES, assert_all_close, rel_error
 from tensorpar.testing.strategies import tp_sizes
 
 
-def norm_twins(cfg, seed):
-    """The sharded GPT's global gradient norm and clipped gradients against the plain twin's."""
+def clipped_twins(cfg, seed, max_norm):
+    """The float64 sharded GPT clipped by us and its unsharded twin by torch, after one backward: our norm,
+    torch's, our gathered clipped gradients, the twin, and the norm of its clipped gradients."""
     ref, model = twins(cfg, torch.float64, seed)
     idx, targets = batch(cfg, 2, cfg["block_size"], seed)
     model(idx, targets).backward()
     ref(idx, targets).backward()
-    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
-    norm = tensorpar.clip_grad_norm_(model, 0.1)
-    grads = tensorpar.full_grads(model)
-    scale = torch.cat([p.grad.flatten() for p in ref.parameters()]).norm().item()  # see test_gpt: zero grads
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+    norm = tensorpar.clip_grad_norm_(model, max_norm)
+    clipped = torch.cat([p.grad.flatten() for p in ref.parameters()]).norm().item()  # see test_gpt: zero grads
+    return norm, expected, tensorpar.full_grads(model), ref, clipped
+
+
+def norm_twins(cfg, seed):
+    """The sharded GPT's global gradient norm and clipped gradients against the plain twin's."""
+    norm, expected, grads, ref, scale = clipped_twins(cfg, seed, 0.1)
     pairs = {"norm": (norm.double(), expected)}
     pairs |= {k: (grads[k], p.grad, scale) for k, p in ref.named_parameters()}
     return max(assert_all_close(pairs, rtol=TOLERANCES[torch.float64]).values())  # float64, as torch's
@@ -37,16 +43,9 @@ def test_clipping_uses_the_unsharded_gradient_norm(worlds, tp, data):
 
 
 def float64_clipping(cfg, seed):
-    """The float64 sharded GPT clipped by us and its unsharded twin by torch: both norms' dtypes, and the
-    relative errors of our norm and of every clipped gradient (against the clipped gradients' norm)."""
-    ref, model = twins(cfg, torch.float64, seed)
-    idx, targets = batch(cfg, 2, cfg["block_size"], seed)
-    model(idx, targets).backward()
-    ref(idx, targets).backward()
-    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
-    norm = tensorpar.clip_grad_norm_(model, 0.01)
-    grads = tensorpar.full_grads(model)
-    clipped = torch.cat([p.grad.flatten() for p in ref.parameters()]).norm().item()
+    """Both norms' dtypes, and the relative errors of our norm and of every clipped gradient (against the
+    clipped gradients' norm)."""
+    norm, expected, grads, ref, clipped = clipped_twins(cfg, seed, 0.01)
     errors = [rel_error(grads[k], p.grad, clipped) for k, p in ref.named_parameters()]
     return norm.dtype, expected.dtype, rel_error(norm, expected), max(errors)
 
