@@ -35,7 +35,7 @@ def tp_stream(group: ProcessGroup) -> tensorpar.RNGStatesTracker:
     """The default mesh's tp stream when a module uses its group, else a stream of the module's own."""
     mesh = current_mesh_or_none()
     if mesh is not None and mesh.tp_group is group:
-        return mesh.rng
+        return tensorpar.random.tracker(mesh)
     return tensorpar.RNGStatesTracker(tensorpar.group_rank_size(group)[0])
 
 

@@ -14,14 +14,16 @@ import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
 from . import comm, tiled_init
+from . import random as random  # tensorpar.random.tracker(mesh): a mesh's tp stream
 from .bitwise.settings import current_bitwise
 from .clipping import clip_grad_norm_, grad_norm
 from .comm import *  # noqa: F403  (the collectives and fused linear maps: comm.__all__)
 from .cross_entropy import vocab_parallel_cross_entropy
 from .full import full_grads, full_state_dict, load_full_state_dict, shard_geometry, unshard
-from .mesh import Mesh, current_mesh, group_rank_size, init, manual_seed, shutdown, tp_group, use_mesh
-from .random import RNGStatesTracker
+from .mesh import Mesh, current_mesh, group_rank_size, init, tp_group, use_mesh
+from .random import RNGStatesTracker, manual_seed
 from .sharding import Shard, partition_bounds, partition_offsets, partition_sizes, shard
+from .world import shutdown
 
 
 def _installed_version() -> str:

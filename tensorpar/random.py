@@ -7,6 +7,9 @@
   seed and the tp rank (without :func:`manual_seed`, the base is one draw of the default generator at the
   first fork, the same on every rank).
 
+Each mesh has one tracker, found by :func:`tracker` (the default mesh's when none is named); modules look
+theirs up once, when they are built, so nothing is looked up inside a compiled region.
+
 ``torch.utils.checkpoint`` restores only the default generators: :func:`recompute_contexts` is a
 ``context_fn`` that replays the trackers too, leaving the live streams untouched.
 """
@@ -14,12 +17,16 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import TypedDict
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from .mesh import Mesh, current_mesh
 
 _MASK = (1 << 64) - 1
 
@@ -63,9 +70,9 @@ class RNGStatesTracker:
 
     Example::
 
-        mesh = tensorpar.init(tp=2)
+        tensorpar.init(tp=2)
         tensorpar.manual_seed(1234)                 # default stream and the tp streams
-        with mesh.rng.fork(x.device):
+        with tensorpar.random.tracker().fork(x.device):
             y = F.dropout(scores, 0.1)              # a different mask on each tp rank
         z = F.dropout(h, 0.1)                       # the same mask on every tp rank
     """
@@ -121,6 +128,38 @@ class RNGStatesTracker:
         self._states = {k: v.clone() for k, v in state["states"].items()}
 
 
+# Each live mesh's tracker, per context as the default mesh is: rebuilt (never changed in place) when a
+# mesh is first asked for, dropping the trackers of meshes no longer alive.
+_trackers: contextvars.ContextVar[tuple[tuple[weakref.ref[Mesh], RNGStatesTracker], ...]] = \
+    contextvars.ContextVar("tensorpar_rng_trackers", default=())
+
+
+def tracker(mesh: Mesh | None = None) -> RNGStatesTracker:
+    """The tp stream of ``mesh`` (default: the default mesh), made at the first call for that mesh.
+
+    Example::
+
+        mesh = tensorpar.init(tp=2)
+        with tensorpar.random.tracker(mesh).fork(x.device):
+            y = F.dropout(scores, 0.1)              # a different mask on each tp rank
+    """
+    mesh = current_mesh() if mesh is None else mesh
+    live = tuple((ref, t) for ref, t in _trackers.get() if ref() is not None)
+    for ref, found in live:
+        if ref() is mesh:
+            return found
+    made = RNGStatesTracker(mesh.tp_rank)
+    _trackers.set((*live, (weakref.ref(mesh), made)))
+    return made
+
+
+def manual_seed(seed: int, mesh: Mesh | None = None) -> None:
+    """Seed torch's default generators (the same on every rank: replicated regions)
+    and the tp streams of ``mesh`` (default: the default mesh; different on each tp rank: sharded regions)."""
+    torch.manual_seed(seed)
+    tracker(mesh).seed(seed)
+
+
 def _recompute_all(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
     """A selective-checkpointing policy that recomputes every operation: plain checkpointing."""
     return CheckpointPolicy.PREFER_RECOMPUTE
@@ -137,7 +176,7 @@ def recompute_contexts(*trackers: RNGStatesTracker) -> tuple[AbstractContextMana
 
     Example::
 
-        trackers = (tensorpar.current_mesh().rng,)
+        trackers = (tensorpar.random.tracker(),)
         y = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False,
                                               context_fn=functools.partial(recompute_contexts, *trackers))
     """

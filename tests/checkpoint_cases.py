@@ -59,7 +59,7 @@ def picture(model, optimizer, root):
     torch's and the mesh's generators, and the files below ``root``."""
     return {"model": {k: v.clone() for k, v in model.state_dict().items()},
             "optimizer": copy.deepcopy(optimizer.state_dict()), "rng": torch.get_rng_state(),
-            "tp rng": tensorpar.current_mesh().rng.state_dict(), "disk": disk(root)}
+            "tp rng": tensorpar.random.tracker().state_dict(), "disk": disk(root)}
 
 
 def raw_bytes(t):

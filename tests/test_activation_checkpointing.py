@@ -54,7 +54,7 @@ def one_step(model, idx, targets, seed):
         loss.backward()
     for hook in hooks:
         hook.remove()
-    with mesh.rng.fork():
+    with tensorpar.random.tracker(mesh).fork():
         tp_next = torch.rand(8)
     return dict(logits=logits.detach(), loss=loss.detach(), grads=tensorpar.full_grads(model), calls=calls,
                 logit_masks=logit_masks, masks=masks, recomputed=recomputed, next=[torch.rand(8), tp_next])

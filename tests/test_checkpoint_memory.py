@@ -78,7 +78,7 @@ def live_tensors(model, optimizer):
 
 
 def generators(mesh):
-    return {"cpu": torch.get_rng_state(), "tp": mesh.rng.state_dict()}
+    return {"cpu": torch.get_rng_state(), "tp": tensorpar.random.tracker(mesh).state_dict()}
 
 
 def loaded_against_live(out, fsdp):

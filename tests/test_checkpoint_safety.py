@@ -38,7 +38,7 @@ def refused_load(root, damage, **options):
     nothing changed). Every rank damages nothing but the first; all load."""
     out, mesh = Path(root) / "run", tensorpar.current_mesh()
     model, optimizer = trained(0)
-    with mesh.rng.fork():  # the tp streams hold a state to save
+    with tensorpar.random.tracker(mesh).fork():  # the tp streams hold a state to save
         torch.rand(1)
     path = checkpoint.save(out, model, optimizer, step=3)
     if mesh.rank == 0:
@@ -46,7 +46,7 @@ def refused_load(root, damage, **options):
     torch.distributed.barrier()
     target, target_optimizer = trained(1)
     torch.rand(3)  # the generators move on from the saved states
-    with mesh.rng.fork():
+    with tensorpar.random.tracker(mesh).fork():
         torch.rand(3)
     before = picture(target, target_optimizer, root)
     try:

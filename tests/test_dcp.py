@@ -375,7 +375,7 @@ def dropout_run(out, resume):
         warnings.simplefilter("always")
         if resume:
             torch.rand(5)
-            with tensorpar.current_mesh().rng.fork():
+            with tensorpar.random.tracker().fork():
                 torch.rand(5)
             checkpoint.load(out, model, optimizer)
         else:

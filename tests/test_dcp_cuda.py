@@ -53,11 +53,12 @@ def tensors_of(model, optimizer):
 
 def generators(mesh):
     """torch's CPU and CUDA generators and the mesh's tp streams, as a checkpoint records them."""
-    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(), "tp": mesh.rng.state_dict()}
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(),
+            "tp": tensorpar.random.tracker(mesh).state_dict()}
 
 
 def draws(mesh, device):
-    with mesh.rng.fork(device):
+    with tensorpar.random.tracker(mesh).fork(device):
         tp = torch.rand(4, device=device)
     return torch.rand(4, device=device).cpu(), tp.cpu()
 

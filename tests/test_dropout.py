@@ -167,17 +167,17 @@ def test_sharded_dropout_leaves_the_default_generator_in_step(worlds, tp):
 
 
 def stream_draws(seed, device):
-    mesh = tensorpar.current_mesh()
+    tracker = tensorpar.random.tracker()
     tensorpar.manual_seed(seed)
-    with mesh.rng.fork(device):
+    with tracker.fork(device):
         first = torch.rand(4096, device=device)
     default_after_fork = torch.rand(8, device=device)
-    with mesh.rng.fork(device):
+    with tracker.fork(device):
         second = torch.rand(4096, device=device)
     tensorpar.manual_seed(seed)
     default_alone = torch.rand(8, device=device)
     try:
-        with mesh.rng.fork(device), mesh.rng.fork(device):  # would replay the outer stream's numbers
+        with tracker.fork(device), tracker.fork(device):  # would replay the outer stream's numbers
             nested = "allowed"
     except RuntimeError as e:
         nested = str(e)
@@ -195,3 +195,29 @@ def test_tp_streams_differ_per_rank_and_leave_the_default_alone(worlds, tp, seed
         assert all(not torch.equal(first, other) for other in firsts[rank + 1:]), "two ranks drew the same"
     again = worlds[tp].run(stream_draws, seed, "cpu")
     assert all(torch.equal(a[0], b[0]) for a, b in zip(results, again, strict=True)), "same seed, different draws"
+
+
+def streams_of_two_meshes():
+    pairs, whole = tensorpar.init(tp=2), tensorpar.init(tp=1)  # `whole` is the default
+    with tensorpar.use_mesh(pairs):
+        drop, found = ShardedDropout(0.5), tensorpar.random.tracker()
+
+    def mask(seed):
+        tensorpar.manual_seed(seed, pairs)
+        return drop(torch.ones(1, 4, 64), 8) > 0
+
+    first, again, other = mask(7), mask(7), mask(8)
+    return {"layer holds the mesh's": drop.rng is found is tensorpar.random.tracker(pairs),
+            "one per mesh": tensorpar.random.tracker() is tensorpar.random.tracker(whole) is not found,
+            "ranks": (found.rank, tensorpar.random.tracker(whole).rank),
+            "reseeded": torch.equal(first, again) and not torch.equal(first, other), "mask": first}
+
+
+def test_each_mesh_has_one_tp_stream_that_manual_seed_reaches(worlds):
+    """Two meshes at once: a layer built under ``use_mesh`` holds that mesh's stream, and seeding that mesh
+    while another is the default reseeds it (256 elements at p = 0.5 agree by chance with probability 2^-256)."""
+    results = worlds[2].run(streams_of_two_meshes, mesh=False)
+    for rank, r in enumerate(results):
+        assert r["layer holds the mesh's"] and r["one per mesh"] and r["reseeded"], (rank, r)
+        assert r["ranks"] == (rank, 0)
+    assert not torch.equal(results[0]["mask"], results[1]["mask"]), "both tp ranks drew one mask"

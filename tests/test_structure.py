@@ -85,6 +85,18 @@ def test_layers_choose_their_numerics_once_and_the_mesh_knows_no_numerics():
     assert not {m for m in mesh if m.startswith("tensorpar.bitwise")}, mesh
 
 
+def test_the_mesh_stands_on_the_world_alone():
+    """``tensorpar.mesh`` reaches (at any depth) only the modules that join the world and compare arguments
+    across it: no random streams, numerics or collectives of ours sit beneath the mesh."""
+    modules = library_modules()
+    reached, todo = set(), ["tensorpar.mesh"]
+    while todo:
+        for dep in imports_of(todo[-1], modules[todo.pop()], modules) - reached:
+            reached.add(dep)
+            todo.append(dep)
+    assert reached == {"tensorpar.world", "tensorpar.agreement"}, reached
+
+
 def test_the_core_and_the_packaging_never_name_the_layer_package():
     word = re.compile(r"\blayers\b")
     offenders = [str(p.relative_to(ROOT)) for p in [*(ROOT / "tensorpar").rglob("*.py"), ROOT / "pyproject.toml"]

@@ -20,7 +20,7 @@ import torch
 from tensorpar.bitwise import DEFAULT_TP_SIZES
 from tensorpar.checkpoint import CheckpointError
 from tensorpar.checkpoint import files as checkpoint_files
-from tensorpar.mesh import default_backend
+from tensorpar.world import default_backend
 
 from .data import SCANNED_TOKENS, VOCAB_SIZE, open_splits
 from .device import DTYPES, local_ranks

@@ -2,7 +2,7 @@
 memory a rank used on it, and a warning when the run falls back to the CPU although GPUs are there.
 
 A local run's ranks use NCCL on one GPU each when the host has a GPU for every local rank, and
-gloo on the CPU otherwise (:func:`tensorpar.mesh.default_backend`): a run of more ranks than GPUs
+gloo on the CPU otherwise (:func:`tensorpar.world.default_backend`): a run of more ranks than GPUs
 trains on the CPU, and :func:`cpu_fallback_warning` says so before the ranks start.
 """
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ..mesh import Mesh
+from ..random import tracker as tp_streams
 from .files import CheckpointError
 
 RNG = "rng."
@@ -25,7 +26,7 @@ def streams(mesh: Mesh) -> dict[str, torch.Tensor]:
     mine = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         mine["cuda"] = torch.cuda.get_rng_state()
-    tracker = mesh.rng.state_dict()
+    tracker = tp_streams(mesh).state_dict()
     mine |= {f"tp.{device}": state for device, state in tracker["states"].items()}
     if tracker["base"] is not None:
         mine["tp.base"] = torch.tensor([tracker["base"]], dtype=torch.int64)
@@ -101,5 +102,5 @@ def restore(states: Mapping[str, torch.Tensor], lost: list[str], mesh: Mesh, sav
     tp = {k.removeprefix("tp."): v for k, v in mine.items() if k.startswith("tp.") and k != "tp.base"}
     if "tp.base" in mine or tp:
         base = mine.get("tp.base")
-        mesh.rng.load_state_dict({"rank": mesh.rng.rank, "states": tp,
+        tp_streams(mesh).load_state_dict({"rank": mesh.tp_rank, "states": tp,
                                   "base": None if base is None else int(base.item())})

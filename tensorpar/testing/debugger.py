@@ -27,10 +27,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from ..agreement import exchange_ints
 from ..bitwise.settings import Bitwise
 from ..full import placements
-from ..mesh import collective_device, current_mesh, exchange_ints, group_rank_size
+from ..mesh import current_mesh, group_rank_size
 from ..sharding import Shard
+from ..world import collective_device
 from .divergence import Item, classify, diagnose, gathered, parameter_items
 from .findings import DivergenceReport, Finding
 

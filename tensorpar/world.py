@@ -1,0 +1,73 @@
+"""Joining and leaving torch.distributed's world: the backend, the device its collectives use, the
+process group made from torchrun's environment (or a world of one), and its orderly end."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+__all__ = ["DEFAULT_TIMEOUT", "collective_device", "default_backend", "join", "shutdown"]
+
+#: How long a collective waits for its peers before it raises (torch's own default for gloo and NCCL).
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+def default_backend(nprocs: int = 1) -> str:
+    """NCCL when this host has a GPU for each of its ``nprocs`` ranks, else gloo."""
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "gloo"
+
+
+def collective_device(group: ProcessGroup | None = None) -> torch.device | None:
+    """The current CUDA device for an NCCL ``group`` (default: the world), else ``None`` (host memory)."""
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(group)) else None
+
+
+def join(backend: str | None, timeout: timedelta) -> None:
+    """Join the world described by torchrun's environment, or a world of one; :func:`shutdown` leaves it at
+    the latest at exit (gloo threads alive at interpreter exit abort the process). Under torchrun the kernel
+    ends this rank when torchrun's agent ends."""
+    backend = backend or default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if "WORLD_SIZE" not in os.environ:  # plain `python`, a notebook: a single-process world
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        if missing:
+            raise RuntimeError(f"WORLD_SIZE is set but {', '.join(missing)} is not: launch with torchrun "
+                               "or tensorpar.spawn, or initialise torch.distributed yourself")
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # the kernel kills this rank when torchrun's agent ends
+            with contextlib.suppress(OSError, AttributeError):  # Linux only
+                ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
+        dist.init_process_group(backend, timeout=timeout)
+    atexit.register(_close_at_exit, timeout)
+
+
+def shutdown(timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+    """Wait for every rank (up to ``timeout``; a peer tearing gloo down under another can abort it), then
+    destroy the process group; a no-op without one, and with a peer gone the group is left to the exit."""
+    if not dist.is_initialized():
+        return
+    try:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timeout)
+        else:
+            dist.barrier()
+    except RuntimeError:
+        return
+    dist.destroy_process_group()
+
+
+def _close_at_exit(timeout: timedelta) -> None:
+    """:func:`shutdown` at a clean exit; after an uncaught exception, exit at once (peers may be blocked)."""
+    if getattr(sys, "last_value", None) is None:
+        shutdown(timeout)
