@@ -135,22 +135,15 @@ _trackers: contextvars.ContextVar[tuple[tuple[weakref.ref[Mesh], RNGStatesTracke
 
 
 def tracker(mesh: Mesh | None = None) -> RNGStatesTracker:
-    """The tp stream of ``mesh`` (default: the default mesh), made at the first call for that mesh.
-
-    Example::
-
-        mesh = tensorpar.init(tp=2)
-        with tensorpar.random.tracker(mesh).fork(x.device):
-            y = F.dropout(scores, 0.1)              # a different mask on each tp rank
-    """
+    """The tp stream of ``mesh`` (default: the default mesh), made at the first call for that mesh in this
+    context (a new thread, which starts without a default mesh, makes its own)."""
     mesh = current_mesh() if mesh is None else mesh
-    live = tuple((ref, t) for ref, t in _trackers.get() if ref() is not None)
-    for ref, found in live:
-        if ref() is mesh:
-            return found
-    made = RNGStatesTracker(mesh.tp_rank)
-    _trackers.set((*live, (weakref.ref(mesh), made)))
-    return made
+    live = tuple(pair for pair in _trackers.get() if pair[0]() is not None)
+    found = next((t for ref, t in live if ref() is mesh), None)
+    if found is None:
+        found = RNGStatesTracker(mesh.tp_rank)
+        _trackers.set((*live, (weakref.ref(mesh), found)))
+    return found
 
 
 def manual_seed(seed: int, mesh: Mesh | None = None) -> None:

@@ -1,5 +1,6 @@
-"""Joining and leaving torch.distributed's world: the backend, the device its collectives use, the
-process group made from torchrun's environment (or a world of one), and its orderly end."""
+"""torch.distributed's world: joining it (from torchrun's environment, or a world of one) and leaving it,
+the backend and the device its collectives use, and small integer rows compared across it, so that an
+argument only some ranks can check makes every rank raise alike (one all-reduce, nothing pickled)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ import ctypes
 import os
 import signal
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["DEFAULT_TIMEOUT", "collective_device", "default_backend", "join", "shutdown"]
+__all__ = ["DEFAULT_TIMEOUT", "agree", "collective_device", "default_backend", "exchange_ints", "join", "shutdown"]
 
 #: How long a collective waits for its peers before it raises (torch's own default for gloo and NCCL).
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -71,3 +73,25 @@ def _close_at_exit(timeout: timedelta) -> None:
     """:func:`shutdown` at a clean exit; after an uncaught exception, exit at once (peers may be blocked)."""
     if getattr(sys, "last_value", None) is None:
         shutdown(timeout)
+
+
+def exchange_ints(row: list[int], group: ProcessGroup | None = None,
+                  device: torch.device | None = None) -> list[list[int]]:
+    """Every rank's ``row`` (the same length on all), in rank order: one all-reduce of a zero matrix in which
+    each rank fills its own row. ``device``: the group's."""
+    rows = torch.zeros(dist.get_world_size(group), len(row), dtype=torch.int64)
+    rows[dist.get_rank(group)] = torch.tensor(row, dtype=torch.int64)
+    everyone = rows.to(device)
+    dist.all_reduce(everyone, group=group)
+    return everyone.tolist()
+
+
+def agree(row: list[int], what: str, describe: Callable[..., str]) -> None:
+    """Compare ``row`` across the world; where the ranks differ every rank raises alike:
+    "the ranks {what} (rank 0: {describe(*row_0)}; ...)"."""
+    if dist.get_world_size() == 1:
+        return
+    everyone = exchange_ints(row, device=collective_device())
+    if any(other != everyone[0] for other in everyone):
+        views = "; ".join(f"rank {r}: {describe(*other)}" for r, other in enumerate(everyone))
+        raise ValueError(f"the ranks {what} ({views})")

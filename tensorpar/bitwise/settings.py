@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..agreement import agree
 from ..checks import check_int
 from ..mesh import current_mesh
+from ..world import agree
 
 #: tp sizes whose results agree when nothing else is asked: every size up to 4
 DEFAULT_TP_SIZES = (1, 2, 3, 4)

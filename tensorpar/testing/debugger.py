@@ -27,12 +27,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from ..agreement import exchange_ints
 from ..bitwise.settings import Bitwise
 from ..full import placements
 from ..mesh import current_mesh, group_rank_size
 from ..sharding import Shard
-from ..world import collective_device
+from ..world import collective_device, exchange_ints
 from .divergence import Item, classify, diagnose, gathered, parameter_items
 from .findings import DivergenceReport, Finding
 

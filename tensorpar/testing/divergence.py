@@ -40,11 +40,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from ..agreement import exchange_ints
 from ..comm.collectives import all_gather_along
 from ..full import placements, tp_local
 from ..mesh import group_rank_size
 from ..sharding import Shard, join_shards, shard
+from ..world import exchange_ints
 from .compare import rel_error, tolerance
 from .findings import Finding
 
