@@ -1,7 +1,7 @@
 """Distributed checkpoints on ``torch.distributed.checkpoint`` (DCP), loadable at any (tp, dp, pp),
 with or without FSDP2. A checkpoint is a ``FileSystemWriter`` directory ``step-NNNNNN`` plus
 ``meta.json`` (step, layout, config, optimizer groups, ``extra``, every file's SHA-256); the README's
-"Checkpoints" says what it holds and the trade against torch's format (DCP's ``.metadata`` is a pickle).
+"Checkpoints" says what it holds and what it guarantees.
 
 Example::
 
@@ -36,8 +36,7 @@ def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimiz
     any rank, or ranks passing different ``step``, ``keep`` or ``extra``, raise the same
     :class:`CheckpointError` on every rank, and nothing on disk changes.
     """
-    mesh = mesh or current_mesh()
-    return write(prepare(directory, model, optimizer, step=step, extra=extra, keep=keep, mesh=mesh))
+    return write(prepare(directory, model, optimizer, step=step, extra=extra, keep=keep, mesh=mesh or current_mesh()))
 
 
 def async_save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -45,5 +44,5 @@ def async_save(directory: str | Path, model: nn.Module, optimizer: torch.optim.O
                mesh: Mesh | None = None) -> PendingSave:
     """:func:`save` through ``dcp.async_save``: the tensors are staged to CPU memory and written in a
     thread; ``PendingSave.wait()`` (a collective) publishes the checkpoint and moves ``latest``."""
-    mesh = mesh or current_mesh()
-    return PendingSave(prepare(directory, model, optimizer, step=step, extra=extra, keep=keep, mesh=mesh))
+    return PendingSave(prepare(directory, model, optimizer, step=step, extra=extra, keep=keep,
+                               mesh=mesh or current_mesh()))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,38 +25,25 @@ from .contents import grouped_names, model_pieces, optim_pieces, param_groups
 from .files import FORMAT, CheckpointError
 from .layout import Box, BoxSavePlanner, whole
 
-_SHOWN = 4  # the names of non-finite tensors an error lists
 
-
-def everyone(value: Any) -> list[Any]:
-    """Every rank's JSON ``value``, in rank order: JSON bytes over one all-gather (nothing pickled)."""
-    data, world = json.dumps(value).encode(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    sizes = torch.zeros(world, dtype=torch.int64, device=device)
-    sizes[dist.get_rank()] = len(data)
-    dist.all_reduce(sizes)
-    send = torch.zeros(int(sizes.max()), dtype=torch.uint8)
-    send[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    rows = [torch.empty_like(send, device=device) for _ in range(world)]
-    dist.all_gather(rows, send.to(device))
-    return [json.loads(bytes(row[:n].tolist())) for row, n in zip(rows, sizes.tolist(), strict=True)]
-
-
-def described(error: BaseException | None) -> str | None:
-    if error is None:
-        return None
-    return (str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}")[:4000]
-
-
-def settle(errors: list[str | None], error: BaseException | None, mesh: Mesh, doing: str) -> None:
-    """Raise on every rank when any rank failed: its own error, or one naming the first that failed."""
+def agree(error: BaseException | None, mesh: Mesh, doing: str, value: Any = None,
+          undo: Callable[[], None] | None = None) -> list[Any]:
+    """Every rank's ``value`` (one ``all_gather_object``), after raising on every rank when any rank
+    failed: its own error, or one naming the first rank that failed (``undo`` runs first)."""
+    rows: list[Any] = [None] * dist.get_world_size()
+    said = None if error is None else str(error) if isinstance(error, CheckpointError) else \
+        f"{type(error).__name__}: {error}"
+    dist.all_gather_object(rows, (said and said[:4000], value))
+    failed = [(r, e) for r, (e, _) in enumerate(rows) if e is not None]
+    if failed and undo is not None:
+        undo()
+    if isinstance(error, CheckpointError):
+        raise CheckpointError(f"rank {mesh.rank}: {error}") from error
     if error is not None:
-        if isinstance(error, CheckpointError):
-            raise CheckpointError(f"rank {mesh.rank}: {error}") from error
         raise error
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         raise CheckpointError(f"rank {failed[0][0]}: {failed[0][1]} (so rank {mesh.rank} did not {doing} either)")
+    return [v for _, v in rows]
 
 
 def config_dict(model: nn.Module) -> dict[str, Any] | None:
@@ -66,20 +53,6 @@ def config_dict(model: nn.Module) -> dict[str, Any] | None:
         return None
     kept = {f.name for f in dataclasses.fields(config) if f.metadata.get("state", True)}
     return json.loads(json.dumps({k: v for k, v in dataclasses.asdict(config).items() if k in kept}))
-
-
-def nonfinite(tensors: Mapping[str, torch.Tensor]) -> list[str]:
-    """The names of the floating-point ``tensors`` holding a NaN or an infinity (one read per device)."""
-    by_device: dict[torch.device, list[str]] = {}
-    for name, value in tensors.items():
-        if value.is_floating_point() and value.numel():
-            by_device.setdefault(value.device, []).append(name)
-    bad = set()
-    for names in by_device.values():
-        peaks = torch._foreach_norm([tensors[n] for n in names], float("inf"))  # max |x| of each
-        bad |= {n for n, ok in zip(names, torch.stack([torch.isfinite(p) for p in peaks]).tolist(), strict=True)
-                if not ok}
-    return [name for name in tensors if name in bad]
 
 
 @dataclass
@@ -96,121 +69,104 @@ class Job:
 def prepare(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, step: int,
             extra: Mapping[str, Any] | None, keep: int, mesh: Mesh) -> Job:
     """Step 1 (a collective): every rank raises the same CheckpointError when any failed or they disagree."""
-    error: Exception | None = None
-    tmp, final, names, fields = None, Path(), None, dict[str, Any]()
-    tensors, boxes, mine = dict[str, torch.Tensor](), dict[str, Box](), dict[str, torch.Tensor]()
+    error, final, names, fields, mine = None, Path(), None, dict[str, Any](), dict[str, torch.Tensor]()
+    tensors, boxes = dict[str, torch.Tensor](), dict[str, Box]()
     try:
         if type(step) is not int or step < 0 or type(keep) is not int or keep < 1:
             raise CheckpointError(f"step must be an integer >= 0 and keep one >= 1 (got step={step!r}, keep={keep!r})")
         final = Path(directory) / f"step-{step:06d}"
-        try:
-            extra = json.loads(json.dumps(dict(extra or {})))
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"extra is not JSON-serialisable: {e}") from None
         fields = {"format": FORMAT, "step": step, "tp": mesh.tp, "dp": mesh.dp, "pp": mesh.pp,
-                  "config": config_dict(model), "param_groups": [], "extra": extra}
+                  "config": config_dict(model), "param_groups": [], "extra": dict(extra or {})}
         tensors, boxes = model_pieces(model)
         if optimizer is not None:
             names = grouped_names(model, optimizer)
-            param_groups(optimizer, [names])  # each rank checks its hyper-parameters
+            fields["param_groups"] = param_groups(optimizer, [names])
             more, more_boxes = optim_pieces(model, optimizer)
             tensors, boxes = tensors | more, boxes | more_boxes
-        if bad := nonfinite(tensors):
-            shown = ", ".join(bad[:_SHOWN]) + (f" and {len(bad) - _SHOWN} more" if len(bad) > _SHOWN else "")
+        try:
+            fields = json.loads(json.dumps(fields))
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"extra or the optimizer's hyper-parameters cannot be stored in JSON: {e}") from None
+        if bad := [n for n, v in tensors.items() if v.is_floating_point() and not bool(v.isfinite().all())]:
+            shown = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
             raise CheckpointError(f"the checkpoint of step {step} would hold NaN or infinite values (in {shown}): "
                                   "not saved, and the checkpoints already in the directory are left as they are")
         mine = generators.streams(mesh)
         if mesh.rank == 0:
-            for pending in files.unfinished(final.parent):
-                raise CheckpointError(f"{pending} is a save of this process still being written: call the wait() "
-                                      "of its async_save before saving again into the same directory")
             files.recover(final.parent)
             final.parent.mkdir(parents=True, exist_ok=True)
-            tmp = files.scratch(final.parent, final.name)
-            tmp.mkdir()
+            files.scratch(final).mkdir()
     except Exception as e:  # noqa: BLE001 - every rank learns of it below, then every rank raises
         error = e
-    arguments = {"step": step, "keep": keep, "extra's SHA-256": files.canonical_sha256(fields.get("extra"))[:16]}
-    rows = everyone({"error": described(error), "tmp": tmp and tmp.name, "names": names,
-                     "rng": generators.digests(mine), **arguments})
-    differ = []
-    for key in arguments:
-        ranks: dict[str, list[str]] = {}
-        for r, row in enumerate(rows):
-            ranks.setdefault(json.dumps(row[key]), []).append(str(r))
-        if len(ranks) > 1:
-            differ.append(f"{key}: " + ", ".join(f"{v} on rank{'s' * (len(rs) > 1)} {', '.join(rs)}"
-                                                 for v, rs in ranks.items()))
-    if (differ or any(row["error"] for row in rows)) and tmp is not None:
-        files.remove(tmp)
-    settle([row["error"] for row in rows], error, mesh, "save the checkpoint")
-    if differ:
-        raise CheckpointError(f"the ranks must save with the same arguments, and they differ "
-                              f"({'; '.join(differ)})")
+    undo = (lambda: files.discard(files.scratch(final))) if mesh.rank == 0 else None
+    arguments = {"step": step, "keep": keep, "extra": fields.get("extra")}
+    rows = agree(error, mesh, "save the checkpoint", (arguments, names, mine, os.getpid()), undo)
+    if differ := "; ".join(f"{key}: " + ", ".join(f"{row[0][key]!r} on rank {r}" for r, row in enumerate(rows))
+                           for key in arguments if any(row[0][key] != arguments[key] for row in rows)):
+        if undo is not None:
+            undo()
+        raise CheckpointError(f"the ranks must save with the same arguments, and they differ ({differ[:2000]})")
+    tmp = files.scratch(final, rows[0][3])  # named by rank 0's process
     if optimizer is not None:
-        fields["param_groups"] = param_groups(optimizer, [row["names"] for row in rows])
-    states = generators.named(mine, [row["rng"] for row in rows], mesh.rank)
-    return Job(final, final.parent / rows[0]["tmp"], fields, keep, mesh, tensors | states,
-               boxes | {k: whole(v) for k, v in states.items()})
-
-
-def _writer(job: Job) -> dcp.FileSystemWriter:
-    return dcp.FileSystemWriter(job.tmp, single_file_per_rank=True, sync_files=True)
+        fields["param_groups"] = json.loads(json.dumps(param_groups(optimizer, [row[1] for row in rows])))
+    states = generators.named([row[2] for row in rows], mesh.rank)
+    return Job(final, tmp, fields, keep, mesh, tensors | states, boxes | {k: whole(v) for k, v in states.items()})
 
 
 def finish(job: Job, error: BaseException | None) -> Path:
-    """Step 3 (a collective), after every rank's write (or its ``error``)."""
-    mesh, hashed, outcome = job.mesh, {}, None
+    """Step 3 (a collective), after every rank's write (or its ``error``): hash, publish, prune."""
+    mesh, hashed = job.mesh, {}
+    undo = (lambda: files.discard(job.tmp)) if mesh.rank == 0 else None
     try:
         if error is None:
             names = sorted(os.listdir(job.tmp))
             hashed = {n: files.file_entry(job.tmp / n) for n in names[mesh.rank::mesh.world_size]}
     except Exception as e:  # noqa: BLE001 - shared below
         error = e
-    rows = everyone({"error": described(error), "files": hashed})
-    errors = [row["error"] for row in rows]
+    rows, published = agree(error, mesh, "save the checkpoint", hashed, undo), None
     if mesh.rank == 0:
         try:
-            if all(e is None for e in errors):
-                files.write_manifest(job.tmp, job.fields, {k: v for row in rows for k, v in row["files"].items()})
-                files.publish(job.tmp, job.final)
-                files.prune(job.final.parent, job.keep, job.final.name)
-        except Exception as e:  # noqa: BLE001 - a crash (a BaseException) leaves the directory to the next recover()
-            outcome = f"rank 0: {described(e)}"
-        if os.path.lexists(job.tmp):
-            files.remove(job.tmp)
-    settle(errors, error, mesh, "save the checkpoint")  # every rank alike: none publishes
-    if (result := everyone(outcome)[0]) is not None:
-        raise CheckpointError(f"{result} (so rank {mesh.rank} did not save the checkpoint either)")
+            files.write_manifest(job.tmp, job.fields, {k: v for row in rows for k, v in row.items()})
+            files.publish(job.tmp, job.final, job.keep)
+        except Exception as e:  # noqa: BLE001 - a crash (a BaseException) leaves the directory to the next save
+            published = e
+            undo()  # type: ignore[misc]
+    agree(published, mesh, "save the checkpoint")
     return job.final
+
+
+def _dcp_error(e: BaseException, mesh: Mesh) -> BaseException:
+    """What a failed ``dcp.save`` says; re-raised at once if it is this rank's interruption."""
+    mine = (getattr(e, "failures", {}).get(mesh.rank) or (None,))[0]  # (exception, its stack)
+    if mine is not None and not isinstance(mine, Exception):
+        raise mine from None  # this rank was interrupted (KeyboardInterrupt, SystemExit): not a failed save
+    return e
 
 
 def write(job: Job) -> Path:
     """Steps 2 and 3 of a synchronous save."""
     error = None
     try:
-        dcp.save(job.tensors, storage_writer=_writer(job), planner=BoxSavePlanner(job.boxes))
+        dcp.save(job.tensors, storage_writer=dcp.FileSystemWriter(job.tmp, single_file_per_rank=True, sync_files=True),
+                 planner=BoxSavePlanner(job.boxes))
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's (a BaseException) wraps every rank's failure
-        mine = (getattr(e, "failures", {}).get(job.mesh.rank) or (None,))[0]  # (exception, its stack)
-        if mine is not None and not isinstance(mine, Exception):
-            raise mine from None  # this rank was interrupted (KeyboardInterrupt, SystemExit): not a failed save
-        error = e
+        error = _dcp_error(e, job.mesh)
     return finish(job, error)
 
 
 class PendingSave:
-    _outcome: Path | BaseException | None
     """A checkpoint being written in the background (from :func:`~tensorpar.checkpoint.async_save`);
     :meth:`wait` (a collective) publishes it and returns its path."""
 
     def __init__(self, job: Job) -> None:
-        self._job, self._outcome = job, None  # the outcome: the path, or what wait() raises
+        self._job, self._outcome = job, cast(Path | BaseException | None, None)  # what wait() returns or raises
         self._group = dist.new_group(backend="gloo")  # DCP's collectives run in its thread: not on the training's
         self._future: Future | None = None
         self._error: BaseException | None = None
         try:
-            result = dcp.async_save(job.tensors, storage_writer=_writer(job), planner=BoxSavePlanner(job.boxes),
-                                    process_group=self._group)
+            result = dcp.async_save(job.tensors, storage_writer=dcp.FileSystemWriter(job.tmp, single_file_per_rank=True,
+                                                                                     sync_files=True),
+                                    planner=BoxSavePlanner(job.boxes), process_group=self._group)
             self._future = cast(Future, getattr(result, "upload_completion", result))  # torch >= 2.9 may wrap it
         except BaseException as e:  # noqa: BLE001 - reported by wait()
             self._error = e
