@@ -141,8 +141,8 @@ def declared(name, size):
 
 def huge_cuda_state(entries):
     """A CUDA generator state of 2**40 bytes declared in DCP's metadata."""
-    entries["rng.cuda"] = copy.deepcopy(entries["rng.cpu"])
-    declared("rng.cuda", 2**40)(entries)
+    entries["rng.rank0.cuda"] = copy.deepcopy(entries["rng.rank0.cpu"])
+    declared("rng.rank0.cuda", 2**40)(entries)
 
 
 GROUP0 = "meta.json: param_groups[0]"
@@ -213,18 +213,18 @@ DAMAGES = {
     "optimizer state misshapen": (rewrite(lambda t: t.update({first(t, ".exp_avg"): torch.zeros(3)})),
                                   ["meta.json: optim.state.", ".exp_avg is stored as torch.float32 of shape (3,), "
                                    "the model's is torch.float32 of shape ("]),
-    "rng state wrong size": (rewrite(lambda t: t.update({"rng.cpu": torch.zeros(100, dtype=torch.uint8)})),
-                             ["step-000003: rng.cpu is no valid generator state (", "size to be 100"]),
-    "rng state garbage": (rewrite(lambda t: t["rng.tp.cpu"].fill_(255)),
-                          ["step-000003: rng.tp.cpu is no valid generator state"]),
+    "rng state wrong size": (rewrite(lambda t: t.update({"rng.rank0.cpu": torch.zeros(100, dtype=torch.uint8)})),
+                             ["meta.json: rng.rank0.cpu is no valid generator state (", "size to be 100"]),
+    "rng state garbage": (rewrite(lambda t: t["rng.rank0.tp.cpu"].fill_(255)),
+                          ["meta.json: rng.rank0.tp.cpu is no valid generator state"]),
     "rng state of 2**40 bytes": (in_metadata(huge_cuda_state),
-                                 [f"{METADATA}: rng.cuda of size [1099511627776] would hold more than the"]),
+                                 [f"{METADATA}: rng.rank0.cuda of size [1099511627776] would hold more than the"]),
     "model config forged": (in_meta(lambda m: m["config"].update(n_embd=24)),
                             ["meta.json: config does not match the model's (n_embd: checkpoint 24, model 16)"]),
     "optimizer groups forged": (in_meta(lambda m: m["param_groups"][0]["params"].pop()),
                                 ["meta.json: param_groups[0] lacks ['", "(its parameters, or their grouping, differ"]),
-    "rng missing": (rewrite(lambda t: t.pop("rng.cpu")), ["meta.json: rng.cpu is missing"]),
-    "rng rank unknown": (rewrite(lambda t: t.update({"rng.rank7.cpu": t["rng.cpu"]})),
+    "rng missing": (rewrite(lambda t: t.pop("rng.rank0.cpu")), ["meta.json: rng.rank0.cpu is missing"]),
+    "rng rank unknown": (rewrite(lambda t: t.update({"rng.rank7.cpu": t["rng.rank0.cpu"]})),
                          ["meta.json: rng.rank7.cpu is not a generator state of ranks 0-0"]),
     "latest outside": (lambda p: latest_outside(p, via_link=False), ["latest must hold one checkpoint name"]),
     "latest absolute": (pointer("/etc\n"), ["latest must hold one checkpoint name"]),
@@ -233,5 +233,5 @@ DAMAGES = {
     "latest names nothing": (pointer("step-000042\n"), ["latest names step-000042, which is no directory in"]),
     "latest itself a link": (latest_a_link, ["latest is not a regular file"]),
     RANK1: (rewrite(lambda t: [t.pop(k) for k in list(t) if k.startswith("rng.rank1.")]),
-            ["meta.json: rng.rank1.tp.cpu is missing"]),
+            ["meta.json: rng.rank1.cpu is missing"]),
 }

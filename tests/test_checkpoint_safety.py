@@ -120,7 +120,8 @@ def test_ranks_that_disagree_on_a_save_all_refuse_it_and_nothing_is_written(worl
     assert raised0["step"] == raised1["step"] == f"{differ} (step: 3 on rank 0, 4 on rank 1)"
     assert raised0["keep"] == raised1["keep"] == f"{differ} (keep: 2 on rank 0, 3 on rank 1)"
     assert raised0["async step"] == raised1["async step"] == f"{differ} (step: 5 on rank 0, 6 on rank 1)"
-    assert raised0["extra"] == raised1["extra"] == f"{differ} (extra: {{'tokens': [0]}} on rank 0, {{'tokens': [1]}} on rank 1)"
+    assert raised0["extra"] == raised1["extra"] == (
+        f"{differ} (extra: {{'tokens': [0]}} on rank 0, {{'tokens': [1]}} on rank 1)")
     bad = "step must be an integer >= 0 and keep one >= 1 (got step=-1, keep=2)"
     assert raised1["one bad step"] == f"rank 1: {bad}"
     assert raised0["one bad step"] == f"rank 1: {bad} (so rank 0 did not save the checkpoint either)"

@@ -14,13 +14,13 @@ import stat
 from pathlib import Path
 from typing import Any
 
-MANIFEST, SELF_HASH, LATEST = "meta.json", "meta_sha256", "latest"
-FORMAT = "tensorpar-checkpoint/5"
+MANIFEST, LATEST, FORMAT = "meta.json", "latest", "tensorpar-checkpoint/5"
 NAME = re.compile(r"step-\d{6,}")  # a checkpoint directory's name
 _TMP = re.compile(r"\.tmp-(\d+)-(step-\d{6,}|latest)")
-_INTS = {"step": 0, "tp": 1, "dp": 1, "pp": 1}  # meta.json's integers and their least values
-_KINDS = {"config": ((dict, type(None)), "an object or null"), "extra": (dict, "an object"),
-          "param_groups": (list, "a list"), "files": (dict, "an object")}
+_FIELDS: dict[str, tuple[Any, str]] = {
+    "step": (int, "an integer >= 0"), "tp": (int, "an integer >= 1"), "dp": (int, "an integer >= 1"),
+    "pp": (int, "an integer >= 1"), "config": ((dict, type(None)), "an object or null"), "extra": (dict, "an object"),
+    "param_groups": (list, "a list"), "files": (dict, "an object")}
 
 
 class CheckpointError(ValueError):
@@ -32,7 +32,7 @@ def canonical_sha256(fields: Any) -> str:
 
 
 def file_entry(path: Path, hash: bool = True) -> dict[str, Any]:
-    """``{"sha256", "bytes"}`` of ``path``, which must be a regular file (no link); no hash unless ``hash``."""
+    """``{"sha256", "bytes"}`` of ``path``, a regular file (no link); ``"sha256": None`` unless ``hash``."""
     info = os.lstat(path) if os.path.lexists(path) else None
     if info is None or not stat.S_ISREG(info.st_mode):
         raise CheckpointError(f"{path} is {'missing' if info is None else 'not a regular file (a link?)'}")
@@ -43,45 +43,41 @@ def file_entry(path: Path, hash: bool = True) -> dict[str, Any]:
     return {"sha256": digest.hexdigest() if hash else None, "bytes": info.st_size}
 
 
-def _write(path: Path, text: str) -> None:
+def write_text(path: Path, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
 
 
-def write_manifest(directory: Path, fields: dict[str, Any], files: dict[str, dict[str, Any]]) -> None:
-    body = fields | {"files": files}
-    _write(directory / MANIFEST, json.dumps(body | {SELF_HASH: canonical_sha256(body)}, indent=1))
-
-
-def read_manifest(directory: Path, share: tuple[int, int] = (0, 1)) -> dict[str, Any]:
+def read_manifest(directory: Path, share: tuple[int, int] | None = (0, 1)) -> dict[str, Any]:
     """``directory``'s manifest after checking its own hash and fields, that it lists exactly the
     directory's other files, their sizes, and the SHA-256 of ``.metadata`` and of the files that
-    ``share = (first, step)`` picks (each rank of a load hashes its share)."""
+    ``share = (first, step)`` picks (each rank of a load hashes its share; None: no other)."""
     path = directory / MANIFEST
     if file_entry(path, hash=False)["bytes"] > 64 << 20:
         raise CheckpointError(f"{path} is larger than 64 MiB")
     try:
         meta = json.loads(path.read_bytes())
-        assert isinstance(meta, dict) and meta.pop(SELF_HASH, None) == canonical_sha256(meta)
-    except (ValueError, RecursionError, AssertionError):
+        if not (isinstance(meta, dict) and meta.pop("meta_sha256", None) == canonical_sha256(meta)):
+            raise ValueError
+    except (ValueError, RecursionError):
         raise CheckpointError(f"{path}: not the JSON object whose SHA-256 it records (the file was edited)") from None
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{directory} is not a {FORMAT} checkpoint (format {meta.get('format')!r})")
-    for key in [k for k, least in _INTS.items() if type(meta.get(k)) is not int or meta[k] < least] + \
-            [k for k, (kinds, _) in _KINDS.items() if not isinstance(meta.get(k), kinds)]:
-        raise CheckpointError(f"{path}: {key} must be "
-                              f"{f'an integer >= {_INTS[key]}' if key in _INTS else _KINDS[key][1]} (it is {meta.get(key)!r})")
+    for key, (kinds, what) in _FIELDS.items():
+        value = meta.get(key)
+        if not isinstance(value, kinds) or (kinds is int and (type(value) is bool or int(value) < (key != "step"))):
+            raise CheckpointError(f"{path}: {key} must be {what} (it is {value!r})")
     files, present = meta["files"], sorted(set(os.listdir(directory)) - {MANIFEST})
     if sorted(files) != present:
         raise CheckpointError(f"{path}: files lists {sorted(files)[:5]}, the directory holds {present[:5]}"[:2000])
-    if (world := meta["tp"] * meta["dp"] * meta["pp"]) != sum(name.endswith(".distcp") for name in files):
-        raise CheckpointError(f"{path}: tp x dp x pp = {world} ranks, the checkpoint holds the files of "
-                              f"{sum(name.endswith('.distcp') for name in files)}")
+    if (world := meta["tp"] * meta["dp"] * meta["pp"]) != (held := sum(n.endswith(".distcp") for n in files)):
+        raise CheckpointError(f"{path}: tp x dp x pp = {world} ranks, the checkpoint holds the files of {held}")
     for i, name in enumerate(present):
-        mine, entry = name == ".metadata" or i % share[1] == share[0], files[name]
-        if file_entry(directory / name, mine) != (entry if mine or not isinstance(entry, dict) else entry | {"sha256": None}):
+        mine, entry = name == ".metadata" or (share is not None and i % share[1] == share[0]), files[name]
+        if file_entry(directory / name, mine) != (entry | {"sha256": None} if isinstance(entry, dict) and not mine
+                                                  else entry):
             raise CheckpointError(f"{directory / name}: size or SHA-256 does not match meta.json")
     return meta
 
@@ -94,47 +90,41 @@ def scratch(final: Path, pid: int | None = None) -> Path:
 
 
 def discard(path: Path) -> None:
+    """Delete a file, a link, or a directory tree (never following a link), if there is one."""
     if os.path.lexists(path):
-        remove(path)
-
-
-def remove(path: Path) -> None:
-    """Delete a file, a link, or a directory tree (never following a link)."""
-    if stat.S_ISDIR(os.lstat(path).st_mode):
-        shutil.rmtree(path)
-    else:
-        os.unlink(path)
+        shutil.rmtree(path) if stat.S_ISDIR(os.lstat(path).st_mode) else os.unlink(path)
 
 
 def recover(parent: Path) -> None:
     """Before a save into ``parent``: refuse while this process's own save there is unfinished (an
     ``async_save`` not yet waited for); put back an aside copy whose checkpoint is missing (a crash
-    between the renames of :func:`publish`); delete other leftovers of crashed saves."""
+    between the renames of :func:`publish`); delete the other leftovers of crashed saves."""
     for entry in sorted(parent.iterdir()) if parent.is_dir() else []:
         if (match := _TMP.fullmatch(entry.name)) and int(match[1]) == os.getpid():
             raise CheckpointError(f"{entry} is a save of this process still being written: call the wait() of "
                                   "its async_save before saving again into the same directory")
-        if entry.name.startswith(".old-") and NAME.fullmatch(entry.name[5:]) \
-                and not os.path.lexists(parent / entry.name[5:]):
+        old = entry.name.startswith(".old-") and NAME.fullmatch(entry.name[5:])
+        if old and not os.path.lexists(parent / entry.name[5:]):
             os.rename(entry, parent / entry.name[5:])
-        elif match or entry.name.startswith(".old-"):
-            remove(entry)
+        elif match or old:
+            discard(entry)
 
 
 def publish(tmp: Path, final: Path, keep: int) -> None:
     """Rename the complete directory ``tmp`` to ``final``, point ``latest`` at it, then delete all but
-    the newest ``keep`` checkpoints (``final`` always stays). ``latest`` always leads to a complete one."""
+    the newest ``keep`` checkpoints (``final`` stays). ``latest`` always leads to a complete one."""
     parent, aside = final.parent, final.parent / f".old-{final.name}"
     if os.path.lexists(final):
         os.rename(final, aside)  # resolve() reads the aside copy until the new one is in place
     os.rename(tmp, final)
-    _write(pointer := scratch(parent / LATEST), final.name + "\n")
+    write_text(pointer := scratch(parent / LATEST), final.name + "\n")
     os.replace(pointer, parent / LATEST)
     discard(aside)
-    others = sorted((p for p in parent.iterdir() if NAME.fullmatch(p.name) and p != final), key=lambda p: int(p.name[5:]))
+    others = sorted((p for p in parent.iterdir() if NAME.fullmatch(p.name) and p != final),
+                    key=lambda p: int(p.name[5:]))
     for old in others[:max(0, len(others) - keep + 1)]:
-        os.rename(old, doomed := scratch(old))  # a name of a checkpoint is always of a complete one
-        remove(doomed)
+        os.rename(old, doomed := scratch(old))  # a checkpoint's name is always of a complete one
+        discard(doomed)
     fd = os.open(parent, os.O_RDONLY)
     os.fsync(fd)
     os.close(fd)

@@ -17,8 +17,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..mesh import Mesh, current_mesh
-from . import files, generators
-from .contents import MODEL, like, model_pieces, optim_destinations
+from . import files
+from .contents import MODEL, like, model_pieces, optim_destinations, rng_chosen, rng_destinations, rng_restore
 from .files import MANIFEST, CheckpointError
 from .layout import BoxLoadPlanner, whole
 from .saving import agree, config_dict
@@ -54,7 +54,8 @@ def _stored(directory: Path, meta: dict[str, Any]) -> Stored:
         if math.prod(size) * value.properties.dtype.itemsize > total:
             raise CheckpointError(f"{directory / '.metadata'}: {name} of size {list(size)} would hold more than "
                                   f"the {total} bytes of the checkpoint's files")
-        inside = all(len(o) == len(s) == len(size) and all(0 <= a and a + b <= n for a, b, n in zip(o, s, size, strict=True))
+        inside = all(len(o) == len(s) == len(size) and all(a >= 0 and a + b <= n for a, b, n in zip(o, s, size,
+                                                                                                    strict=True))
                      for o, s in chunks)
         apart = all(any(a + b <= c or c + d <= a for a, b, c, d in zip(o, s, p, q, strict=True)) for i, (o, s) in
                     enumerate(chunks) for p, q in chunks[:i])
@@ -75,16 +76,14 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
          restore_rng: bool = True, cast: bool = False, mesh: Mesh | None = None) -> dict[str, Any]:
     """Load a checkpoint saved at any (tp, dp, pp), with or without FSDP2, into ``model`` (and
-    ``optimizer``); return its metadata (a collective). Generator states that differ by rank are
-    restored only at the saving layout (elsewhere a warning names them); another dtype than the
-    model's is refused unless ``cast=True``. A missing, corrupt, edited or mismatched checkpoint
-    raises :class:`CheckpointError` on every rank, and nothing is modified on any rank. Example::
+    ``optimizer``); return its metadata (a collective). Another dtype than the model's is refused
+    unless ``cast=True``. A missing, corrupt, edited or mismatched checkpoint raises
+    :class:`CheckpointError` on every rank, and nothing is modified on any rank. Example::
 
         meta = tensorpar.checkpoint.load("out", model, optimizer)   # the newest one
         tensorpar.checkpoint.load("bf16-run", fp32_model, cast=True)  # converts bf16 to float32
     """
-    mesh = mesh or current_mesh()
-    error, optimizer_state, states, lost = None, None, dict[str, torch.Tensor](), list[str]()
+    mesh, error, optimizer_state = mesh or current_mesh(), None, None
     try:
         directory = files.resolve(path)
         meta, where = files.read_manifest(directory, (mesh.rank, mesh.world_size)), directory / MANIFEST
@@ -93,8 +92,7 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
             raise CheckpointError(f"{where}: config does not match the model's (" + ", ".join(
                 f"{k}: checkpoint {theirs.get(k)!r}, model {ours.get(k)!r}"
                 for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)) + ")")
-        stored = _stored(directory, meta)
-        local, boxes = model_pieces(model)
+        stored, (local, boxes) = _stored(directory, meta), model_pieces(model)
         if (other := sorted(k for k in stored if k.startswith(MODEL) and k not in boxes)) and mesh.pp == 1:
             raise CheckpointError(f"{where}: the checkpoint holds {other[:4]}, which the model lacks")
         tensors = {k: torch.empty(box.sizes, dtype=local[k].dtype) for k, box in boxes.items()}
@@ -102,17 +100,14 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
             more, more_boxes, optimizer_state = optim_destinations(meta, stored, where, model, optimizer)
             tensors, boxes = tensors | more, boxes | more_boxes
         for key, value in tensors.items():
-            if key not in stored:
-                raise CheckpointError(f"{where}: the checkpoint lacks {key}")
-            if stored[key][0] != boxes[key].size or (stored[key][1] != value.dtype and not cast):
-                raise CheckpointError(f"{where}: {key} is stored as {stored[key][1]} of shape {stored[key][0]}, "
-                                      f"the model's is {value.dtype} of shape {boxes[key].size}"
-                                      + " (load(..., cast=True) converts it)" * (stored[key][0] == boxes[key].size))
-        states, lost = generators.destinations(stored, math.prod(saved), saved == (mesh.tp, mesh.dp, mesh.pp),
-                                               mesh.rank, where)
-        states, lost = (states, lost) if restore_rng else ({}, [])
+            (size, dtype), want = stored.get(key, ((), None)), (value.dtype, boxes[key].size)
+            if key not in stored or size != want[1] or (dtype != want[0] and not cast):
+                raise CheckpointError(f"{where}: the checkpoint lacks {key}" if key not in stored else
+                                      f"{where}: {key} is stored as {dtype} of shape {size}, the model's is {want[0]} "
+                                      f"of shape {want[1]}" + " (load(..., cast=True) converts it)" * (size == want[1]))
+        states = rng_destinations(stored, math.prod(saved), where) if restore_rng else {}
         _read(directory, tensors | states, BoxLoadPlanner(boxes | {k: whole(v) for k, v in states.items()}))
-        generators.restore(states, lost, mesh, directory, check=True)
+        mine, lost = rng_chosen(states, saved == (mesh.tp, mesh.dp, mesh.pp), mesh.rank, where)
     except Exception as e:  # noqa: BLE001 - every rank learns of it below, then every rank raises
         error = e
     agree(error, mesh, "load the checkpoint")
@@ -120,7 +115,7 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     model.load_state_dict({k: like(tensors[MODEL + k], v) for k, v in model.state_dict().items()})
     if optimizer_state is not None:
         optimizer.load_state_dict(optimizer_state())  # type: ignore[union-attr]
-    generators.restore(states, lost, mesh, directory, check=False)
+    rng_restore(mine, lost, mesh, directory)
     return {**meta, "path": str(directory)}
 
 
