@@ -206,10 +206,11 @@ def rng_chosen(states: Mapping[str, torch.Tensor], same_layout: bool, rank: int,
     return mine, sorted(set(by_stream) - set(mine))
 
 
-def rng_restore(mine: Mapping[str, torch.Tensor], lost: list[str], mesh: Mesh, where: object) -> None:
+def rng_restore(mine: Mapping[str, torch.Tensor], lost: list[str], mesh: Mesh, where: object,
+                saved: tuple[int, ...]) -> None:
     """Set this rank's generators (and the mesh's tp streams) to ``mine``; warn naming the ``lost`` ones."""
     if lost:
-        warnings.warn(f"{where}: saved at another (tp, dp, pp) than this run's {(mesh.tp, mesh.dp, mesh.pp)}, the "
+        warnings.warn(f"{where} was saved at (tp, dp, pp) = {saved}, this run is {(mesh.tp, mesh.dp, mesh.pp)}: the "
                       f"generator streams {lost} differ by rank and are not restored"
                       + " (the tp streams restart from their base seed)" * any(s.startswith("tp.") for s in lost),
                       stacklevel=3)

@@ -115,7 +115,7 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     model.load_state_dict({k: like(tensors[MODEL + k], v) for k, v in model.state_dict().items()})
     if optimizer_state is not None:
         optimizer.load_state_dict(optimizer_state())  # type: ignore[union-attr]
-    rng_restore(mine, lost, mesh, directory)
+    rng_restore(mine, lost, mesh, directory, saved)
     return {**meta, "path": str(directory)}
 
 
