@@ -17,10 +17,10 @@ from typing import Any
 MANIFEST, LATEST, FORMAT = "meta.json", "latest", "tensorpar-checkpoint/5"
 NAME = re.compile(r"step-\d{6,}")  # a checkpoint directory's name
 _TMP = re.compile(r"\.tmp-(\d+)-(step-\d{6,}|latest)")
-_FIELDS: dict[str, tuple[Any, str]] = {
-    "step": (int, "an integer >= 0"), "tp": (int, "an integer >= 1"), "dp": (int, "an integer >= 1"),
-    "pp": (int, "an integer >= 1"), "config": ((dict, type(None)), "an object or null"), "extra": (dict, "an object"),
-    "param_groups": (list, "a list"), "files": (dict, "an object")}
+_FIELDS: tuple[tuple[str, Any, str], ...] = (
+    ("step", int, "an integer >= 0"), ("tp", int, "an integer >= 1"), ("dp", int, "an integer >= 1"),
+    ("pp", int, "an integer >= 1"), ("config", (dict, type(None)), "an object or null"), ("extra", dict, "an object"),
+    ("param_groups", list, "a list"), ("files", dict, "an object"))
 
 
 class CheckpointError(ValueError):
@@ -65,7 +65,7 @@ def read_manifest(directory: Path, share: tuple[int, int] | None = (0, 1)) -> di
         raise CheckpointError(f"{path}: not the JSON object whose SHA-256 it records (the file was edited)") from None
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{directory} is not a {FORMAT} checkpoint (format {meta.get('format')!r})")
-    for key, (kinds, what) in _FIELDS.items():
+    for key, kinds, what in _FIELDS:
         value = meta.get(key)
         if not isinstance(value, kinds) or (kinds is int and (type(value) is bool or int(value) < (key != "step"))):
             raise CheckpointError(f"{path}: {key} must be {what} (it is {value!r})")
