@@ -135,12 +135,11 @@ def export_safetensors(path: str | Path, out_file: str | Path) -> Path:
         from safetensors.torch import save_file
     except ImportError:
         raise ImportError("export_safetensors needs the safetensors package: pip install 'tensorpar[hf]'") from None
-    out = Path(out_file)
+    out, state = Path(out_file), export_state_dict(path)
     tmp = files.scratch(out)
     try:
-        save_file({k: v.contiguous() for k, v in export_state_dict(path).items()}, str(tmp))
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
         os.replace(tmp, out)
     finally:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
+        files.discard(tmp)
     return out
