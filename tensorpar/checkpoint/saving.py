@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..mesh import Mesh
+from ..mesh import Mesh, current_mesh
 from . import files
 from .contents import grouped_names, model_pieces, optim_pieces, param_groups, rng_streams
 from .files import FORMAT, MANIFEST, CheckpointError
@@ -182,3 +182,24 @@ class PendingSave:
         if self._path is None:
             raise cast(BaseException, self._error)
         return self._path
+
+
+def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+         step: int, extra: Mapping[str, Any] | None = None, keep: int = 2, mesh: Mesh | None = None) -> Path:
+    """Write ``directory/step-NNNNNN`` (a collective) and return its path; keep the newest ``keep``.
+
+    Each rank writes its chunks of the model, the optimizer's state (``ZeroRedundancyOptimizer``'s
+    too) and its generator states; ``extra`` (JSON) goes to ``meta.json``. A NaN or an infinity on
+    any rank, or ranks passing different ``step``, ``keep`` or ``extra``, raise the same
+    :class:`CheckpointError` on every rank, and nothing on disk changes.
+    """
+    return write(prepare(directory, model, optimizer, step=step, extra=extra, keep=keep, mesh=mesh or current_mesh()))
+
+
+def async_save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+               step: int, extra: Mapping[str, Any] | None = None, keep: int = 2,
+               mesh: Mesh | None = None) -> PendingSave:
+    """:func:`save` through ``dcp.async_save``: the tensors are staged to CPU memory and written in a
+    thread; ``PendingSave.wait()`` (a collective) publishes the checkpoint and moves ``latest``."""
+    return PendingSave(prepare(directory, model, optimizer, step=step, extra=extra, keep=keep,
+                               mesh=mesh or current_mesh()))
