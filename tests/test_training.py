@@ -163,8 +163,7 @@ def test_broken_checkpoints_get_clear_errors_and_change_nothing(worlds, tmp_path
         "meta.json: config does not match the model's (n_embd: checkpoint 32, model 64)")
     assert messages["vocab"].startswith("rank 0: ") and messages["vocab"].endswith(
         "meta.json: config does not match the model's (vocab_size: checkpoint 256, model 300)")
-    assert messages["truncated"].endswith("__0_0.distcp is corrupt or truncated (its size does "
-                                          "not match meta.json)")
+    assert messages["truncated"].endswith("__0_0.distcp: size or SHA-256 does not match meta.json")
     assert messages["missing"].startswith("rank 0: no checkpoint at ")
 
 

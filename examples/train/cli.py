@@ -317,7 +317,7 @@ def _check_resume(cfg: TrainConfig) -> None:
     if cfg.out is None:
         raise ValueError("--resume needs --out (the directory holding the checkpoint)")
     try:
-        meta = checkpoint_files.read_manifest(checkpoint_files.resolve(cfg.out))  # load checks the files
+        meta = checkpoint_files.read_manifest(checkpoint_files.resolve(cfg.out), None)  # load hashes the files
     except CheckpointError as e:
         if cfg.resume == "auto" and not Path(cfg.out, "latest").exists() and not Path(cfg.out, "meta.json").exists():
             return

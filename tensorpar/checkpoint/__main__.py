@@ -1,8 +1,6 @@
 """``python -m tensorpar.checkpoint safetensors CHECKPOINT OUT``: a checkpoint's unsharded model as one
 safetensors file, without a process group (torch's ``dcp_to_torch_save`` reads a checkpoint as it is)."""
 
-from __future__ import annotations
-
 import argparse
 import sys
 

@@ -1,13 +1,15 @@
-"""A model's and its optimizer's state as DCP names it: ``model.<key>`` and
-``optim.state.<parameter>.<field>`` (a state shaped like its parameter lies like it; a scalar is a
-tensor of its own). A ``ZeroRedundancyOptimizer``'s rank writes and reads the parameters it owns.
-The optimizer's groups go to ``meta.json`` and must match the optimizer's on load.
-"""
+"""What a checkpoint holds, as DCP names it: ``model.<key>``; ``optim.state.<parameter>.<field>`` (a
+state shaped like its parameter lies like it; a scalar is a tensor of its own; a ``ZeroRedundancyOptimizer``'s
+rank writes and reads the parameters it owns; the groups go to ``meta.json``); ``rng.rank<r>.<stream>``,
+torch's generator states (``cpu``, ``cuda``) and the mesh's tp streams (``tp.<device>``, ``tp.base``).
+At the saving layout each rank restores its own; at another, a stream equal on every saving rank (in
+the bitwise mode the tp streams are) is restored, and a warning names each one that differs by rank."""
 
 from __future__ import annotations
 
+import re
+import warnings
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,11 +17,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..full import is_dtensor, placements
+from ..mesh import Mesh
+from ..random import tracker as tp_streams
 from .files import CheckpointError
 from .layout import Box, locate
 
 MODEL, OPTIM = "model.", "optim.state."
-Entries = Mapping[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (full size, dtype), from DCP's metadata
 
 
 def model_pieces(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Box]]:
@@ -30,31 +33,6 @@ def model_pieces(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, B
     return tensors, boxes
 
 
-def _check(name: str, entries: Entries, box: Box, dtype: torch.dtype, where: Path, cast: bool) -> None:
-    size, stored = entries[name]
-    if size != box.size:
-        raise CheckpointError(f"{where}: {name}: the checkpoint holds shape {size}, "
-                              f"the model's full shape is {box.size}")
-    if stored != dtype and not cast:
-        raise CheckpointError(f"{where}: {name} is stored as {stored}, the model's is {dtype} "
-                              "(load(..., cast=True) converts it)")
-
-
-def model_destinations(model: nn.Module, entries: Entries, where: Path, *, cast: bool,
-                       stage: bool) -> tuple[dict[str, torch.Tensor], dict[str, Box]]:
-    """Empty tensors to read this rank's boxes of the model into, after checking that the checkpoint
-    holds the model's keys (and no others, unless the model is one pipeline ``stage``), shapes, dtypes."""
-    local, boxes = model_pieces(model)
-    stored = {k for k in entries if k.startswith(MODEL)}
-    if missing := sorted(k.removeprefix(MODEL) for k in set(boxes) - stored):
-        raise CheckpointError(f"{where}: the checkpoint lacks {missing}")
-    if (unexpected := sorted(k.removeprefix(MODEL) for k in stored - set(boxes))) and not stage:
-        raise CheckpointError(f"{where}: the checkpoint holds {unexpected}, which the model lacks")
-    for key, box in boxes.items():
-        _check(key, entries, box, local[key].dtype, where, cast)
-    return {k: torch.empty(box.sizes, dtype=entries[k][1]) for k, box in boxes.items()}, boxes
-
-
 def like(value: torch.Tensor, current: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``value`` (this rank's local part) on the device and of the kind (DTensor or not) of ``current``."""
     dtype = dtype or current.dtype
@@ -63,12 +41,6 @@ def like(value: torch.Tensor, current: torch.Tensor, dtype: torch.dtype | None =
                                   current.placements, run_check=False, shape=current.shape, stride=current.stride())
     return value.to(dtype=dtype, device=current.device)
 
-
-def apply_model(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
-    model.load_state_dict({k: like(tensors[MODEL + k], v) for k, v in model.state_dict().items()})
-
-
-# --- the optimizer ------------------------------------------------------------------------------
 
 def _local(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer holding this rank's state: a ``ZeroRedundancyOptimizer``'s local one, or itself."""
@@ -87,22 +59,12 @@ def grouped_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[li
 def param_groups(optimizer: torch.optim.Optimizer, rows: list[list[list[str]]]) -> list[dict[str, Any]]:
     """The groups for ``meta.json``: hyper-parameters, and the names of the parameters of every rank
     (``rows``: each rank's :func:`grouped_names`; pipeline stages hold different parameters)."""
-    for i, group in enumerate(optimizer.param_groups):
-        for key, value in group.items():
-            if key != "params" and not _storable(value):
-                raise CheckpointError(f"param_groups[{i}].{key} = {value!r} cannot be stored in meta.json "
-                                      "(numbers, strings, booleans, None and lists of them can)")
     if len({len(row) for row in rows}) > 1:
         raise CheckpointError(f"the ranks' optimizers have different numbers of parameter groups "
                               f"({sorted({len(row) for row in rows})})")
-    names = [list(dict.fromkeys(n for row in rows for n in row[i])) for i in range(len(rows[0]))]
-    return [{k: list(v) if isinstance(v, tuple) else v for k, v in group.items() if k != "params"} | {"params": n}
-            for group, n in zip(optimizer.param_groups, names, strict=True)]
-
-
-def _storable(value: Any) -> bool:
-    return value is None or isinstance(value, (bool, int, float, str)) or \
-        (isinstance(value, (list, tuple)) and all(map(_storable, value)))
+    return [{k: v for k, v in group.items() if k != "params"}
+            | {"params": list(dict.fromkeys(n for row in rows for n in row[i]))}
+            for i, group in enumerate(optimizer.param_groups)]
 
 
 def optim_pieces(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Box]]:
@@ -121,101 +83,144 @@ def optim_pieces(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[di
     return tensors, boxes
 
 
-def _conform(saved: Any, current: Any, where: str) -> Any:
-    """``saved`` in the structure and type of ``current``, or a CheckpointError naming ``where``."""
-    flag = (bool, type(None))
-    kinds = {bool: flag, type(None): flag, int: (int,), float: (int, float), str: (str,)}  # JSON types it may be
+def _fits(saved: Any, current: Any) -> bool:
+    """Whether the JSON value ``saved`` can stand for the hyper-parameter ``current``."""
     if isinstance(current, (list, tuple)):
-        if isinstance(saved, list) and len(saved) == len(current):
-            return type(current)(_conform(s, c, f"{where}[{i}]")
-                                 for i, (s, c) in enumerate(zip(saved, current, strict=True)))
-    elif type(saved) in kinds.get(type(current), ()):
-        return float(saved) if type(current) is float else saved
-    kind = f"a list of {len(current)}" if isinstance(current, (list, tuple)) else type(current).__name__
-    raise CheckpointError(f"{where} must be {kind} like the optimizer's {current!r} (it is {saved!r})")
+        return isinstance(saved, list) and len(saved) == len(current) and all(map(_fits, saved, current))
+    return type(saved) is type(current) or (type(saved), type(current)) == (int, float) or \
+        {type(saved), type(current)} == {bool, type(None)}
 
 
-def _groups(meta: Mapping[str, Any], where: Path, model: nn.Module,
-            optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """The checkpoint's groups as ``load_state_dict`` takes them."""
-    saved, stored = meta["param_groups"], {n for g in meta["param_groups"] for n in g["params"]}
-    copies = getattr(model, "tied_copies", {})  # a copy of a tied parameter may be stored as the original only
-    ours = [[copies.get(n, n) if n not in stored else n for n in g] for g in grouped_names(model, optimizer)]
-    mine = {n for g in ours for n in g}
-    if len(saved) != len(ours):
-        raise CheckpointError(f"{where}: param_groups lists {len(saved)} group{'s' * (len(saved) != 1)}, "
-                              f"the optimizer has {len(ours)}")
-    groups, start = [], 0
-    for i, (group, current, names) in enumerate(zip(saved, optimizer.param_groups, ours, strict=True)):
-        held = set(group["params"]) & mine  # a pipeline stage holds some of the checkpoint's parameters
-        if held != set(names):
-            lacks, others = sorted(set(names) - held), sorted(held - set(names))
-            problems = [f"lacks {lacks[:3]}{'...' * (len(lacks) > 3)}"] * bool(lacks)
-            problems += [f"holds {others[:3]}, which the optimizer puts in another group"] * bool(others)
-            raise CheckpointError(f"{where}: param_groups[{i}] {' and '.join(problems)} (its parameters, or their "
-                                  "grouping, differ from the optimizer's)")
-        keys, expected = set(group) - {"params"}, set(current) - {"params"}
-        if keys != expected:
-            problems = [f"lacks {sorted(expected - keys)}"] * bool(expected - keys)
-            problems += [f"has {sorted(keys - expected)}, which the optimizer lacks"] * bool(keys - expected)
-            raise CheckpointError(f"{where}: param_groups[{i}] {' and '.join(problems)}")
-        groups.append({k: _conform(group[k], current[k], f"{where}: param_groups[{i}].{k}") for k in sorted(keys)}
-                      | {"params": list(range(start, start + len(names)))})
-        start += len(names)
-    return groups
-
-
-def optim_destinations(meta: Mapping[str, Any], entries: Entries, where: Path, model: nn.Module,
-                       optimizer: torch.optim.Optimizer, *, cast: bool
+def optim_destinations(meta: Mapping[str, Any], stored: Mapping[str, Any], where: object, model: nn.Module,
+                       optimizer: torch.optim.Optimizer
                        ) -> tuple[dict[str, torch.Tensor], dict[str, Box], Callable[[], dict[str, Any]]]:
     """``(tensors to read into, their boxes, the optimizer's state dict once they are read)``, after
-    checking the groups and, for every parameter with state, its fields, full shapes and dtypes."""
-    groups = _groups(meta, where, model, optimizer)
-    order = {n: i for i, n in enumerate(n for g in grouped_names(model, optimizer) for n in g)}
+    checking the groups and that every parameter's state holds the same fields as the optimizer's."""
+    saved = meta["param_groups"]
+    known = {n for g in saved if isinstance(g, dict) for n in g.get("params", ())}
+    copies = getattr(model, "tied_copies", {})  # a copy of a tied parameter may be stored as the original only
+    own = grouped_names(model, optimizer)
+    names = [[copies.get(n, n) if n not in known else n for n in g] for g in own]  # as stored
+    if len(saved) != len(names):
+        raise CheckpointError(f"{where}: param_groups lists {len(saved)} group{'s' * (len(saved) != 1)}, "
+                              f"the optimizer has {len(names)}")
+    groups, start, mine = [], 0, {n for g in names for n in g}
+    for i, (group, current, ours) in enumerate(zip(saved, optimizer.param_groups, names, strict=True)):
+        held = set(group.get("params", ())) & mine if isinstance(group, dict) else set()
+        if held != set(ours):  # a pipeline stage holds some of the checkpoint's parameters
+            raise CheckpointError(f"{where}: param_groups[{i}] lacks {sorted(set(ours) - held)[:3]} and holds "
+                                  f"{sorted(held - set(ours))[:3]} of the optimizer's group (its parameters, or "
+                                  "their grouping, differ)")
+        if set(group) != set(current):
+            raise CheckpointError(f"{where}: param_groups[{i}] has the keys {sorted(group)}, the optimizer's group "
+                                  f"{sorted(current)}")
+        for key in sorted(set(current) - {"params"}):
+            if not _fits(group[key], current[key]):
+                raise CheckpointError(f"{where}: param_groups[{i}].{key} is {group[key]!r}, which cannot stand "
+                                      f"for the optimizer's {current[key]!r}")
+        groups.append({k: type(current[k])(group[k]) if isinstance(current[k], (tuple, float)) else group[k]
+                       for k in current} | {"params": list(range(start, start + len(ours)))})
+        start += len(ours)
+    fields: dict[str, set[str]] = {}
+    for key in (k for k in stored if k.startswith(OPTIM)):
+        name, _, field = key.removeprefix(OPTIM).rpartition(".")
+        if name not in known or not field:
+            raise CheckpointError(f"{where}: {key} is not the state of a parameter of the optimizer")
+        fields.setdefault(name, set()).add(field)
     params, found, local = dict(model.named_parameters()), placements(model), _local(optimizer)
-    names = {id(p): n for n, p in params.items()}
-    current = {names[id(p)]: {k: v for k, v in f.items() if v is not None} for p, f in local.state.items() if f}
-    known = {n for g in meta["param_groups"] for n in g["params"]} | set(order)
-    stored: dict[str, set[str]] = {}
-    for key in entries:
-        if key.startswith(OPTIM):
-            name, _, field = key.removeprefix(OPTIM).rpartition(".")
-            if name not in known or not field:
-                raise CheckpointError(f"{where}: {key} is not the state of a parameter of the optimizer")
-            stored.setdefault(name, set()).add(field)
-    sources = {n: n for n in stored if n in order}
-    for copy, original in getattr(model, "tied_copies", {}).items():
-        if copy in order and copy not in sources and original in stored:
-            sources[copy] = original
-    first = min(sources, key=order.__getitem__, default="")
-    for name, source in sources.items():  # a missing field would fail only in the optimizer's next step
-        now = current.get(name)
-        if now is not None and stored[source] != set(now):
-            raise CheckpointError(f"{where}: the state of {name} holds {sorted(stored[source])}, "
-                                  f"the optimizer's holds {sorted(now)}")
-        if stored[source] != stored[sources[first]]:
-            raise CheckpointError(f"{where}: the state of {name} holds {sorted(stored[source])}, "
-                                  f"that of {first} holds {sorted(stored[sources[first]])}")
-    wanted = {names[id(p)] for g in local.param_groups for p in g["params"]}
+    held_fields = {frozenset(f) for f in fields.values()} | {  # else the optimizer's next step would fail
+        frozenset(k for k, v in local.state[p].items() if v is not None) for p in params.values() if local.state.get(p)}
+    if len(held_fields) > 1:
+        raise CheckpointError(f"{where}: the states of the parameters hold the fields "
+                              f"{sorted(map(sorted, held_fields))} (the checkpoint's and the optimizer's must match)")
     tensors, boxes, into = {}, {}, {}
-    for name in sorted(set(sources) & wanted, key=order.__getitem__):
-        param, source = params[name], sources[name]
-        for field in sorted(stored[source]):
+    wanted = {id(p) for g in local.param_groups for p in g["params"]}  # a ZeroRedundancyOptimizer's: its own
+    for i, (name, source) in enumerate(zip([n for g in own for n in g], [n for g in names for n in g], strict=True)):
+        param = params[name]
+        for field in sorted(fields.get(source, ()) if id(param) in wanted else ()):
             key = f"{OPTIM}{source}.{field}"
-            size, dtype = entries[key]
-            box = locate(param, *found.get(name, (None, None)))[1] if size else Box((), (), ())
-            now = current.get(name, {}).get(field)
+            (size, dtype), now = stored[key], local.state.get(param, {}).get(field)
             want = param.dtype if size and param.is_floating_point() and dtype.is_floating_point else \
                 now.dtype if isinstance(now, torch.Tensor) else dtype
-            _check(key, entries, box, want, where, cast)
-            tensors[key], boxes[key] = torch.empty(box.sizes, dtype=dtype), box
-            into[key] = (order[name], field, param if size else None, want)  # a state shaped like param lies like it
+            boxes[key] = locate(param, *found.get(name, (None, None)))[1] if size else Box((), (), ())
+            tensors[key], into[key] = torch.empty(boxes[key].sizes, dtype=want), (i, field, param if size else None)
 
-    def state_dict() -> dict[str, Any]:
+    def state_dict() -> dict[str, Any]:  # a state shaped like its parameter lies like it
         state: dict[int, dict[str, torch.Tensor]] = {}
-        for key, (i, field, home, dtype) in into.items():
+        for key, (i, field, home) in into.items():
             value = tensors[key]
-            state.setdefault(i, {})[field] = value.to(dtype) if home is None else like(value, home, dtype)
+            state.setdefault(i, {})[field] = value if home is None else like(value, home, value.dtype)
         return {"state": state, "param_groups": groups}
 
     return tensors, boxes, state_dict
+
+
+# --- generator states ----------------------------------------------------------------------------
+
+_KEY = re.compile(r"rng\.rank(\d+)\.(cpu|cuda|tp\.base|tp\.(?:cpu|cuda(?::\d+)?))")
+
+
+def rng_streams(mesh: Mesh) -> dict[str, torch.Tensor]:
+    """This rank's generator states under their checkpoint names."""
+    mine = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        mine["cuda"] = torch.cuda.get_rng_state()
+    tracker = tp_streams(mesh).state_dict()
+    mine |= {f"tp.{device}": state for device, state in tracker["states"].items()}
+    if tracker["base"] is not None:
+        mine["tp.base"] = torch.tensor([tracker["base"]], dtype=torch.int64)
+    return {f"rng.rank{mesh.rank}.{k}": v for k, v in mine.items()}
+
+
+def rng_destinations(stored: Mapping[str, tuple[tuple[int, ...], torch.dtype]], world: int,
+                 where: object) -> dict[str, torch.Tensor]:
+    """Empty tensors to read every saving rank's states into, after checking that each rank has each."""
+    found: dict[str, set[int]] = {"cpu": set()}
+    for key in (k for k in stored if k.startswith("rng.")):
+        if not (match := _KEY.fullmatch(key)) or int(match[1]) >= world:
+            raise CheckpointError(f"{where}: {key} is not a generator state of ranks 0-{world - 1}")
+        found.setdefault(match[2], set()).add(int(match[1]))
+    for stream, ranks in sorted(found.items()):
+        if missing := sorted(set(range(world)) - ranks):
+            raise CheckpointError(f"{where}: rng.rank{missing[0]}.{stream} is missing")
+    return {k: torch.empty(size, dtype=dtype) for k, (size, dtype) in stored.items() if k.startswith("rng.")}
+
+
+def rng_chosen(states: Mapping[str, torch.Tensor], same_layout: bool, rank: int,
+           where: object) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """``(the state of each stream this rank restores, the streams it cannot)``, after checking that a
+    scratch generator accepts each state."""
+    by_stream: dict[str, dict[int, torch.Tensor]] = {}
+    for key, state in states.items():
+        match = _KEY.fullmatch(key)
+        assert match is not None, key  # checked by rng_destinations()
+        by_stream.setdefault(match[2], {})[int(match[1])] = state
+        try:
+            if match[2] == "tp.base" and (state.dtype, state.numel()) != (torch.int64, 1):
+                raise ValueError(f"a seed is one int64, not {state.dtype} of shape {tuple(state.shape)}")
+            if match[2] != "tp.base" and (torch.cuda.is_available() or "cuda" not in match[2]):
+                torch.Generator("cuda" if "cuda" in match[2] else "cpu").set_state(state)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise CheckpointError(f"{where}: {key} is no valid generator state ({e})") from None
+    mine = {s: by[rank] if same_layout else by[0] for s, by in by_stream.items()
+            if same_layout or all(torch.equal(v, by[0]) for v in by.values())}
+    return mine, sorted(set(by_stream) - set(mine))
+
+
+def rng_restore(mine: Mapping[str, torch.Tensor], lost: list[str], mesh: Mesh, where: object,
+                saved: tuple[int, ...]) -> None:
+    """Set this rank's generators (and the mesh's tp streams) to ``mine``; warn naming the ``lost`` ones."""
+    if lost:
+        warnings.warn(f"{where} was saved at (tp, dp, pp) = {saved}, this run is {(mesh.tp, mesh.dp, mesh.pp)}: the "
+                      f"generator streams {lost} differ by rank and are not restored"
+                      + " (the tp streams restart from their base seed)" * any(s.startswith("tp.") for s in lost),
+                      stacklevel=3)
+    if "cpu" in mine:
+        torch.set_rng_state(mine["cpu"])
+    if "cuda" in mine and torch.cuda.is_available():
+        torch.cuda.set_rng_state(mine["cuda"])
+    tp = {k.removeprefix("tp."): v for k, v in mine.items() if k.startswith("tp.") and k != "tp.base"}
+    if "tp.base" in mine or tp:
+        base = mine.get("tp.base")
+        tp_streams(mesh).load_state_dict({"rank": mesh.tp_rank, "states": tp,
+                                          "base": None if base is None else int(base.item())})

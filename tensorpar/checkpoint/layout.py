@@ -88,16 +88,16 @@ def locate(value: torch.Tensor, placement: Shard | None, group: ProcessGroup | N
     return local, Box(tuple(offsets), tuple(local.shape), tuple(full), dim, tuple(pieces) if keep else ())
 
 
+def _parts(name: str, tensor: torch.Tensor, box: Box, writing: bool) -> list[tuple[MetadataIndex, torch.Tensor, Box]]:
+    """``(index, view, single box)`` of each part of ``tensor`` (when ``writing``, of those this rank writes)."""
+    if 0 in box.sizes and not (writing and 0 in box.size):
+        return []  # an empty FSDP2 chunk: nothing to write or read
+    return [(MetadataIndex(name, part.offsets), tensor.narrow(box.dim, at, part.sizes[box.dim]) if box.pieces
+             else tensor, part) for at, part, written in box.parts() if written or not writing]
+
+
 def _chunk(box: Box) -> ChunkStorageMetadata:
     return ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes))
-
-
-Part = tuple[tuple[str, tuple[int, ...]], torch.Tensor, Box, bool]  # (key, view, single box, written)
-
-
-def _parts(name: str, tensor: torch.Tensor, box: Box) -> list[Part]:
-    return [((name, part.offsets), tensor.narrow(box.dim, at, part.sizes[box.dim]) if box.pieces else tensor,
-             part, write) for at, part, write in box.parts()]
 
 
 class BoxSavePlanner(DefaultSavePlanner):
@@ -108,18 +108,11 @@ class BoxSavePlanner(DefaultSavePlanner):
         self.boxes, self.views = dict(boxes), dict[tuple[str, tuple[int, ...]], torch.Tensor]()
 
     def create_local_plan(self) -> SavePlan:
-        items, self.views = [], {}
-        for name, tensor in self.state_dict.items():
-            if 0 in self.boxes[name].sizes and 0 not in self.boxes[name].size:
-                continue  # an empty FSDP2 chunk
-            for key, view, box, write in _parts(name, tensor, self.boxes[name]):
-                if not write:
-                    continue
-                self.views[key] = view
-                items.append(WriteItem(index=MetadataIndex(name, box.offsets), type=WriteItemType.SHARD,
-                                       tensor_data=TensorWriteData(chunk=_chunk(box), size=torch.Size(box.size),
-                                                                   properties=TensorProperties.create_from_tensor(view))))
-        self.plan = SavePlan(items)
+        parts = [p for name, tensor in self.state_dict.items() for p in _parts(name, tensor, self.boxes[name], True)]
+        self.views = {(index.fqn, tuple(index.offset or ())): view for index, view, _ in parts}
+        self.plan = SavePlan([WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=TensorWriteData(
+            chunk=_chunk(box), size=torch.Size(box.size), properties=TensorProperties.create_from_tensor(view)))
+            for index, view, box in parts])
         return self.plan
 
     def lookup_object(self, index: MetadataIndex) -> torch.Tensor:
@@ -139,14 +132,11 @@ class BoxLoadPlanner(DefaultLoadPlanner):
     def create_local_plan(self) -> LoadPlan:
         assert self.metadata is not None
         items: list[ReadItem] = []
-        for name in self.state_dict:
-            stored, box = self.metadata.state_dict_metadata[name], self.boxes[name]
-            assert isinstance(stored, TensorStorageMetadata) and tuple(stored.size) == box.size, (name, box)
-            if 0 in box.sizes:
-                continue  # nothing to read
-            parts = _parts(name, self.state_dict[name], box)
-            self.views |= {key: view for key, view, _, _ in parts}
-            items += create_read_items_for_chunk_list(name, stored, [_chunk(part) for _, _, part, _ in parts])
+        for name, tensor in self.state_dict.items():
+            parts, stored = _parts(name, tensor, self.boxes[name], False), self.metadata.state_dict_metadata[name]
+            self.views |= {(index.fqn, tuple(index.offset or ())): view for index, view, _ in parts}
+            assert isinstance(stored, TensorStorageMetadata)
+            items += create_read_items_for_chunk_list(name, stored, [_chunk(b) for _, _, b in parts]) if parts else []
         return LoadPlan(items)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -19,44 +19,27 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..mesh import Mesh
-from . import files, generators
-from .contents import grouped_names, model_pieces, optim_pieces, param_groups
-from .files import FORMAT, CheckpointError
+from ..mesh import Mesh, current_mesh
+from . import files
+from .contents import grouped_names, model_pieces, optim_pieces, param_groups, rng_streams
+from .files import FORMAT, MANIFEST, CheckpointError
 from .layout import Box, BoxSavePlanner, whole
 
-_SHOWN = 4  # the names of non-finite tensors an error lists
 
-
-def everyone(value: Any) -> list[Any]:
-    """Every rank's JSON ``value``, in rank order: JSON bytes over one all-gather (nothing pickled)."""
-    data, world = json.dumps(value).encode(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    sizes = torch.zeros(world, dtype=torch.int64, device=device)
-    sizes[dist.get_rank()] = len(data)
-    dist.all_reduce(sizes)
-    send = torch.zeros(int(sizes.max()), dtype=torch.uint8)
-    send[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    rows = [torch.empty_like(send, device=device) for _ in range(world)]
-    dist.all_gather(rows, send.to(device))
-    return [json.loads(bytes(row[:n].tolist())) for row, n in zip(rows, sizes.tolist(), strict=True)]
-
-
-def described(error: BaseException | None) -> str | None:
-    if error is None:
-        return None
-    return (str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}")[:4000]
-
-
-def settle(errors: list[str | None], error: BaseException | None, mesh: Mesh, doing: str) -> None:
-    """Raise on every rank when any rank failed: its own error, or one naming the first that failed."""
+def agree(error: BaseException | None, mesh: Mesh, doing: str, value: Any = None,
+          undo: Callable[[], None] | None = None) -> list[Any]:
+    """Every rank's ``value`` (one ``all_gather_object``), after raising on every rank when any rank
+    failed: its own error, or one naming the first rank that failed (``undo`` runs first)."""
+    rows: list[Any] = [None] * dist.get_world_size()
+    said = error and (str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}")
+    dist.all_gather_object(rows, (said and said[:4000], value))
+    if (failed := [(r, e) for r, (e, _) in enumerate(rows) if e is not None]) and undo is not None:
+        undo()
     if error is not None:
-        if isinstance(error, CheckpointError):
-            raise CheckpointError(f"rank {mesh.rank}: {error}") from error
-        raise error
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        raise CheckpointError(f"rank {mesh.rank}: {error}") if isinstance(error, CheckpointError) else error
     if failed:
         raise CheckpointError(f"rank {failed[0][0]}: {failed[0][1]} (so rank {mesh.rank} did not {doing} either)")
+    return [v for _, v in rows]
 
 
 def config_dict(model: nn.Module) -> dict[str, Any] | None:
@@ -68,20 +51,6 @@ def config_dict(model: nn.Module) -> dict[str, Any] | None:
     return json.loads(json.dumps({k: v for k, v in dataclasses.asdict(config).items() if k in kept}))
 
 
-def nonfinite(tensors: Mapping[str, torch.Tensor]) -> list[str]:
-    """The names of the floating-point ``tensors`` holding a NaN or an infinity (one read per device)."""
-    by_device: dict[torch.device, list[str]] = {}
-    for name, value in tensors.items():
-        if value.is_floating_point() and value.numel():
-            by_device.setdefault(value.device, []).append(name)
-    bad = set()
-    for names in by_device.values():
-        peaks = torch._foreach_norm([tensors[n] for n in names], float("inf"))  # max |x| of each
-        bad |= {n for n, ok in zip(names, torch.stack([torch.isfinite(p) for p in peaks]).tolist(), strict=True)
-                if not ok}
-    return [name for name in tensors if name in bad]
-
-
 @dataclass
 class Job:
     final: Path
@@ -89,107 +58,87 @@ class Job:
     fields: dict[str, Any]
     keep: int
     mesh: Mesh
-    tensors: dict[str, torch.Tensor] = field(repr=False)
-    boxes: dict[str, Box] = field(repr=False)
+    tensors: dict[str, torch.Tensor]
+    boxes: dict[str, Box]
 
 
 def prepare(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, step: int,
             extra: Mapping[str, Any] | None, keep: int, mesh: Mesh) -> Job:
     """Step 1 (a collective): every rank raises the same CheckpointError when any failed or they disagree."""
-    error: Exception | None = None
-    tmp, final, names, fields = None, Path(), None, dict[str, Any]()
-    tensors, boxes, mine = dict[str, torch.Tensor](), dict[str, Box](), dict[str, torch.Tensor]()
+    error, final, names, fields = None, Path(), None, dict[str, Any]()
+    tensors, boxes = dict[str, torch.Tensor](), dict[str, Box]()
     try:
         if type(step) is not int or step < 0 or type(keep) is not int or keep < 1:
             raise CheckpointError(f"step must be an integer >= 0 and keep one >= 1 (got step={step!r}, keep={keep!r})")
-        final = Path(directory) / f"step-{step:06d}"
-        try:
-            extra = json.loads(json.dumps(dict(extra or {})))
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"extra is not JSON-serialisable: {e}") from None
-        fields = {"format": FORMAT, "step": step, "tp": mesh.tp, "dp": mesh.dp, "pp": mesh.pp,
-                  "config": config_dict(model), "param_groups": [], "extra": extra}
-        tensors, boxes = model_pieces(model)
+        final, tensors, boxes = Path(directory) / f"step-{step:06d}", *model_pieces(model)
         if optimizer is not None:
-            names = grouped_names(model, optimizer)
-            param_groups(optimizer, [names])  # each rank checks its hyper-parameters
-            more, more_boxes = optim_pieces(model, optimizer)
+            names, (more, more_boxes) = grouped_names(model, optimizer), optim_pieces(model, optimizer)
             tensors, boxes = tensors | more, boxes | more_boxes
-        if bad := nonfinite(tensors):
-            shown = ", ".join(bad[:_SHOWN]) + (f" and {len(bad) - _SHOWN} more" if len(bad) > _SHOWN else "")
-            raise CheckpointError(f"the checkpoint of step {step} would hold NaN or infinite values (in {shown}): "
-                                  "not saved, and the checkpoints already in the directory are left as they are")
-        mine = generators.streams(mesh)
+        try:
+            fields = json.loads(json.dumps({
+                "format": FORMAT, "step": step, "tp": mesh.tp, "dp": mesh.dp, "pp": mesh.pp,
+                "config": config_dict(model), "extra": dict(extra or {}),
+                "param_groups": param_groups(optimizer, [names or []]) if optimizer else []}))
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"extra or the optimizer's hyper-parameters cannot be stored in JSON: {e}") from None
+        if bad := [n for n, v in tensors.items() if v.is_floating_point() and not bool(v.isfinite().all())]:
+            raise CheckpointError(f"the checkpoint of step {step} would hold NaN or infinite values (in "
+                                  f"{', '.join(bad[:4])}{f' and {len(bad) - 4} more' * (len(bad) > 4)}): not saved, "
+                                  "and the checkpoints already in the directory are left as they are")
+        states = rng_streams(mesh)
+        tensors, boxes = tensors | states, boxes | {k: whole(v) for k, v in states.items()}
         if mesh.rank == 0:
-            for pending in files.unfinished(final.parent):
-                raise CheckpointError(f"{pending} is a save of this process still being written: call the wait() "
-                                      "of its async_save before saving again into the same directory")
             files.recover(final.parent)
             final.parent.mkdir(parents=True, exist_ok=True)
-            tmp = files.scratch(final.parent, final.name)
-            tmp.mkdir()
+            files.scratch(final).mkdir()
     except Exception as e:  # noqa: BLE001 - every rank learns of it below, then every rank raises
         error = e
-    arguments = {"step": step, "keep": keep, "extra's SHA-256": files.canonical_sha256(fields.get("extra"))[:16]}
-    rows = everyone({"error": described(error), "tmp": tmp and tmp.name, "names": names,
-                     "rng": generators.digests(mine), **arguments})
-    differ = []
-    for key in arguments:
-        ranks: dict[str, list[str]] = {}
-        for r, row in enumerate(rows):
-            ranks.setdefault(json.dumps(row[key]), []).append(str(r))
-        if len(ranks) > 1:
-            differ.append(f"{key}: " + ", ".join(f"{v} on rank{'s' * (len(rs) > 1)} {', '.join(rs)}"
-                                                 for v, rs in ranks.items()))
-    if (differ or any(row["error"] for row in rows)) and tmp is not None:
-        files.remove(tmp)
-    settle([row["error"] for row in rows], error, mesh, "save the checkpoint")
-    if differ:
-        raise CheckpointError(f"the ranks must save with the same arguments, and they differ "
-                              f"({'; '.join(differ)})")
-    if optimizer is not None:
-        fields["param_groups"] = param_groups(optimizer, [row["names"] for row in rows])
-    states = generators.named(mine, [row["rng"] for row in rows], mesh.rank)
-    return Job(final, final.parent / rows[0]["tmp"], fields, keep, mesh, tensors | states,
-               boxes | {k: whole(v) for k, v in states.items()})
-
-
-def _writer(job: Job) -> dcp.FileSystemWriter:
-    return dcp.FileSystemWriter(job.tmp, single_file_per_rank=True, sync_files=True)
+    undo = (lambda: files.discard(files.scratch(final))) if mesh.rank == 0 else None
+    arguments = {"step": step, "keep": keep, "extra": fields.get("extra")}
+    rows = agree(error, mesh, "save the checkpoint", (arguments, names, os.getpid()), undo)
+    if differ := "; ".join(f"{key}: " + ", ".join(f"{row[0][key]!r} on rank {r}" for r, row in enumerate(rows))
+                           for key in arguments if any(row[0][key] != arguments[key] for row in rows)):
+        if undo is not None:
+            undo()
+        raise CheckpointError(f"the ranks must save with the same arguments, and they differ ({differ[:2000]})")
+    if optimizer is not None:  # every rank's parameters: pipeline stages hold different ones
+        fields["param_groups"] = json.loads(json.dumps(param_groups(optimizer, [row[1] for row in rows])))
+    return Job(final, files.scratch(final, rows[0][2]), fields, keep, mesh, tensors, boxes)
 
 
 def finish(job: Job, error: BaseException | None) -> Path:
-    """Step 3 (a collective), after every rank's write (or its ``error``)."""
-    mesh, hashed, outcome = job.mesh, {}, None
+    """Step 3 (a collective), after every rank's write (or its ``error``): hash, publish, prune."""
+    mesh, hashed, published = job.mesh, {}, None
+    undo = (lambda: files.discard(job.tmp)) if mesh.rank == 0 else None
     try:
         if error is None:
-            names = sorted(os.listdir(job.tmp))
-            hashed = {n: files.file_entry(job.tmp / n) for n in names[mesh.rank::mesh.world_size]}
+            hashed = {n: files.file_entry(job.tmp / n) for n in sorted(os.listdir(job.tmp))[mesh.rank::mesh.world_size]}
     except Exception as e:  # noqa: BLE001 - shared below
         error = e
-    rows = everyone({"error": described(error), "files": hashed})
-    errors = [row["error"] for row in rows]
-    if mesh.rank == 0:
+    rows = agree(error, mesh, "save the checkpoint", hashed, undo)
+    if undo is not None:
         try:
-            if all(e is None for e in errors):
-                files.write_manifest(job.tmp, job.fields, {k: v for row in rows for k, v in row["files"].items()})
-                files.publish(job.tmp, job.final)
-                files.prune(job.final.parent, job.keep, job.final.name)
-        except Exception as e:  # noqa: BLE001 - a crash (a BaseException) leaves the directory to the next recover()
-            outcome = f"rank 0: {described(e)}"
-        if os.path.lexists(job.tmp):
-            files.remove(job.tmp)
-    settle(errors, error, mesh, "save the checkpoint")  # every rank alike: none publishes
-    if (result := everyone(outcome)[0]) is not None:
-        raise CheckpointError(f"{result} (so rank {mesh.rank} did not save the checkpoint either)")
+            body = job.fields | {"files": {k: v for row in rows for k, v in row.items()}}
+            text = json.dumps(body | {"meta_sha256": files.canonical_sha256(body)}, indent=1)
+            files.write_text(job.tmp / MANIFEST, text)
+            files.publish(job.tmp, job.final, job.keep)
+        except Exception as e:  # noqa: BLE001 - a crash (a BaseException) leaves the directory to the next save
+            published = e
+            undo()
+    agree(published, mesh, "save the checkpoint")
     return job.final
+
+
+def _writer(job: Job) -> dict[str, Any]:
+    return {"storage_writer": dcp.FileSystemWriter(job.tmp, single_file_per_rank=True, sync_files=True),
+            "planner": BoxSavePlanner(job.boxes)}
 
 
 def write(job: Job) -> Path:
     """Steps 2 and 3 of a synchronous save."""
     error = None
     try:
-        dcp.save(job.tensors, storage_writer=_writer(job), planner=BoxSavePlanner(job.boxes))
+        dcp.save(job.tensors, **_writer(job))
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's (a BaseException) wraps every rank's failure
         mine = (getattr(e, "failures", {}).get(job.mesh.rank) or (None,))[0]  # (exception, its stack)
         if mine is not None and not isinstance(mine, Exception):
@@ -199,18 +148,18 @@ def write(job: Job) -> Path:
 
 
 class PendingSave:
-    _outcome: Path | BaseException | None
     """A checkpoint being written in the background (from :func:`~tensorpar.checkpoint.async_save`);
-    :meth:`wait` (a collective) publishes it and returns its path."""
+    :meth:`wait` (a collective) publishes it and returns its path (or raises, each time it is called)."""
+
+    _future: Future | None = None
+    _error: BaseException | None = None
+    _path: Path | None = None
 
     def __init__(self, job: Job) -> None:
-        self._job, self._outcome = job, None  # the outcome: the path, or what wait() raises
-        self._group = dist.new_group(backend="gloo")  # DCP's collectives run in its thread: not on the training's
-        self._future: Future | None = None
-        self._error: BaseException | None = None
+        self._job = job
+        self._group: dist.ProcessGroup | None = dist.new_group(backend="gloo")  # DCP's collectives run in a thread
         try:
-            result = dcp.async_save(job.tensors, storage_writer=_writer(job), planner=BoxSavePlanner(job.boxes),
-                                    process_group=self._group)
+            result = dcp.async_save(job.tensors, process_group=self._group, **_writer(job))
             self._future = cast(Future, getattr(result, "upload_completion", result))  # torch >= 2.9 may wrap it
         except BaseException as e:  # noqa: BLE001 - reported by wait()
             self._error = e
@@ -222,18 +171,35 @@ class PendingSave:
 
     def wait(self) -> Path:
         """Finish the save on every rank (a collective) and return the checkpoint's path."""
-        if self._outcome is None:
+        if self._group is not None:
             try:
-                if self._future is not None:
-                    self._future.result()
-            except BaseException as e:  # noqa: BLE001 - shared in finish()
-                self._error = e
-            try:
-                self._outcome = finish(self._job, self._error)
+                self._path = finish(self._job, (self._future and self._future.exception()) or self._error)
             except BaseException as e:  # noqa: BLE001 - raised below, and by every later wait()
-                self._outcome = e
+                self._error = e
             finally:
                 dist.destroy_process_group(self._group)
-        if isinstance(self._outcome, BaseException):
-            raise self._outcome
-        return self._outcome
+                self._group = None
+        if self._path is None:
+            raise cast(BaseException, self._error)
+        return self._path
+
+
+def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+         step: int, extra: Mapping[str, Any] | None = None, keep: int = 2, mesh: Mesh | None = None) -> Path:
+    """Write ``directory/step-NNNNNN`` (a collective) and return its path; keep the newest ``keep``.
+
+    Each rank writes its chunks of the model, the optimizer's state (``ZeroRedundancyOptimizer``'s
+    too) and its generator states; ``extra`` (JSON) goes to ``meta.json``. A NaN or an infinity on
+    any rank, or ranks passing different ``step``, ``keep`` or ``extra``, raise the same
+    :class:`CheckpointError` on every rank, and nothing on disk changes.
+    """
+    return write(prepare(directory, model, optimizer, step=step, extra=extra, keep=keep, mesh=mesh or current_mesh()))
+
+
+def async_save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+               step: int, extra: Mapping[str, Any] | None = None, keep: int = 2,
+               mesh: Mesh | None = None) -> PendingSave:
+    """:func:`save` through ``dcp.async_save``: the tensors are staged to CPU memory and written in a
+    thread; ``PendingSave.wait()`` (a collective) publishes the checkpoint and moves ``latest``."""
+    return PendingSave(prepare(directory, model, optimizer, step=step, extra=extra, keep=keep,
+                               mesh=mesh or current_mesh()))
