@@ -75,7 +75,8 @@ def grad_norm(model: nn.Module, group: ProcessGroup | None = None, *, pp_group: 
         norms = {key: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(
             grads, 2.0, dtype=torch.float32 if key[3].itemsize < 4 else None))).to(device, total_dtype)
             for key, grads in buckets.items()}  # () each
-    if n == 1 and _size(pp_group) == 1 and len(norms) == 1 and next(iter(norms))[0] is None:
+    alone = n == 1 and (pp_group is None or group_rank_size(pp_group)[1] == 1)
+    if alone and len(norms) == 1 and next(iter(norms))[0] is None:
         return next(iter(norms.values()))  # one bucket of whole, unreplicated gradients: nothing to sum
     zero = torch.zeros((), dtype=total_dtype, device=device)
     sums: dict[DeviceMesh | None, torch.Tensor] = {None: zero}  # squares, by the mesh the gradients are sharded over
@@ -104,12 +105,9 @@ def _parts(grad: torch.Tensor, placement: Shard | None, n: int) -> list[tuple[to
     lo = min(max(grad.shape[dim] - placement.replicated - start, 0), local.shape[dim])  # the tail's first local row
     return [(local.narrow(dim, 0, lo), 1), (local.narrow(dim, lo, local.shape[dim] - lo), n)]
 
-def _size(group: ProcessGroup | None) -> int:
-    return 1 if group is None else group_rank_size(group)[1]
-
 def _summed(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """``x`` summed over ``group`` (``x`` itself on a group of one, or with no group)."""
-    return x if group is None or _size(group) == 1 else all_reduce_sum(x, group)
+    return x if group is None or group_rank_size(group)[1] == 1 else all_reduce_sum(x, group)
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, group: ProcessGroup | None = None, *,
                     pp_group: ProcessGroup | None = None, exclude: Collection[str] = (),

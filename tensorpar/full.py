@@ -23,10 +23,6 @@ from .sharding import Shard, join_shards, shard
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-#: ``{state-dict key: (placement, group)}`` for the split tensors of a model.
-Placements = Mapping[str, tuple[Shard, ProcessGroup]]
-
-
 def placements(model: nn.Module) -> dict[str, tuple[Shard, ProcessGroup]]:
     """``{state-dict key: (placement, group)}`` for every split tensor of ``model``."""
     found = {}
@@ -67,7 +63,8 @@ def unshard(x: torch.Tensor, placement: Shard, group: ProcessGroup) -> torch.Ten
         return join_shards(gathered.split(sizes, placement.dim), placement)
 
 
-def gather(tensors: Mapping[str, torch.Tensor], where: Placements) -> dict[str, torch.Tensor]:
+def gather(tensors: Mapping[str, torch.Tensor],
+           where: Mapping[str, tuple[Shard, ProcessGroup]]) -> dict[str, torch.Tensor]:
     """``tensors`` with every split one (a key of ``where``) gathered to full size (a collective;
     under FSDP2 over dp first, so every rank of the mesh must call it)."""
     pieces = {k: tp_local(v) for k, v in tensors.items()}  # over dp first (FSDP2), then over tp

@@ -122,32 +122,17 @@ class Shard:
             start += n * u
         return found + ([(start, self.replicated)] if self.replicated else [])
 
-    def bounds(self, parts: int, index: int) -> tuple[int, int]:
-        """``(offset, length)`` of shard ``index`` of ``parts``, when it is a single slice."""
-        pieces = self.pieces(parts, index)
-        if len(pieces) > 1:
-            raise ValueError(f"a shard of {len(pieces)} pieces along dim {self.dim} is no single slice")
-        return pieces[0]
-
-    def index(self, ndim: int, parts: int, index: int) -> tuple[slice | list[int], ...]:
-        """The subscript that takes shard ``index`` out of a full ``ndim``-d tensor (or anything indexed
-        like one): a slice, or for a shard of several pieces the list of its positions along ``dim``."""
-        pieces = self.pieces(parts, index)
-        subscript: list[slice | list[int]] = [slice(None)] * ndim
-        if len(pieces) == 1:
-            (offset, length), = pieces
-            subscript[self.dim] = slice(offset, offset + length)
-        else:
-            subscript[self.dim] = [i for offset, length in pieces for i in range(offset, offset + length)]
-        return tuple(subscript)
-
 
 def shard(tensor: torch.Tensor, placement: Shard, parts: int, index: int) -> torch.Tensor:
     """Shard ``index`` of ``parts`` of a full tensor (a view; a copy for a shard of several pieces)."""
     shape = tuple(tensor.shape)
     if not -len(shape) <= placement.dim < len(shape) or shape[placement.dim] != placement.size:
         raise ValueError(f"expected size {placement.size} in dim {placement.dim}, got a tensor of shape {shape}")
-    return tensor[placement.index(len(shape), parts, index)]
+    pieces = placement.pieces(parts, index)
+    at: list[slice | list[int]] = [slice(None)] * len(shape)  # a slice, or the positions of several pieces
+    at[placement.dim] = (slice(pieces[0][0], sum(pieces[0])) if len(pieces) == 1
+                         else [i for offset, length in pieces for i in range(offset, offset + length)])
+    return tensor[tuple(at)]
 
 
 def join_shards(shards: Sequence[torch.Tensor], placement: Shard) -> torch.Tensor:

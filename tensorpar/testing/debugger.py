@@ -15,6 +15,7 @@ elsewhere reduces can hide a fault in between.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import warnings
 from collections import Counter
@@ -29,7 +30,7 @@ from torch.distributed import ProcessGroup
 
 from ..bitwise.settings import Bitwise
 from ..full import placements
-from ..mesh import current_mesh, group_rank_size
+from ..mesh import group_rank_size, tp_group
 from ..sharding import Shard
 from ..world import collective_device, exchange_ints
 from .divergence import Item, classify, diagnose, gathered, parameter_items
@@ -132,6 +133,7 @@ def _first_in_order(items: list[Item], group: ProcessGroup) -> list[Finding]:
     pending: list[Finding] = []
     first: Finding | None = None
     found: list[Finding] = []
+    downstream = functools.partial(dataclasses.replace, diagnosis=None, downstream=True)  # after the first, undiagnosed
     for item in items:
         if not item.diverging():
             if first is None:
@@ -146,16 +148,11 @@ def _first_in_order(items: list[Item], group: ProcessGroup) -> list[Finding]:
             pending.append(finding)
             continue
         first = pending[0] if pending else finding
-        found += [first] + [_downstream(f) for f in [*pending[1:], finding] if f is not first]
+        found += [first] + [downstream(f) for f in [*pending[1:], finding] if f is not first]
         pending.clear()
     if first is None and pending:
-        found += [pending[0]] + [_downstream(f) for f in pending[1:]]
+        found += [pending[0]] + [downstream(f) for f in pending[1:]]
     return found
-
-
-def _downstream(finding: Finding) -> Finding:
-    """``finding`` marked as following the first divergence of its pass, undiagnosed."""
-    return dataclasses.replace(finding, diagnosis=None, downstream=True)
 
 
 def _backward(out_s: Any, out_d: Any, forward: list[Item], loss_fn: Callable[..., torch.Tensor] | None,
@@ -185,15 +182,6 @@ def _backward(out_s: Any, out_d: Any, forward: list[Item], loss_fn: Callable[...
     if shard is not None and full is not None and root is not None and full.grad is not None:
         shard.backward(root.part(full.grad, group_rank_size(group)[0]))
     return None
-
-
-def _tp_group_of(model: nn.Module) -> ProcessGroup:
-    """The group of the model's first sharded module, else the default mesh's tp group."""
-    for module in model.modules():
-        group = getattr(module, "tp_group", None)
-        if isinstance(group, ProcessGroup):
-            return group
-    return current_mesh().tp_group
 
 
 def _from_rank_zero(report: DivergenceReport, group: ProcessGroup, device: torch.device | None) -> DivergenceReport:
@@ -249,7 +237,8 @@ def find_divergence(sharded: nn.Module, dense: nn.Module, *inputs: Any,
     """
     if loss_fn is None and target is not None:
         raise ValueError("target= is given to loss_fn(output, target): pass loss_fn= too")
-    group = _tp_group_of(sharded) if group is None else group
+    split = placements(sharded)  # the group of the model's first split tensor, else the default mesh's tp group
+    group = next(iter(split.values()))[1] if group is None and split else tp_group(group)
     device = collective_device(group)
     if rtol is None and isinstance(getattr(sharded, "numerics", None), Bitwise):
         rtol = 0.0  # the bitwise mode: the tp = 1 twin's bits exactly

@@ -1,7 +1,7 @@
 """What the equivalence debugger reports: findings, and the report that lists them.
 
-A :class:`DivergenceReport` is plain data (numbers, strings, shapes) and goes to
-and from JSON, so every rank can hold rank 0's report without pickling.
+A :class:`DivergenceReport` is plain data (numbers, strings, shapes) and goes to and from JSON, so every rank
+can hold rank 0's report without pickling.
 """
 
 from __future__ import annotations
@@ -16,14 +16,12 @@ from typing import Any
 class Finding:
     """One tensor of the sharded model that differs from its dense twin beyond tolerance.
 
-    ``module`` is the dotted module name (``""``: the model itself); ``phase`` is
-    ``"forward output"``, ``"backward gradient"``, ``"parameter"`` or
-    ``"parameter gradient"``; ``what`` says which tensor (``"output"``, ``"input
-    gradient"``, a parameter's name); ``call`` counts the module's earlier calls.
-    ``errors[r]`` is rank ``r``'s norm-wise relative error (its shard's, for a
-    sharded tensor), ``ranks`` those beyond tolerance and ``rel_error`` their
-    worst. ``downstream`` marks a divergence after the first of its phase (most
-    likely its consequence; not diagnosed).
+    ``module`` is the dotted module name (``""``: the model itself); ``phase`` is ``"forward output"``,
+    ``"backward gradient"``, ``"parameter"`` or ``"parameter gradient"``; ``what`` says which tensor
+    (``"output"``, ``"input gradient"``, a parameter's name); ``call`` counts the module's earlier calls.
+    ``errors[r]`` is rank ``r``'s norm-wise relative error (its shard's, for a sharded tensor), ``ranks`` those
+    beyond tolerance and ``rel_error`` their worst. ``downstream`` marks a divergence after the first of its
+    phase (most likely its consequence; not diagnosed).
     """
 
     module: str
@@ -59,10 +57,9 @@ class Finding:
 class DivergenceReport:
     """What :func:`~tensorpar.testing.find_divergence` found; the same on every rank.
 
-    ``first_forward`` / ``first_backward``: the first module output (in forward
-    order) and gradient (in backward order) that differ, or ``None``;
-    ``findings``: every divergence, forward, backward, parameters, parameter
-    gradients, in that order; ``compared``: how many tensors each phase compared.
+    ``first_forward`` / ``first_backward``: the first module output (in forward order) and gradient (in
+    backward order) that differ, or ``None``; ``findings``: every divergence, forward, backward, parameters,
+    parameter gradients, in that order; ``compared``: how many tensors each phase compared.
     """
 
     tp: int
