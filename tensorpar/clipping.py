@@ -139,12 +139,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, group: ProcessGroup | Non
         raise RuntimeError(f"clip_grad_norm_: the total norm of the gradients is {norm.item()}, not finite, so "
                            "it cannot be clipped (error_if_nonfinite=False scales the gradients by it anyway)")
     coef = (limit / (norm + 1e-6)).clamp(max=1.0)  # (), on the device: nothing branches on it
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for p in model.parameters():
-        if p.grad is not None:
-            grad = local_part(p.grad)
-            by_device.setdefault(grad.device, []).append(grad)
+    grads = [local_part(p.grad) for p in model.parameters() if p.grad is not None]
     with torch.no_grad():
-        for device, grads in by_device.items():
-            torch._foreach_mul_(grads, coef.to(device))
+        for device in {g.device for g in grads}:  # one foreach launch per device
+            torch._foreach_mul_([g for g in grads if g.device == device], coef.to(device))
     return norm

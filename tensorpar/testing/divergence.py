@@ -31,7 +31,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
@@ -114,15 +113,6 @@ class Item:
         return full.index_select(self.dim, torch.tensor(index, device=full.device))
 
 
-def exchange_floats(values: Sequence[float], group: ProcessGroup, device: torch.device | None) -> list[list[float]]:
-    """Every rank's ``values`` (the same count on all), in rank order, bit for bit (as int64 words)."""
-    if not values:
-        return [[] for _ in range(dist.get_world_size(group))]
-    bits = torch.tensor(list(values), dtype=torch.float64).view(torch.int64).tolist()
-    rows = exchange_ints(bits, group, device)
-    return torch.tensor(rows, dtype=torch.int64).view(torch.float64).tolist()
-
-
 def _descriptor(item: Item) -> list[int]:
     t = item.local
     if t is None or item.dense is None or t.dim() > _MAX_DIMS:
@@ -183,7 +173,8 @@ def classify(items: Sequence[Item], group: ProcessGroup, rtol: float | None,
         else:  # an activation may be laid out otherwise (a rank's selection of heads): not comparable
             item.kind = "unmatched" if item.any_dim else "shape"
             local_errors.append(float("inf"))
-    errors = exchange_floats(local_errors, group, device)
+    bits = torch.tensor(local_errors, dtype=torch.float64).view(torch.int64).tolist()  # every rank's, bit for bit
+    errors = torch.tensor(exchange_ints(bits, group, device)).view(torch.float64).tolist() if items else []
     for i, item in enumerate(items):
         item.errors = [row[i] for row in errors] if item.kind not in ("absent", "unmatched") else []
 
