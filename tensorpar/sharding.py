@@ -81,11 +81,6 @@ class Shard:
         """The unit of each block (one block when ``unit`` is an int)."""
         return self.unit if isinstance(self.unit, tuple) else (self.unit,)
 
-    @property
-    def blocks(self) -> int:
-        """How many blocks the split part of the dim is made of."""
-        return len(self.units)
-
     def count(self) -> int:
         """Units in each block: the number that is split over the ranks."""
         if not self.units:
@@ -97,7 +92,7 @@ class Shard:
         if split <= 0 or split % stride:
             what = f"size ({self.size})" + (f" less replicated ({self.replicated})" if self.replicated else "")
             raise ValueError(f"{what} is not a whole number of units of {stride}"
-                             + (f" (blocks of units {self.units})" if self.blocks > 1 else ""))
+                             + (f" (blocks of units {self.units})" if len(self.units) > 1 else ""))
         return split // stride
 
     def sizes(self, parts: int, *, name: str = "units") -> list[int]:

@@ -12,8 +12,7 @@ Example::
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -65,7 +64,8 @@ _PAYLOADS: Mapping[Any, tuple[str, Callable[..., tuple[torch.dtype, int, int]]]]
 
 
 class CollectiveLog(CommDebugMode):
-    """``CommDebugMode`` that also keeps a :class:`CollectiveRecord` of each collective it sees."""
+    """``CommDebugMode`` that also keeps a :class:`CollectiveRecord` of each collective it sees (``with
+    CollectiveLog() as log:`` counts the collectives issued inside the block, on this thread)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -98,8 +98,4 @@ class CollectiveLog(CommDebugMode):
         return collections.Counter((r.phase, r.op, r.dtype, r.numel) for r in self.records)
 
 
-@contextmanager
-def count_collectives() -> Iterator[CollectiveLog]:
-    """Count the collectives issued inside the block (a :class:`CollectiveLog`, active on this thread)."""
-    with CollectiveLog() as log:
-        yield log
+count_collectives = CollectiveLog  #: ``with count_collectives() as counts:`` (see the module's docstring)

@@ -184,19 +184,6 @@ def _backward(out_s: Any, out_d: Any, forward: list[Item], loss_fn: Callable[...
     return None
 
 
-def _from_rank_zero(report: DivergenceReport, group: ProcessGroup, device: torch.device | None) -> DivergenceReport:
-    """Rank 0's report on every rank (as JSON bytes: nothing is pickled)."""
-    rank, n = group_rank_size(group)
-    text = report.to_json().encode()
-    if n == 1:
-        return DivergenceReport.from_json(text.decode())
-    length = exchange_ints([len(text) if rank == 0 else 0], group, device)[0][0]
-    data = torch.frombuffer(bytearray(text), dtype=torch.uint8) if rank == 0 else torch.empty(length, dtype=torch.uint8)
-    data = data.to(device or "cpu")
-    dist.broadcast(data, src=dist.get_global_rank(group, 0), group=group)
-    return DivergenceReport.from_json(bytes(data.cpu().tolist()).decode())
-
-
 def group_of_one() -> ProcessGroup:
     """A process group of this rank alone, for a twin built at tp = 1 beside a sharded model (every rank
     of the world calls it: creating groups is a collective).
@@ -283,4 +270,6 @@ def find_divergence(sharded: nn.Module, dense: nn.Module, *inputs: Any,
                                      for found in (forward, backward))
     report = DivergenceReport(group_rank_size(group)[1], first_forward, first_backward,
                               tuple(forward + backward + tensors), compared, tuple(notes))
-    return _from_rank_zero(report, group, device)
+    sent = [report]  # rank 0's on every rank (a replicated bias that differs may change a diagnosis elsewhere)
+    dist.broadcast_object_list(sent, src=dist.get_global_rank(group, 0), group=group, device=device)
+    return sent[0]

@@ -89,7 +89,7 @@ class Item:
     def blocks(self) -> int:
         """Equal blocks split alike along ``dim`` (1: none, or blocks that are not equal)."""
         p = self.placement
-        return p.blocks if p is not None and len(set(p.units)) == 1 and not p.replicated else 1
+        return len(p.units) if p is not None and len(set(p.units)) == 1 and not p.replicated else 1
 
     def part(self, full: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank ``rank``'s shard of a full tensor."""
@@ -105,12 +105,8 @@ class Item:
 
     def take(self, full: torch.Tensor, offset: int, length: int) -> torch.Tensor:
         """Elements ``offset:offset + length`` along ``dim`` of a full tensor (of each block)."""
-        assert self.dim is not None
-        if self.blocks == 1:
-            return full.narrow(self.dim, offset, length)
-        block = full.shape[self.dim] // self.blocks
-        index = [b * block + i for b in range(self.blocks) for i in range(offset, offset + length)]
-        return full.index_select(self.dim, torch.tensor(index, device=full.device))
+        assert self.dim is not None  # (..., blocks, length, ...)
+        return full.unflatten(self.dim, (self.blocks, -1)).narrow(self.dim + 1, offset, length)
 
 
 def _descriptor(item: Item) -> list[int]:

@@ -1,15 +1,11 @@
 """What the equivalence debugger reports: findings, and the report that lists them.
 
-A :class:`DivergenceReport` is plain data (numbers, strings, shapes) and goes to and from JSON, so every rank
-can hold rank 0's report without pickling.
+Plain data (numbers, strings, shapes): every rank holds rank 0's report (torch's ``broadcast_object_list``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass, field
-from typing import Any
 
 
 @dataclass(frozen=True)
@@ -90,17 +86,3 @@ class DivergenceReport:
             lines.append(f"{phase}s: {len(found)} differ" if found else f"{phase}s: all match")
             lines += [f"  {f}" for f in found[:12]] + ([f"  ... and {len(found) - 12} more"] if len(found) > 12 else [])
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> DivergenceReport:
-        raw = json.loads(text)
-
-        def finding(f: dict[str, Any]) -> Finding:
-            return Finding(**(f | {k: tuple(f[k]) for k in ("ranks", "errors", "full_shape")}
-                               | {"local_shapes": tuple(map(tuple, f["local_shapes"]))}))
-        forward, backward = (None if raw[k] is None else finding(raw[k]) for k in ("first_forward", "first_backward"))
-        return cls(raw["tp"], forward, backward, tuple(map(finding, raw["findings"])), raw["compared"],
-                   tuple(raw["notes"]))
