@@ -83,8 +83,6 @@ def grad_norm(model: nn.Module, group: ProcessGroup | None = None, *, pp_group: 
     for (mesh, copies, _, _), norm in norms.items():
         sq = norm.square()
         sums[mesh] = sums.get(mesh, zero) + (sq if copies == 1 else sq / copies)
-    if len(sums) == 1:  # no DTensor: one scalar over tp
-        return _summed(_summed(sums[None], group), pp_group).sqrt()
     meshes = [mesh for mesh in sums if mesh is not None]
     totals = _summed(torch.stack([sums[None], *(sums[m] for m in meshes)]), group)  # one over tp
     total = totals[0]

@@ -94,17 +94,15 @@ def shard_geometry(model: nn.Module) -> dict[str, dict[str, Any]]:
     where = placements(model)
     geometry: dict[str, dict[str, Any]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        shape, offset = list(p.shape), [0] * p.dim()
-        geometry[name] = {}
+        shape, offset, pieces = list(p.shape), [0] * p.dim(), []
         if name in where:
             placement, group = where[name]
             rank, n = group_rank_size(group)
             dim = placement.dim % p.dim()
             pieces = placement.pieces(n, rank)
             shape[dim], offset[dim] = placement.size, pieces[0][0]
-            if len(pieces) > 1:
-                geometry[name] |= {"dim": dim, "pieces": tuple(pieces)}
-        geometry[name] |= {"full_shape": tuple(shape), "offset": tuple(offset)}
+        several = {"dim": dim, "pieces": tuple(pieces)} if len(pieces) > 1 else {}
+        geometry[name] = several | {"full_shape": tuple(shape), "offset": tuple(offset)}
     return geometry
 
 

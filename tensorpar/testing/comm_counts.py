@@ -45,17 +45,13 @@ class CollectiveRecord:
         return self.bytes * (n - 1) / n * (2 if self.op == "all_reduce" else 1)
 
 
-def _size(name: Any) -> int:
-    return _resolve_process_group(name).size()
-
-
 _c10d, _functional = torch.ops.c10d, torch.ops._c10d_functional
 #: for each collective op: its name here, and (dtype, payload elements, group size) from its arguments
 _PAYLOADS: Mapping[Any, tuple[str, Callable[..., tuple[torch.dtype, int, int]]]] = MappingProxyType({
-    _functional.all_reduce: ("all_reduce", lambda x, op, g: (x.dtype, x.numel(), _size(g))),
+    _functional.all_reduce: ("all_reduce", lambda x, op, g: (x.dtype, x.numel(), _resolve_process_group(g).size())),
     _functional.all_gather_into_tensor: ("all_gather", lambda x, n, g: (x.dtype, x.numel() * n, n)),
     _functional.reduce_scatter_tensor: ("reduce_scatter", lambda x, op, n, g: (x.dtype, x.numel(), n)),
-    _functional.broadcast: ("broadcast", lambda x, src, g: (x.dtype, x.numel(), _size(g))),
+    _functional.broadcast: ("broadcast", lambda x, src, g: (x.dtype, x.numel(), _resolve_process_group(g).size())),
     _c10d.allreduce_: ("all_reduce", lambda xs, pg, *_: (xs[0].dtype, xs[0].numel(), pg.size())),
     _c10d._allgather_base_: ("all_gather", lambda out, x, pg, *_: (out.dtype, out.numel(), pg.size())),
     _c10d._reduce_scatter_base_: ("reduce_scatter", lambda out, x, pg, *_: (x.dtype, x.numel(), pg.size())),

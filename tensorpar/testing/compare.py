@@ -64,8 +64,7 @@ def assert_sharded_equivalent(sharded: nn.Module, dense: nn.Module, x: torch.Ten
     """
     group = current_mesh().tp_group if group is None else group
     rank, n = group_rank_size(group)
-    x_dense = x.detach().clone().requires_grad_()
-    x_full = x.detach().clone().requires_grad_()
+    x_dense, x_full = (x.detach().clone().requires_grad_() for _ in range(2))
     y_dense = dense(x_dense)
     y = sharded(shard(x_full, input_shard, n, rank) if input_shard else x_full)
     g = torch.randn(y_dense.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)

@@ -31,7 +31,6 @@ from torch.distributed import ProcessGroup
 from ..bitwise.settings import Bitwise
 from ..full import placements
 from ..mesh import group_rank_size, tp_group
-from ..sharding import Shard
 from ..world import collective_device, exchange_ints
 from .divergence import Item, classify, diagnose, gathered, parameter_items
 from .findings import DivergenceReport, Finding
@@ -110,11 +109,9 @@ def _items(phase: str, sharded: list[Record], dense: list[Record], model: nn.Mod
     split = placements(model)
     items = []
     for name, call, slots in sharded:
-        module = model.get_submodule(name)
-        sharding = getattr(module, "sharding", None)
-        layout = sharding().values() if callable(sharding) else ()
-        hints = tuple(p for p in layout if isinstance(p, Shard) and len(p.pieces(1, 0)) > 1)  # fused ones
-        b = getattr(module, "bias", None)
+        hints = tuple(p for key, (p, _) in split.items()  # its split parameters of several pieces (fused ones)
+                      if key.rpartition(".")[0] == name and len(p.pieces(1, 0)) > 1)
+        b = getattr(model.get_submodule(name), "bias", None)
         bias = b.detach() if isinstance(b, torch.Tensor) and (f"{name}.bias" if name else "bias") not in split \
             and phase == "forward output" else None
         for slot, t in slots:
