@@ -22,8 +22,7 @@ def check_int(value: object, name: str, *, minimum: int = 1, optional: bool = Fa
     if is_int and value >= minimum:  # type: ignore[operator]
         return
     kind = {0: "a non-negative integer", 1: "a positive integer"}.get(minimum, f"an integer >= {minimum}")
-    if optional:
-        kind += " or None"
+    kind += " or None" if optional else ""
     raise (ValueError if is_int else TypeError)(f"{name} must be {kind}, got {value!r}")
 
 

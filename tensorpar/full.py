@@ -56,11 +56,10 @@ def tp_local(x: torch.Tensor) -> torch.Tensor:
 def unshard(x: torch.Tensor, placement: Shard, group: ProcessGroup) -> torch.Tensor:
     """The full tensor from every rank's shard (a collective, no autograd; every rank gets it)."""
     sizes = placement.sizes(group_rank_size(group)[1])
-    with torch.no_grad():
-        gathered = all_gather_along(x.detach(), placement.dim, sizes, group)  # the shards, in rank order
-        if len(placement.pieces(len(sizes), 0)) == 1:  # one slice each: the shards in rank order are the tensor
-            return gathered
-        return join_shards(gathered.split(sizes, placement.dim), placement)
+    gathered = all_gather_along(x.detach(), placement.dim, sizes, group)  # the shards, in rank order
+    if len(placement.pieces(len(sizes), 0)) == 1:  # one slice each: the shards in rank order are the tensor
+        return gathered
+    return join_shards(gathered.split(sizes, placement.dim), placement)
 
 
 def gather(tensors: Mapping[str, torch.Tensor],

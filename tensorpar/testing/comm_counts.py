@@ -82,6 +82,9 @@ class CollectiveLog(CommDebugMode):
     def count(self, op: str | None = None, phase: str | None = None) -> int:
         return len(self.select(op, phase))
 
+    def numel(self, op: str | None = None, phase: str | None = None) -> int:
+        return sum(r.numel for r in self.select(op, phase))
+
     def bytes(self, op: str | None = None, phase: str | None = None) -> int:
         return sum(r.bytes for r in self.select(op, phase))
 
