@@ -22,8 +22,7 @@ def check_int(value: object, name: str, *, minimum: int = 1, optional: bool = Fa
     if is_int and value >= minimum:  # type: ignore[operator]
         return
     kind = {0: "a non-negative integer", 1: "a positive integer"}.get(minimum, f"an integer >= {minimum}")
-    if optional:
-        kind += " or None"
+    kind += " or None" if optional else ""
     raise (ValueError if is_int else TypeError)(f"{name} must be {kind}, got {value!r}")
 
 
@@ -36,11 +35,7 @@ def check_ids(ids: torch.Tensor, limit: int, what: str, detail: str, *, allowed:
     ok = (ids >= 0) & (ids < limit)  # (*)
     if allowed is not None:
         ok |= ids == allowed
-    message = f"a {what} is out of range for {detail}"
     if torch.compiler.is_compiling() or ids.device.type != "cpu":
-        torch._assert_async(ok.all(), message)
-        return
-    try:
-        torch._assert_async(ok.all(), message)
-    except RuntimeError:  # only the failing path reads an id back
-        raise ValueError(f"{what} {ids[~ok][0].item()} is out of range for {detail}") from None
+        torch._assert_async(ok.all(), f"a {what} is out of range for {detail}")
+    elif not ok.all():  # on the CPU no sync to avoid; only the failing path reads an id back
+        raise ValueError(f"{what} {ids[~ok][0].item()} is out of range for {detail}")

@@ -75,15 +75,14 @@ def grad_norm(model: nn.Module, group: ProcessGroup | None = None, *, pp_group: 
         norms = {key: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(
             grads, 2.0, dtype=torch.float32 if key[3].itemsize < 4 else None))).to(device, total_dtype)
             for key, grads in buckets.items()}  # () each
-    if n == 1 and _size(pp_group) == 1 and len(norms) == 1 and next(iter(norms))[0] is None:
+    alone = n == 1 and (pp_group is None or group_rank_size(pp_group)[1] == 1)
+    if alone and len(norms) == 1 and next(iter(norms))[0] is None:
         return next(iter(norms.values()))  # one bucket of whole, unreplicated gradients: nothing to sum
     zero = torch.zeros((), dtype=total_dtype, device=device)
     sums: dict[DeviceMesh | None, torch.Tensor] = {None: zero}  # squares, by the mesh the gradients are sharded over
     for (mesh, copies, _, _), norm in norms.items():
         sq = norm.square()
         sums[mesh] = sums.get(mesh, zero) + (sq if copies == 1 else sq / copies)
-    if len(sums) == 1:  # no DTensor: one scalar over tp
-        return _summed(_summed(sums[None], group), pp_group).sqrt()
     meshes = [mesh for mesh in sums if mesh is not None]
     totals = _summed(torch.stack([sums[None], *(sums[m] for m in meshes)]), group)  # one over tp
     total = totals[0]
@@ -104,12 +103,9 @@ def _parts(grad: torch.Tensor, placement: Shard | None, n: int) -> list[tuple[to
     lo = min(max(grad.shape[dim] - placement.replicated - start, 0), local.shape[dim])  # the tail's first local row
     return [(local.narrow(dim, 0, lo), 1), (local.narrow(dim, lo, local.shape[dim] - lo), n)]
 
-def _size(group: ProcessGroup | None) -> int:
-    return 1 if group is None else group_rank_size(group)[1]
-
 def _summed(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """``x`` summed over ``group`` (``x`` itself on a group of one, or with no group)."""
-    return x if group is None or _size(group) == 1 else all_reduce_sum(x, group)
+    return x if group is None or group_rank_size(group)[1] == 1 else all_reduce_sum(x, group)
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, group: ProcessGroup | None = None, *,
                     pp_group: ProcessGroup | None = None, exclude: Collection[str] = (),
@@ -141,12 +137,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, group: ProcessGroup | Non
         raise RuntimeError(f"clip_grad_norm_: the total norm of the gradients is {norm.item()}, not finite, so "
                            "it cannot be clipped (error_if_nonfinite=False scales the gradients by it anyway)")
     coef = (limit / (norm + 1e-6)).clamp(max=1.0)  # (), on the device: nothing branches on it
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for p in model.parameters():
-        if p.grad is not None:
-            grad = local_part(p.grad)
-            by_device.setdefault(grad.device, []).append(grad)
+    grads = [local_part(p.grad) for p in model.parameters() if p.grad is not None]
     with torch.no_grad():
-        for device, grads in by_device.items():
-            torch._foreach_mul_(grads, coef.to(device))
+        for device in {g.device for g in grads}:  # one foreach launch per device
+            torch._foreach_mul_([g for g in grads if g.device == device], coef.to(device))
     return norm

@@ -13,7 +13,7 @@ and reduce-scatters the gradients; :mod:`tensorpar.full` and :mod:`tensorpar.cli
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -62,15 +62,12 @@ def fully_shard_dp(model: nn.Module, mesh: Mesh | None = None, *, modules: Itera
     if len({id(u) for u in units}) != len(units):
         raise ValueError(f"modules lists a module more than once ({len(units)} entries, "
                          f"{len({id(u) for u in units})} distinct)")
-    dp_mesh = (mesh or current_mesh()).device_mesh["dp"]
-    options: dict[str, Any] = dict(mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
     for name, policy, kind in (("mp_policy", mp_policy, MixedPrecisionPolicy),
                                ("offload_policy", offload_policy, OffloadPolicy)):
         if policy is not None and not isinstance(policy, kind):
             raise TypeError(f"{name} must be an FSDP2 {kind.__name__}, got {type(policy).__name__}")
-        if policy is not None:
-            options[name] = policy
-    for unit in units:  # bottom-up: each unit keeps its own parameters, the root takes the rest
-        fully_shard(unit, **options)
-    fully_shard(model, **options)
+    dp = (mesh or current_mesh()).device_mesh["dp"]  # the 1-D dp sub-mesh
+    mp, offload = mp_policy or MixedPrecisionPolicy(), offload_policy or OffloadPolicy()  # None: torch's defaults
+    for unit in [*units, model]:  # bottom-up: each unit keeps its own parameters, the root takes the rest
+        fully_shard(unit, mesh=dp, reshard_after_forward=reshard_after_forward, mp_policy=mp, offload_policy=offload)
     return model

@@ -23,10 +23,6 @@ from .sharding import Shard, join_shards, shard
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-#: ``{state-dict key: (placement, group)}`` for the split tensors of a model.
-Placements = Mapping[str, tuple[Shard, ProcessGroup]]
-
-
 def placements(model: nn.Module) -> dict[str, tuple[Shard, ProcessGroup]]:
     """``{state-dict key: (placement, group)}`` for every split tensor of ``model``."""
     found = {}
@@ -60,14 +56,14 @@ def tp_local(x: torch.Tensor) -> torch.Tensor:
 def unshard(x: torch.Tensor, placement: Shard, group: ProcessGroup) -> torch.Tensor:
     """The full tensor from every rank's shard (a collective, no autograd; every rank gets it)."""
     sizes = placement.sizes(group_rank_size(group)[1])
-    with torch.no_grad():
-        gathered = all_gather_along(x.detach(), placement.dim, sizes, group)  # the shards, in rank order
-        if len(placement.pieces(len(sizes), 0)) == 1:  # one slice each: the shards in rank order are the tensor
-            return gathered
-        return join_shards(gathered.split(sizes, placement.dim), placement)
+    gathered = all_gather_along(x.detach(), placement.dim, sizes, group)  # the shards, in rank order
+    if len(placement.pieces(len(sizes), 0)) == 1:  # one slice each: the shards in rank order are the tensor
+        return gathered
+    return join_shards(gathered.split(sizes, placement.dim), placement)
 
 
-def gather(tensors: Mapping[str, torch.Tensor], where: Placements) -> dict[str, torch.Tensor]:
+def gather(tensors: Mapping[str, torch.Tensor],
+           where: Mapping[str, tuple[Shard, ProcessGroup]]) -> dict[str, torch.Tensor]:
     """``tensors`` with every split one (a key of ``where``) gathered to full size (a collective;
     under FSDP2 over dp first, so every rank of the mesh must call it)."""
     pieces = {k: tp_local(v) for k, v in tensors.items()}  # over dp first (FSDP2), then over tp
@@ -97,17 +93,15 @@ def shard_geometry(model: nn.Module) -> dict[str, dict[str, Any]]:
     where = placements(model)
     geometry: dict[str, dict[str, Any]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        shape, offset = list(p.shape), [0] * p.dim()
-        geometry[name] = {}
+        shape, offset, pieces = list(p.shape), [0] * p.dim(), []
         if name in where:
             placement, group = where[name]
             rank, n = group_rank_size(group)
             dim = placement.dim % p.dim()
             pieces = placement.pieces(n, rank)
             shape[dim], offset[dim] = placement.size, pieces[0][0]
-            if len(pieces) > 1:
-                geometry[name] |= {"dim": dim, "pieces": tuple(pieces)}
-        geometry[name] |= {"full_shape": tuple(shape), "offset": tuple(offset)}
+        several = {"dim": dim, "pieces": tuple(pieces)} if len(pieces) > 1 else {}
+        geometry[name] = several | {"full_shape": tuple(shape), "offset": tuple(offset)}
     return geometry
 
 

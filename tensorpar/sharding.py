@@ -81,11 +81,6 @@ class Shard:
         """The unit of each block (one block when ``unit`` is an int)."""
         return self.unit if isinstance(self.unit, tuple) else (self.unit,)
 
-    @property
-    def blocks(self) -> int:
-        """How many blocks the split part of the dim is made of."""
-        return len(self.units)
-
     def count(self) -> int:
         """Units in each block: the number that is split over the ranks."""
         if not self.units:
@@ -97,7 +92,7 @@ class Shard:
         if split <= 0 or split % stride:
             what = f"size ({self.size})" + (f" less replicated ({self.replicated})" if self.replicated else "")
             raise ValueError(f"{what} is not a whole number of units of {stride}"
-                             + (f" (blocks of units {self.units})" if self.blocks > 1 else ""))
+                             + (f" (blocks of units {self.units})" if len(self.units) > 1 else ""))
         return split // stride
 
     def sizes(self, parts: int, *, name: str = "units") -> list[int]:
@@ -122,32 +117,17 @@ class Shard:
             start += n * u
         return found + ([(start, self.replicated)] if self.replicated else [])
 
-    def bounds(self, parts: int, index: int) -> tuple[int, int]:
-        """``(offset, length)`` of shard ``index`` of ``parts``, when it is a single slice."""
-        pieces = self.pieces(parts, index)
-        if len(pieces) > 1:
-            raise ValueError(f"a shard of {len(pieces)} pieces along dim {self.dim} is no single slice")
-        return pieces[0]
-
-    def index(self, ndim: int, parts: int, index: int) -> tuple[slice | list[int], ...]:
-        """The subscript that takes shard ``index`` out of a full ``ndim``-d tensor (or anything indexed
-        like one): a slice, or for a shard of several pieces the list of its positions along ``dim``."""
-        pieces = self.pieces(parts, index)
-        subscript: list[slice | list[int]] = [slice(None)] * ndim
-        if len(pieces) == 1:
-            (offset, length), = pieces
-            subscript[self.dim] = slice(offset, offset + length)
-        else:
-            subscript[self.dim] = [i for offset, length in pieces for i in range(offset, offset + length)]
-        return tuple(subscript)
-
 
 def shard(tensor: torch.Tensor, placement: Shard, parts: int, index: int) -> torch.Tensor:
     """Shard ``index`` of ``parts`` of a full tensor (a view; a copy for a shard of several pieces)."""
     shape = tuple(tensor.shape)
     if not -len(shape) <= placement.dim < len(shape) or shape[placement.dim] != placement.size:
         raise ValueError(f"expected size {placement.size} in dim {placement.dim}, got a tensor of shape {shape}")
-    return tensor[placement.index(len(shape), parts, index)]
+    pieces = placement.pieces(parts, index)
+    at: list[slice | list[int]] = [slice(None)] * len(shape)  # a slice, or the positions of several pieces
+    at[placement.dim] = (slice(pieces[0][0], sum(pieces[0])) if len(pieces) == 1
+                         else [i for offset, length in pieces for i in range(offset, offset + length)])
+    return tensor[tuple(at)]
 
 
 def join_shards(shards: Sequence[torch.Tensor], placement: Shard) -> torch.Tensor:

@@ -41,8 +41,7 @@ def fill_tiled_(tensor: torch.Tensor, sample: Callable[[torch.Tensor, torch.Gene
                  for part, (start, _) in zip(tensor.split([n for _, n in pieces], dim), pieces, strict=True)]
     for part, at in boxes:
         if len(full_shape) != part.dim() or len(at) != part.dim() or any(
-            o < 0 or o + s > f for o, s, f in zip(at, part.shape, full_shape, strict=True)
-        ):
+                o < 0 or o + s > f for o, s, f in zip(at, part.shape, full_shape, strict=True)):
             raise ValueError(f"a {tuple(part.shape)} block at offset {at} does not fit in {full_shape}")
     if tensor.is_meta:  # nothing to fill, and no draw: from_linear builds on meta first
         return tensor

@@ -12,8 +12,7 @@ Example::
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -46,17 +45,13 @@ class CollectiveRecord:
         return self.bytes * (n - 1) / n * (2 if self.op == "all_reduce" else 1)
 
 
-def _size(name: Any) -> int:
-    return _resolve_process_group(name).size()
-
-
 _c10d, _functional = torch.ops.c10d, torch.ops._c10d_functional
 #: for each collective op: its name here, and (dtype, payload elements, group size) from its arguments
 _PAYLOADS: Mapping[Any, tuple[str, Callable[..., tuple[torch.dtype, int, int]]]] = MappingProxyType({
-    _functional.all_reduce: ("all_reduce", lambda x, op, g: (x.dtype, x.numel(), _size(g))),
+    _functional.all_reduce: ("all_reduce", lambda x, op, g: (x.dtype, x.numel(), _resolve_process_group(g).size())),
     _functional.all_gather_into_tensor: ("all_gather", lambda x, n, g: (x.dtype, x.numel() * n, n)),
     _functional.reduce_scatter_tensor: ("reduce_scatter", lambda x, op, n, g: (x.dtype, x.numel(), n)),
-    _functional.broadcast: ("broadcast", lambda x, src, g: (x.dtype, x.numel(), _size(g))),
+    _functional.broadcast: ("broadcast", lambda x, src, g: (x.dtype, x.numel(), _resolve_process_group(g).size())),
     _c10d.allreduce_: ("all_reduce", lambda xs, pg, *_: (xs[0].dtype, xs[0].numel(), pg.size())),
     _c10d._allgather_base_: ("all_gather", lambda out, x, pg, *_: (out.dtype, out.numel(), pg.size())),
     _c10d._reduce_scatter_base_: ("reduce_scatter", lambda out, x, pg, *_: (x.dtype, x.numel(), pg.size())),
@@ -65,7 +60,8 @@ _PAYLOADS: Mapping[Any, tuple[str, Callable[..., tuple[torch.dtype, int, int]]]]
 
 
 class CollectiveLog(CommDebugMode):
-    """``CommDebugMode`` that also keeps a :class:`CollectiveRecord` of each collective it sees."""
+    """``CommDebugMode`` that also keeps a :class:`CollectiveRecord` of each collective it sees (``with
+    CollectiveLog() as log:`` counts the collectives issued inside the block, on this thread)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -101,8 +97,4 @@ class CollectiveLog(CommDebugMode):
         return collections.Counter((r.phase, r.op, r.dtype, r.numel) for r in self.records)
 
 
-@contextmanager
-def count_collectives() -> Iterator[CollectiveLog]:
-    """Count the collectives issued inside the block (a :class:`CollectiveLog`, active on this thread)."""
-    with CollectiveLog() as log:
-        yield log
+count_collectives = CollectiveLog  #: ``with count_collectives() as counts:`` (see the module's docstring)

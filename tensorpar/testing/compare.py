@@ -20,12 +20,9 @@ TOLERANCES: Mapping[torch.dtype, float] = MappingProxyType(
 
 
 def rel_error(actual: torch.Tensor, expected: torch.Tensor, scale: float = 0.0) -> float:
-    """``‖actual − expected‖ / max(‖expected‖, scale)`` in float64 (absolute when both are zero).
-
-    ``scale`` is for values whose true size is zero or near it, where any
-    round-off is a large fraction of the value: e.g. one gradient measured
-    against the norm of the whole model's gradient.
-    """
+    """``‖actual − expected‖ / max(‖expected‖, scale)`` in float64 (absolute when both are zero). ``scale`` is
+    for values whose true size is zero or near it, where any round-off is a large fraction of the value: e.g.
+    one gradient measured against the norm of the whole model's gradient."""
     a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
     if a.shape != e.shape:
         raise AssertionError(f"shape {tuple(a.shape)} does not match the expected {tuple(e.shape)}")
@@ -57,20 +54,17 @@ def assert_sharded_equivalent(sharded: nn.Module, dense: nn.Module, x: torch.Ten
                               group: ProcessGroup | None = None) -> dict[str, float]:
     """Check a sharded module against its dense twin; return the relative error of each quantity.
 
-    ``x`` is the full input, the same on every rank. The sharded module gets
-    this rank's slice of it when ``input_shard`` is given, and its output is
-    gathered along ``output_shard`` when given. Compared: the output, the
-    input gradient, and every parameter gradient (gathered to full size; keys
-    must match the dense module's parameter names) after backward of the same
-    random output gradient. Norm-wise relative errors, each parameter gradient
-    against the larger of its own norm and the whole gradient's (see
-    :func:`rel_error`). All collectives run before any comparison, so a
-    mismatch fails every rank alike instead of hanging the others.
+    ``x`` is the full input, the same on every rank. The sharded module gets this rank's slice of it when
+    ``input_shard`` is given, and its output is gathered along ``output_shard`` when given. Compared: the
+    output, the input gradient, and every parameter gradient (gathered to full size; keys must match the dense
+    module's parameter names) after backward of the same random output gradient. Norm-wise relative errors,
+    each parameter gradient against the larger of its own norm and the whole gradient's (see
+    :func:`rel_error`). All collectives run before any comparison, so a mismatch fails every rank alike
+    instead of hanging the others.
     """
     group = current_mesh().tp_group if group is None else group
     rank, n = group_rank_size(group)
-    x_dense = x.detach().clone().requires_grad_()
-    x_full = x.detach().clone().requires_grad_()
+    x_dense, x_full = (x.detach().clone().requires_grad_() for _ in range(2))
     y_dense = dense(x_dense)
     y = sharded(shard(x_full, input_shard, n, rank) if input_shard else x_full)
     g = torch.randn(y_dense.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)

@@ -15,6 +15,7 @@ elsewhere reduces can hide a fault in between.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import warnings
 from collections import Counter
@@ -29,8 +30,7 @@ from torch.distributed import ProcessGroup
 
 from ..bitwise.settings import Bitwise
 from ..full import placements
-from ..mesh import current_mesh, group_rank_size
-from ..sharding import Shard
+from ..mesh import group_rank_size, tp_group
 from ..world import collective_device, exchange_ints
 from .divergence import Item, classify, diagnose, gathered, parameter_items
 from .findings import DivergenceReport, Finding
@@ -109,11 +109,9 @@ def _items(phase: str, sharded: list[Record], dense: list[Record], model: nn.Mod
     split = placements(model)
     items = []
     for name, call, slots in sharded:
-        module = model.get_submodule(name)
-        sharding = getattr(module, "sharding", None)
-        layout = sharding().values() if callable(sharding) else ()
-        hints = tuple(p for p in layout if isinstance(p, Shard) and len(p.pieces(1, 0)) > 1)  # fused ones
-        b = getattr(module, "bias", None)
+        hints = tuple(p for key, (p, _) in split.items()  # its split parameters of several pieces (fused ones)
+                      if key.rpartition(".")[0] == name and len(p.pieces(1, 0)) > 1)
+        b = getattr(model.get_submodule(name), "bias", None)
         bias = b.detach() if isinstance(b, torch.Tensor) and (f"{name}.bias" if name else "bias") not in split \
             and phase == "forward output" else None
         for slot, t in slots:
@@ -132,6 +130,7 @@ def _first_in_order(items: list[Item], group: ProcessGroup) -> list[Finding]:
     pending: list[Finding] = []
     first: Finding | None = None
     found: list[Finding] = []
+    downstream = functools.partial(dataclasses.replace, diagnosis=None, downstream=True)  # after the first, undiagnosed
     for item in items:
         if not item.diverging():
             if first is None:
@@ -146,16 +145,11 @@ def _first_in_order(items: list[Item], group: ProcessGroup) -> list[Finding]:
             pending.append(finding)
             continue
         first = pending[0] if pending else finding
-        found += [first] + [_downstream(f) for f in [*pending[1:], finding] if f is not first]
+        found += [first] + [downstream(f) for f in [*pending[1:], finding] if f is not first]
         pending.clear()
     if first is None and pending:
-        found += [pending[0]] + [_downstream(f) for f in pending[1:]]
+        found += [pending[0]] + [downstream(f) for f in pending[1:]]
     return found
-
-
-def _downstream(finding: Finding) -> Finding:
-    """``finding`` marked as following the first divergence of its pass, undiagnosed."""
-    return dataclasses.replace(finding, diagnosis=None, downstream=True)
 
 
 def _backward(out_s: Any, out_d: Any, forward: list[Item], loss_fn: Callable[..., torch.Tensor] | None,
@@ -187,28 +181,6 @@ def _backward(out_s: Any, out_d: Any, forward: list[Item], loss_fn: Callable[...
     return None
 
 
-def _tp_group_of(model: nn.Module) -> ProcessGroup:
-    """The group of the model's first sharded module, else the default mesh's tp group."""
-    for module in model.modules():
-        group = getattr(module, "tp_group", None)
-        if isinstance(group, ProcessGroup):
-            return group
-    return current_mesh().tp_group
-
-
-def _from_rank_zero(report: DivergenceReport, group: ProcessGroup, device: torch.device | None) -> DivergenceReport:
-    """Rank 0's report on every rank (as JSON bytes: nothing is pickled)."""
-    rank, n = group_rank_size(group)
-    text = report.to_json().encode()
-    if n == 1:
-        return DivergenceReport.from_json(text.decode())
-    length = exchange_ints([len(text) if rank == 0 else 0], group, device)[0][0]
-    data = torch.frombuffer(bytearray(text), dtype=torch.uint8) if rank == 0 else torch.empty(length, dtype=torch.uint8)
-    data = data.to(device or "cpu")
-    dist.broadcast(data, src=dist.get_global_rank(group, 0), group=group)
-    return DivergenceReport.from_json(bytes(data.cpu().tolist()).decode())
-
-
 def group_of_one() -> ProcessGroup:
     """A process group of this rank alone, for a twin built at tp = 1 beside a sharded model (every rank
     of the world calls it: creating groups is a collective).
@@ -219,8 +191,7 @@ def group_of_one() -> ProcessGroup:
         twin.load_full_state_dict(model.full_state_dict())
         report = tensorpar.testing.find_divergence(model, twin, idx)  # exact
     """
-    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
-    return groups[dist.get_rank()]
+    return dist.new_subgroups(group_size=1)[0]  # (this rank's group, every rank's)
 
 
 def find_divergence(sharded: nn.Module, dense: nn.Module, *inputs: Any,
@@ -249,7 +220,8 @@ def find_divergence(sharded: nn.Module, dense: nn.Module, *inputs: Any,
     """
     if loss_fn is None and target is not None:
         raise ValueError("target= is given to loss_fn(output, target): pass loss_fn= too")
-    group = _tp_group_of(sharded) if group is None else group
+    split = placements(sharded)  # the group of the model's first split tensor, else the default mesh's tp group
+    group = next(iter(split.values()))[1] if group is None and split else tp_group(group)
     device = collective_device(group)
     if rtol is None and isinstance(getattr(sharded, "numerics", None), Bitwise):
         rtol = 0.0  # the bitwise mode: the tp = 1 twin's bits exactly
@@ -294,4 +266,6 @@ def find_divergence(sharded: nn.Module, dense: nn.Module, *inputs: Any,
                                      for found in (forward, backward))
     report = DivergenceReport(group_rank_size(group)[1], first_forward, first_backward,
                               tuple(forward + backward + tensors), compared, tuple(notes))
-    return _from_rank_zero(report, group, device)
+    sent = [report]  # rank 0's on every rank (a replicated bias that differs may change a diagnosis elsewhere)
+    dist.broadcast_object_list(sent, src=dist.get_global_rank(group, 0), group=group, device=device)
+    return sent[0]

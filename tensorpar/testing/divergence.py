@@ -1,31 +1,26 @@
 """What the equivalence debugger compares, and the patterns that diagnose a difference.
 
-:func:`tensorpar.testing.find_divergence` compares tensors of a sharded model
-(module outputs, gradients, parameters) with their dense twins as *items*.
-Each rank holds an item's tensor in one of two ways, decided from every rank's
-shape (:func:`classify`):
+:func:`tensorpar.testing.find_divergence` compares tensors of a sharded model (module outputs, gradients,
+parameters) with their dense twins as *items*. Each rank holds an item's tensor in one of two ways, decided
+from every rank's shape (:func:`classify`):
 
-* **replicated**: the dense shape on every rank; each rank's copy is compared
-  with the dense tensor;
-* **sharded**: split along one dim (a parameter's ``sharding()`` dim; for an
-  activation, the one dim where its shape differs) into shards whose sizes sum
-  to the dense size there; rank ``r``'s shard is compared with the dense
-  tensor's slice at its offset ``o_r = Σ_{s<r} size_s``. A dim whose shards are
-  several pieces of the full tensor (a fused ``[Q | K | V]``, a :class:`~tensorpar.Shard`
-  of tuple ``unit`` or with a replicated tail) is cut and joined by its placement;
-  an activation is taken to be so when its module's ``sharding()`` has such a
+* **replicated**: the dense shape on every rank; each rank's copy is compared with the dense tensor;
+* **sharded**: split along one dim (a parameter's ``sharding()`` dim; for an activation, the one dim where its
+  shape differs) into shards whose sizes sum to the dense size there; rank ``r``'s shard is compared with the
+  dense tensor's slice at its offset ``o_r = Σ_{s<r} size_s``. A dim whose shards are several pieces of the full
+  tensor (a fused ``[Q | K | V]``, a :class:`~tensorpar.Shard` of tuple ``unit`` or with a replicated tail) is
+  cut and joined by its placement; an activation is taken to be so when its module's ``sharding()`` has such a
   placement of the same size.
 
-A diverging item is diagnosed from every rank's tensor (gathered), ``d`` being
-the dense one and ``a_r`` rank ``r``'s; each pattern is tested over the whole
-tensor with the comparison's tolerance, and nothing is said when none holds:
+A diverging item is diagnosed from every rank's tensor (gathered), ``d`` being the dense one and ``a_r`` rank
+``r``'s; each pattern is tested over the whole tensor with the comparison's tolerance, and nothing is said when
+none holds:
 
 * ``a_r = tp·d`` on every rank: a doubled ``f``/``g`` (an all-reduce applied twice);
-* ``a_r = d/tp``, ``Σ_r a_r = d`` (partial sums; with a replicated bias ``b``
-  added on each rank: ``Σ_r a_r − (tp−1)·b = d``), or ``a_r = 0`` on some ranks:
-  a missing ``f``/``g`` (the reduction over the tp group was not applied);
-* a shard equal to the dense slice at another balanced offset: a shard placed
-  at the wrong offset;
+* ``a_r = d/tp``, ``Σ_r a_r = d`` (partial sums; with a replicated bias ``b`` added on each rank:
+  ``Σ_r a_r − (tp−1)·b = d``), or ``a_r = 0`` on some ranks: a missing ``f``/``g`` (the reduction over the tp
+  group was not applied);
+* a shard equal to the dense slice at another balanced offset: a shard placed at the wrong offset;
 * replicated copies that differ across ranks.
 """
 
@@ -36,7 +31,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
@@ -95,7 +89,7 @@ class Item:
     def blocks(self) -> int:
         """Equal blocks split alike along ``dim`` (1: none, or blocks that are not equal)."""
         p = self.placement
-        return p.blocks if p is not None and len(set(p.units)) == 1 and not p.replicated else 1
+        return len(p.units) if p is not None and len(set(p.units)) == 1 and not p.replicated else 1
 
     def part(self, full: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank ``rank``'s shard of a full tensor."""
@@ -111,21 +105,8 @@ class Item:
 
     def take(self, full: torch.Tensor, offset: int, length: int) -> torch.Tensor:
         """Elements ``offset:offset + length`` along ``dim`` of a full tensor (of each block)."""
-        assert self.dim is not None
-        if self.blocks == 1:
-            return full.narrow(self.dim, offset, length)
-        block = full.shape[self.dim] // self.blocks
-        index = [b * block + i for b in range(self.blocks) for i in range(offset, offset + length)]
-        return full.index_select(self.dim, torch.tensor(index, device=full.device))
-
-
-def exchange_floats(values: Sequence[float], group: ProcessGroup, device: torch.device | None) -> list[list[float]]:
-    """Every rank's ``values`` (the same count on all), in rank order, bit for bit (as int64 words)."""
-    if not values:
-        return [[] for _ in range(dist.get_world_size(group))]
-    bits = torch.tensor(list(values), dtype=torch.float64).view(torch.int64).tolist()
-    rows = exchange_ints(bits, group, device)
-    return torch.tensor(rows, dtype=torch.int64).view(torch.float64).tolist()
+        assert self.dim is not None  # (..., blocks, length, ...)
+        return full.unflatten(self.dim, (self.blocks, -1)).narrow(self.dim + 1, offset, length)
 
 
 def _descriptor(item: Item) -> list[int]:
@@ -188,7 +169,8 @@ def classify(items: Sequence[Item], group: ProcessGroup, rtol: float | None,
         else:  # an activation may be laid out otherwise (a rank's selection of heads): not comparable
             item.kind = "unmatched" if item.any_dim else "shape"
             local_errors.append(float("inf"))
-    errors = exchange_floats(local_errors, group, device)
+    bits = torch.tensor(local_errors, dtype=torch.float64).view(torch.int64).tolist()  # every rank's, bit for bit
+    errors = torch.tensor(exchange_ints(bits, group, device)).view(torch.float64).tolist() if items else []
     for i, item in enumerate(items):
         item.errors = [row[i] for row in errors] if item.kind not in ("absent", "unmatched") else []
 
@@ -228,15 +210,12 @@ def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
     return rel_error(a, b) <= tol
 
 
-def _noun(phase: str) -> str:
-    return {"forward output": "output", "parameter": "parameter"}.get(phase, "gradient")
-
-
 def diagnose(item: Item, group: ProcessGroup) -> tuple[str | None, bool]:
     """The diagnosis of a diverging item (a collective: every rank's tensor is gathered), and
     whether the item is a partial sum (its ranks' tensors sum to the dense one)."""
     assert item.dense is not None
-    d, tol, n, noun = item.dense.detach(), item.tol, len(item.errors), _noun(item.phase)
+    d, tol, n = item.dense.detach(), item.tol, len(item.errors)
+    noun = {"forward output": "output", "parameter": "parameter"}.get(item.phase, "gradient")
     if item.kind == "shape":
         shapes = "; ".join(f"rank {r}: {s}" for r, s in enumerate(item.shapes))
         return f"shapes differ from the dense {tuple(d.shape)} ({shapes})", False

@@ -1,29 +1,23 @@
 """What the equivalence debugger reports: findings, and the report that lists them.
 
-A :class:`DivergenceReport` is plain data (numbers, strings, shapes) and goes to
-and from JSON, so every rank can hold rank 0's report without pickling.
+Plain data (numbers, strings, shapes): every rank holds rank 0's report (torch's ``broadcast_object_list``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass, field
-from typing import Any
 
 
 @dataclass(frozen=True)
 class Finding:
     """One tensor of the sharded model that differs from its dense twin beyond tolerance.
 
-    ``module`` is the dotted module name (``""``: the model itself); ``phase`` is
-    ``"forward output"``, ``"backward gradient"``, ``"parameter"`` or
-    ``"parameter gradient"``; ``what`` says which tensor (``"output"``, ``"input
-    gradient"``, a parameter's name); ``call`` counts the module's earlier calls.
-    ``errors[r]`` is rank ``r``'s norm-wise relative error (its shard's, for a
-    sharded tensor), ``ranks`` those beyond tolerance and ``rel_error`` their
-    worst. ``downstream`` marks a divergence after the first of its phase (most
-    likely its consequence; not diagnosed).
+    ``module`` is the dotted module name (``""``: the model itself); ``phase`` is ``"forward output"``,
+    ``"backward gradient"``, ``"parameter"`` or ``"parameter gradient"``; ``what`` says which tensor
+    (``"output"``, ``"input gradient"``, a parameter's name); ``call`` counts the module's earlier calls.
+    ``errors[r]`` is rank ``r``'s norm-wise relative error (its shard's, for a sharded tensor), ``ranks`` those
+    beyond tolerance and ``rel_error`` their worst. ``downstream`` marks a divergence after the first of its
+    phase (most likely its consequence; not diagnosed).
     """
 
     module: str
@@ -59,10 +53,9 @@ class Finding:
 class DivergenceReport:
     """What :func:`~tensorpar.testing.find_divergence` found; the same on every rank.
 
-    ``first_forward`` / ``first_backward``: the first module output (in forward
-    order) and gradient (in backward order) that differ, or ``None``;
-    ``findings``: every divergence, forward, backward, parameters, parameter
-    gradients, in that order; ``compared``: how many tensors each phase compared.
+    ``first_forward`` / ``first_backward``: the first module output (in forward order) and gradient (in
+    backward order) that differ, or ``None``; ``findings``: every divergence, forward, backward, parameters,
+    parameter gradients, in that order; ``compared``: how many tensors each phase compared.
     """
 
     tp: int
@@ -93,17 +86,3 @@ class DivergenceReport:
             lines.append(f"{phase}s: {len(found)} differ" if found else f"{phase}s: all match")
             lines += [f"  {f}" for f in found[:12]] + ([f"  ... and {len(found) - 12} more"] if len(found) > 12 else [])
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> DivergenceReport:
-        raw = json.loads(text)
-
-        def finding(f: dict[str, Any]) -> Finding:
-            return Finding(**(f | {k: tuple(f[k]) for k in ("ranks", "errors", "full_shape")}
-                               | {"local_shapes": tuple(map(tuple, f["local_shapes"]))}))
-        forward, backward = (None if raw[k] is None else finding(raw[k]) for k in ("first_forward", "first_backward"))
-        return cls(raw["tp"], forward, backward, tuple(map(finding, raw["findings"])), raw["compared"],
-                   tuple(raw["notes"]))
