@@ -73,6 +73,14 @@ def initialise_(config: GPTConfig, named: Iterable[tuple[str, list[torch.Tensor]
                 tensorpar.tiled_init.normal_(p, 0.0, std, **geometry[name])
 
 
+def _check_temperature(temperature: float, *, positive: bool) -> None:
+    """Raise unless ``temperature`` is a number ``>= 0`` (``> 0`` when ``positive``)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a number, got {temperature!r}")
+    if not (temperature > 0 if positive else temperature >= 0):  # nan included
+        raise ValueError(f"temperature must be {'>' if positive else '>='} 0, got {temperature}")
+
+
 class GPT(nn.Module):
     """A GPT sharded over the tp group, with nanoGPT's module and parameter names.
 
@@ -150,18 +158,31 @@ class GPT(nn.Module):
         x = run_blocks(self.transformer.h, x, idx.shape[1], self.config)  # (B, T, C) or (B, T_r, C)
         return self.transformer.ln_f(x, idx.shape[1]) if self.config.sequence_parallel else self.transformer.ln_f(x)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, reduction: str = "mean",
+                temperature: float = 1.0) -> torch.Tensor:
+        """``idx`` (B, T) -> the logits (B, T, V); with ``targets`` (B, T) the cross-entropy of the logits
+        divided by ``temperature``: its mean over the counted targets, ``reduction="sum"``, or per token
+        ``reduction="none"`` (B, T) (0 where the target is -1), whose negation is the log-probability of each
+        target: in the bitwise mode the bits :meth:`generate` returns for the tokens it sampled."""
         self._check_ids(idx)
         if targets is not None:
             self._check_ids(targets, "targets")
             if targets.shape != idx.shape:
                 raise ValueError(f"targets of shape {tuple(targets.shape)} do not match idx of shape "
                                  f"{tuple(idx.shape)}")
+        _check_temperature(temperature, positive=True)
         logits = self.lm_head(self._hidden(idx), idx.shape[1])  # (B, T, V / tp): every token
         if targets is None:
             return tensorpar.gather_from_tp(logits, -1, self.config.vocab_size, self.tp_group)  # (B, T, V)
+        return self._loss(logits, targets, reduction, temperature)
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor, reduction: str, temperature: float) -> torch.Tensor:
+        """The cross-entropy of vocab-sharded ``logits`` (*, V / tp) / ``temperature`` against ``targets`` (*)."""
+        if temperature != 1:
+            logits = logits / temperature
         return tensorpar.vocab_parallel_cross_entropy(logits, targets, self.config.vocab_size, ignore_index=-1,
-                                                      group=self.tp_group, bitwise=self.numerics or False)
+                                                      reduction=reduction, group=self.tp_group,
+                                                      bitwise=self.numerics or False)
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
@@ -177,10 +198,7 @@ class GPT(nn.Module):
         check_int(max_new_tokens, "max_new_tokens", minimum=0)
         if top_k is not None:
             check_int(top_k, "top_k")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-            raise TypeError(f"temperature must be a number, got {temperature!r}")
-        if not temperature >= 0:  # nan included
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        _check_temperature(temperature, positive=False)
         for _ in range(max_new_tokens):
             context = idx[:, -self.config.block_size:]
             if self.config.sequence_parallel:  # the last token is on the last rank that holds any
