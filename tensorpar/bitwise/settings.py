@@ -30,6 +30,9 @@ class Bitwise:
     """Bitwise mode: a model sharded over any tp in ``tp_sizes`` computes exactly the bits it computes
     at tp = 1 (see :mod:`tensorpar.bitwise`).
 
+    ``key_block``: the keys attention takes at a time, in order (a query's bits are then the same alone or in
+    a batch, decoding from a KV cache or in one forward: :func:`~.attention.attention_by_key_blocks`).
+
     ``threads``: each rank's CPU intra-op threads, set by :func:`enable` (CPU kernels split their sums
     between threads, so runs compared bit for bit need the same count; ``None`` leaves it as it is).
 
@@ -41,6 +44,7 @@ class Bitwise:
 
     tp_sizes: tuple[int, ...] = DEFAULT_TP_SIZES
     threads: int | None = 1
+    key_block: int = 64
 
     def __post_init__(self) -> None:
         if isinstance(self.tp_sizes, (str, bytes)) or not isinstance(self.tp_sizes, Sequence) or not self.tp_sizes:
@@ -51,6 +55,7 @@ class Bitwise:
         object.__setattr__(self, "tp_sizes", tuple(sorted(set(self.tp_sizes))))
         if self.threads is not None:
             check_int(self.threads, "Bitwise: threads")
+        check_int(self.key_block, "Bitwise: key_block")
 
     @classmethod
     def of(cls, value: bool | Bitwise | Sequence[int] | None) -> Bitwise | None:
