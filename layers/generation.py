@@ -9,7 +9,7 @@ bits ``-model(seq, targets, reduction="none", temperature=τ)`` gives at any tp 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -18,9 +18,9 @@ import tensorpar
 from tensorpar.checks import check_int
 from tensorpar.comm.collectives import broadcast_from_first_
 
-if TYPE_CHECKING:
-    from .gpt import GPT
-    from .kv_cache import KVCache
+from .kv_cache import KVCache
+
+GPT = Any  # a layers.GPT (which imports this module)
 
 
 def last_logits(model: GPT, idx: torch.Tensor, last: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
