@@ -84,7 +84,7 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
             end = longest + step
             lo = max(0, end - block)
             logits = last_logits(model, out[:, lo:end], at - 1 - lo, None)
-        nxt, logprob = _sample(model, logits, temperature, top_k)
+        nxt, logprob = _sample(model, logits, temperature, top_k, return_logprobs)
         nxt = torch.where(done, stopped_with, nxt)  # a row that stopped repeats its stop token, log-prob 0
         logprobs.append(logprob.masked_fill(done, 0.0))
         out[rows, at] = nxt
@@ -103,10 +103,11 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
     return (out, scores) if return_logprobs else out
 
 
-def _sample(model: GPT, logits: torch.Tensor, temperature: float, top_k: int | None
+def _sample(model: GPT, logits: torch.Tensor, temperature: float, top_k: int | None, scored: bool
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The next token of each row from this rank's logits (B, V / tp), the same on every rank, and its
-    log-probability (B,) under the distribution it was drawn from (greedy: under the model itself)."""
+    """The next token of each row from this rank's logits (B, V / tp), the same on every rank, and when
+    ``scored`` its log-probability (B,) under the distribution it was drawn from (greedy: under the model
+    itself; else zeros)."""
     full = tensorpar.gather_from_tp(logits, -1, model.config.vocab_size, model.tp_group)  # (B, V)
     if temperature == 0:
         nxt = full.argmax(-1)
@@ -117,6 +118,8 @@ def _sample(model: GPT, logits: torch.Tensor, temperature: float, top_k: int | N
             scaled = scaled.masked_fill(scaled < kth, -torch.inf)
         nxt = torch.multinomial(F.softmax(scaled, dim=-1), num_samples=1)[:, 0]  # (B,)
     nxt = broadcast_from_first_(nxt.contiguous(), model.tp_group)
+    if not scored:
+        return nxt, torch.zeros(nxt.shape, device=nxt.device)
     if top_k is not None and temperature != 0:  # renormalised over the top k: the default numerics
         return nxt, F.log_softmax(scaled.float(), -1).gather(-1, nxt[:, None])[:, 0]
     # the training path's cross-entropy of the sampled token (the bitwise mode's bits, when on)
