@@ -108,9 +108,11 @@ def enable(mode: bool | Bitwise | Sequence[int] = True) -> Bitwise | None:
     mesh = current_mesh()
     sizes = sum(1 << t for t in chosen.tp_sizes if t < 62) if chosen is not None else 0  # the tp sizes as bits
     # compared first: then a mode that leaves out this tp raises on every rank alike
-    agree([sizes, -1 if chosen is None else chosen.threads or 0], "asked for different bitwise modes",
-          lambda bits, threads: "off" if threads < 0 else
-          f"tp sizes {[t for t in range(62) if bits >> t & 1]}, threads {threads or None}")
+    agree([sizes, -1 if chosen is None else chosen.threads or 0, 0 if chosen is None else chosen.key_block],
+          "asked for different bitwise modes",
+          lambda bits, threads, key_block: "off" if threads < 0 else
+          f"tp sizes {[t for t in range(62) if bits >> t & 1]}, threads {threads or None}"
+          + (f", key_block {key_block}" if key_block != Bitwise.key_block else ""))
     if chosen is not None:
         chosen.check_tp(mesh.tp)
         if chosen.threads is not None and mesh.device.type == "cpu":
