@@ -43,7 +43,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -142,14 +141,14 @@ class ParallelSelfAttention(nn.Module):
         with self.copy_in.entered(x, seq_len) as x:  # f, or f̄ (B, T, C) whose (B, T_r, C) c_attn keeps
             qkv = self.c_attn(x)  # (B, T, (h + 2 * hk) * d): this rank's Q heads, then its K, then its V heads
         d, h, hk = self.head_dim, self.local_heads, self.held_kv_heads
-        q, k, v = (rearrange(t, "b t (h d) -> b h t d", d=d) for t in qkv.split([h * d, hk * d, hk * d], -1))  # views
+        q, k, v = (t.unflatten(-1, (-1, d)).transpose(1, 2) for t in qkv.split([h * d, hk * d, hk * d], -1))  # views
         p = self.dropout if self.training else 0.0
         if cache is None:
             y = self.attend(q, k, v, p)  # (B, h, T, d)
         else:  # every token of the rows so far: (B, held KV heads, L, d), the queries at positions (B, T)
             k, v, positions, _ = cache.write(k, v)
             y = self.attend(q, k, v, p, positions)
-        y = self.c_proj(rearrange(y, "b h t d -> b t (h d)"))  # (B, T, C) summed over ranks, or (B, T_r, C)
+        y = self.c_proj(y.transpose(1, 2).flatten(2))  # (B, T, h * d) -> (B, T, C) summed over ranks, or (B, T_r, C)
         return self.resid_dropout(y, x.shape[-2]) if self.sequence_parallel else self.resid_dropout(y)
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float,
