@@ -43,7 +43,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -55,6 +54,7 @@ from tensorpar.checks import check_int
 
 from . import numerics
 from .heads import head_layout
+from .kv_cache import LayerCache
 from .linear import ColumnParallelLinear, RowParallelLinear, check_activation
 from .regions import CopyToTP
 from .sequence import ShardedDropout, tp_stream
@@ -130,29 +130,42 @@ class ParallelSelfAttention(nn.Module):
         for name, p in self.named_parameters():
             tensorpar.tiled_init.uniform_(p, -bound, bound, **geometry[name])
 
-    def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seq_len: int | None = None, cache: LayerCache | None = None) -> torch.Tensor:
         """``(B, T, C)``, or with sequence parallelism this rank's tokens ``(B, T_r, C)`` of ``seq_len``
-        (found with one small collective when not given)."""
+        (found with one small collective when not given). With a ``cache`` (:mod:`layers.kv_cache`) the ``T``
+        tokens follow those it holds: their keys and values are stored in it, and each token attends to its
+        row's tokens up to itself."""
         check_activation(x, type(self).__name__)
         if x.dim() != 3 or x.shape[-1] != self.n_embd:
             raise ValueError(f"{type(self).__name__} expects (B, T, {self.n_embd}), got {tuple(x.shape)}")
         with self.copy_in.entered(x, seq_len) as x:  # f, or f̄ (B, T, C) whose (B, T_r, C) c_attn keeps
             qkv = self.c_attn(x)  # (B, T, (h + 2 * hk) * d): this rank's Q heads, then its K, then its V heads
         d, h, hk = self.head_dim, self.local_heads, self.held_kv_heads
-        q, k, v = (rearrange(t, "b t (h d) -> b h t d", d=d) for t in qkv.split([h * d, hk * d, hk * d], -1))  # views
-        y = self.attend(q, k, v, self.dropout if self.training else 0.0)  # (B, h, T, d)
-        y = self.c_proj(rearrange(y, "b h t d -> b t (h d)"))  # (B, T, C) summed over ranks, or (B, T_r, C)
+        q, k, v = (t.unflatten(-1, (-1, d)).transpose(1, 2) for t in qkv.split([h * d, hk * d, hk * d], -1))  # views
+        p = self.dropout if self.training else 0.0
+        if cache is None:
+            y = self.attend(q, k, v, p)  # (B, h, T, d)
+        else:  # every token of the rows so far: (B, held KV heads, L, d), the queries at positions (B, T)
+            k, v, positions, _ = cache.write(k, v)
+            y = self.attend(q, k, v, p, positions)
+        y = self.c_proj(y.transpose(1, 2).flatten(2))  # (B, T, h * d) -> (B, T, C) summed over ranks, or (B, T_r, C)
         return self.resid_dropout(y, x.shape[-2]) if self.sequence_parallel else self.resid_dropout(y)
 
-    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
-        """SDPA on this rank's heads: ``(B, h, T, d)`` queries, ``(B, held KV heads, T, d)`` keys and values,
-        dropout ``p`` on the probabilities -> ``(B, h, T, d)``."""
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float,
+                   positions: torch.Tensor | None = None) -> torch.Tensor:
+        """SDPA on this rank's heads: ``(B, h, T, d)`` queries, ``(B, held KV heads, L, d)`` keys and values,
+        dropout ``p`` on the probabilities -> ``(B, h, T, d)``. Causal (``L == T``), or with the queries'
+        ``positions`` (B, T) each query reads the keys of slots ``0..position``."""
         h = self.local_heads
         if self._kv_index is not None:  # each local query head's KV head, gathered (uneven readers only)
             k, v = k[:, self._kv_index], v[:, self._kv_index]  # (B, h, T, d)
         elif self.kv_replicated:  # the KV heads this rank's query heads read, per_kv query heads each (a view)
             k, v = (t.narrow(1, self.kv_lo, self.local_kv_heads) for t in (k, v))  # (B, h_kv, T, d)
         grouped = k.shape[1] != h
+        if positions is not None:  # keys read: slot <= the query's position
+            mask = torch.arange(k.shape[2], device=q.device) <= positions[:, None, :, None]  # (B, 1, T, L)
+            with self.rng.fork(q.device) if p else contextlib.nullcontext():
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, enable_gqa=grouped)
         if p and torch.compiler.is_compiling():  # no stream can be swapped in a graph: see below
             if grouped:
                 k, v = (t.repeat_interleave(h // t.shape[1], 1) for t in (k, v))  # (B, h, T, d)

@@ -20,6 +20,7 @@ from tensorpar.random import RNGStatesTracker, recompute_contexts
 
 from .attention import ParallelSelfAttention
 from .config import GPTConfig
+from .kv_cache import KVCache, LayerCache
 from .linear import check_activation
 from .mlp import ParallelMLP
 from .sequence import layer_norm
@@ -44,13 +45,14 @@ class Block(nn.Module):
         self.ln_2 = norm()
         self.mlp = ParallelMLP(c.n_embd, c.mlp_hidden, activation=c.mlp, **common)
 
-    def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seq_len: int | None = None, cache: LayerCache | None = None) -> torch.Tensor:
+        """``cache``: this block's keys and values so far (:mod:`layers.kv_cache`), which ``x`` follows."""
         check_activation(x, type(self).__name__)
         if not self.sequence_parallel:  # seq_len is x's
-            x = x + self.attn(self.ln_1(x))  # (B, T, C)
+            x = x + self.attn(self.ln_1(x), cache=cache)  # (B, T, C)
             return x + self.mlp(self.ln_2(x))
         seq_len = tensorpar.sequence_length(x, seq_len, self.tp_group)
-        x = x + self.attn(self.ln_1(x, seq_len), seq_len)  # (B, T_r, C)
+        x = x + self.attn(self.ln_1(x, seq_len), seq_len, cache)  # (B, T_r, C)
         return x + self.mlp(self.ln_2(x, seq_len), seq_len)
 
 
@@ -63,9 +65,14 @@ def _checkpointed(block: Block, x: torch.Tensor, seq_len: int) -> torch.Tensor:
                       context_fn=functools.partial(recompute_contexts, *trackers))
 
 
-def run_blocks(blocks: Iterable[Block], x: torch.Tensor, seq_len: int, config: GPTConfig) -> torch.Tensor:
+def run_blocks(blocks: Iterable[Block], x: torch.Tensor, seq_len: int, config: GPTConfig,
+               cache: KVCache | None = None) -> torch.Tensor:
     """``x`` through ``blocks`` in turn, each checkpointed when ``config.activation_checkpointing`` (and
-    gradients are on)."""
+    gradients are on, without a ``cache``), each with its layer of ``cache``."""
+    if cache is not None:
+        for block, layer in zip(blocks, cache.layers, strict=True):
+            x = block(x, seq_len, layer)
+        return x
     recompute = config.activation_checkpointing and torch.is_grad_enabled()
     for block in blocks:
         x = _checkpointed(block, x, seq_len) if recompute else block(x, seq_len)  # (B, T, C) or (B, T_r, C)

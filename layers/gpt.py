@@ -23,30 +23,31 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
 import tensorpar
 from tensorpar.checks import check_int
-from tensorpar.comm.collectives import broadcast_from_first_
 
-from . import hf
+from . import generation, hf
 from .block import Block, run_blocks
 from .config import GPTConfig
 from .embedding import VocabParallelEmbedding
+from .kv_cache import KVCache
 from .linear import ColumnParallelLinear
 from .regions import ReduceFromTP, ReduceScatterSequence
 from .sequence import ShardedDropout, layer_norm
 
 
-def embed(parts: nn.ModuleDict, config: GPTConfig, idx: torch.Tensor) -> torch.Tensor:
-    """Token ids ``(B, T)`` -> the first block's input through ``parts`` (``wte``, ``wpe``, ``reduce``,
-    ``drop``): ``(B, T, C)``, replicated, or with sequence parallelism this rank's tokens ``(B, T_r, C)``."""
+def embed(parts: nn.ModuleDict, config: GPTConfig, idx: torch.Tensor,
+          positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Token ids ``(B, T)`` at ``positions`` (B, T) (default ``0..T-1``) -> the first block's input through
+    ``parts`` (``wte``, ``wpe``, ``reduce``, ``drop``): ``(B, T, C)``, replicated, or with sequence
+    parallelism this rank's tokens ``(B, T_r, C)``."""
     t = idx.shape[1]
     if t > config.block_size:
         raise ValueError(f"sequence length ({t}) is longer than block_size ({config.block_size})")
-    pos = torch.arange(t, device=idx.device)
+    pos = torch.arange(t, device=idx.device) if positions is None else positions  # (T,) or (B, T)
     x = parts.reduce(parts.wte(idx) + parts.wpe(pos))  # (B, T, C) or (B, T_r, C)
     return parts.drop(x, t) if config.sequence_parallel else parts.drop(x)
 
@@ -71,6 +72,14 @@ def initialise_(config: GPTConfig, named: Iterable[tuple[str, list[torch.Tensor]
             for p in held:
                 torch.set_rng_state(state)
                 tensorpar.tiled_init.normal_(p, 0.0, std, **geometry[name])
+
+
+def _check_temperature(temperature: float, *, positive: bool) -> None:
+    """Raise unless ``temperature`` is a number ``>= 0`` (``> 0`` when ``positive``)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a number, got {temperature!r}")
+    if not (temperature > 0 if positive else temperature >= 0):  # nan included
+        raise ValueError(f"temperature must be {'>' if positive else '>='} 0, got {temperature}")
 
 
 class GPT(nn.Module):
@@ -143,33 +152,81 @@ class GPT(nn.Module):
         if ids.dim() != 2:
             raise ValueError(f"GPT expects {name} of shape (B, T), got {tuple(ids.shape)}")
 
-    def _hidden(self, idx: torch.Tensor) -> torch.Tensor:
+    def _hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Token ids ``(B, T)`` (checked) -> final hidden states ``(B, T, C)``, replicated (with
-        sequence parallelism, this rank's tokens ``(B, T_r, C)``)."""
-        x = embed(self.transformer, self.config, idx)
-        x = run_blocks(self.transformer.h, x, idx.shape[1], self.config)  # (B, T, C) or (B, T_r, C)
+        sequence parallelism, this rank's tokens ``(B, T_r, C)``); after the tokens ``cache`` holds."""
+        positions = None if cache is None else cache.begin(idx.shape[1])
+        x = embed(self.transformer, self.config, idx, positions)
+        x = run_blocks(self.transformer.h, x, idx.shape[1], self.config, cache)  # (B, T, C) or (B, T_r, C)
+        if cache is not None:
+            cache.advance(idx.shape[1])
         return self.transformer.ln_f(x, idx.shape[1]) if self.config.sequence_parallel else self.transformer.ln_f(x)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, reduction: str = "mean",
+                temperature: float = 1.0, cache: KVCache | None = None) -> torch.Tensor:
+        """``idx`` (B, T) -> the logits (B, T, V); with ``targets`` (B, T) the cross-entropy of the logits
+        divided by ``temperature``: its mean over the counted targets, ``reduction="sum"``, or per token
+        ``reduction="none"`` (B, T) (0 where the target is -1), whose negation is the log-probability of each
+        target: in the bitwise mode the bits :meth:`generate` returns for the tokens it sampled.
+
+        With a ``cache`` (:meth:`new_cache`) ``idx`` continues the rows it holds, each at its own position,
+        and is appended to it (prefill, then decode one token at a time)."""
         self._check_ids(idx)
+        if cache is not None and idx.shape[0] != cache.batch_size:
+            raise ValueError(f"idx has {idx.shape[0]} rows and the cache {cache.batch_size}")
         if targets is not None:
             self._check_ids(targets, "targets")
             if targets.shape != idx.shape:
                 raise ValueError(f"targets of shape {tuple(targets.shape)} do not match idx of shape "
                                  f"{tuple(idx.shape)}")
-        logits = self.lm_head(self._hidden(idx), idx.shape[1])  # (B, T, V / tp): every token
+        _check_temperature(temperature, positive=True)
+        logits = self.lm_head(self._hidden(idx, cache), idx.shape[1])  # (B, T, V / tp): every token
         if targets is None:
             return tensorpar.gather_from_tp(logits, -1, self.config.vocab_size, self.tp_group)  # (B, T, V)
+        return self._loss(logits, targets, reduction, temperature)
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor, reduction: str, temperature: float) -> torch.Tensor:
+        """The cross-entropy of vocab-sharded ``logits`` (*, V / tp) / ``temperature`` against ``targets`` (*)."""
+        if temperature != 1:
+            logits = logits / temperature
         return tensorpar.vocab_parallel_cross_entropy(logits, targets, self.config.vocab_size, ignore_index=-1,
-                                                      group=self.tp_group, bitwise=self.numerics or False)
+                                                      reduction=reduction, group=self.tp_group,
+                                                      bitwise=self.numerics or False)
+
+    def new_cache(self, batch_size: int) -> KVCache:
+        """An empty KV cache for ``batch_size`` rows of up to ``block_size`` tokens: each rank keeps the keys
+        and values of its own KV heads (:mod:`layers.kv_cache`). Pass it to ``forward(idx, cache=...)``."""
+        return KVCache(batch_size, self.config.block_size, self.config.n_layer,
+                       device=self.transformer.wte.weight.device)
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None) -> torch.Tensor:
-        """Append ``max_new_tokens`` sampled tokens to ``idx`` (B, T), as nanoGPT does.
+                 top_k: int | None = None, *, stop_tokens: Iterable[int] | None = None,
+                 prompt_lengths: torch.Tensor | Iterable[int] | None = None, pad_token: int = 0,
+                 return_logprobs: bool = False, use_cache: bool = True) -> Any:
+        """Append ``max_new_tokens`` sampled tokens to ``idx`` (B, T), as nanoGPT does, with a KV cache.
 
-        ``temperature=0`` picks the most likely token. Every rank returns the
-        same tokens: the group's first rank's samples are broadcast.
+        ``temperature=0`` picks the most likely token. Every rank returns the same tokens: the group's
+        first rank's samples are broadcast. The prompt runs once (prefill) into a cache sharded by heads
+        (:meth:`new_cache`), then each new token alone (decode); ``use_cache=False``, or a sequence longer
+        than ``block_size`` (which keeps nanoGPT's window of the last ``block_size`` tokens), recomputes
+        the context at every step instead.
+
+        * ``prompt_lengths`` (B,): prompts of different lengths, given right-padded in ``idx``; each row
+          continues at its own length (per-row positions), and the result is ``(B, max length +
+          max_new_tokens)``, each row's tokens left-aligned, ``pad_token`` after them.
+        * ``stop_tokens``: a row that samples one stops; it keeps emitting that stop token (log-prob 0),
+          and generation ends when every row has stopped (the rest filled the same way).
+        * ``return_logprobs=True`` returns ``(idx, logprobs)``, ``logprobs`` (B, max_new_tokens) float
+          (float32 for 16-bit logits): the log-probability of each sampled token under the distribution it
+          was drawn from (logits / ``temperature``; at ``temperature=0`` the model's own, temperature 1),
+          computed by the training path's cross-entropy: ``-self(seq, targets, reduction="none",
+          temperature=temperature)`` at the same positions, in the bitwise mode bit for bit at any tp of
+          the mode. With ``top_k`` the distribution is renormalised over the top k (the default numerics).
+
+        Example::
+
+            out, logprobs = gpt.generate(prompts, 64, return_logprobs=True, stop_tokens=[eot])
         """
         self._check_ids(idx)
         if idx.shape[1] == 0:
@@ -177,27 +234,10 @@ class GPT(nn.Module):
         check_int(max_new_tokens, "max_new_tokens", minimum=0)
         if top_k is not None:
             check_int(top_k, "top_k")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-            raise TypeError(f"temperature must be a number, got {temperature!r}")
-        if not temperature >= 0:  # nan included
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        for _ in range(max_new_tokens):
-            context = idx[:, -self.config.block_size:]
-            if self.config.sequence_parallel:  # the last token is on the last rank that holds any
-                logits = self.lm_head(self._hidden(context), context.shape[1])[:, -1]  # (B, V / tp)
-            else:
-                logits = self.lm_head(self._hidden(context)[:, -1])
-            logits = tensorpar.gather_from_tp(logits, -1, self.config.vocab_size, self.tp_group)  # (B, V)
-            if temperature == 0:
-                nxt = logits.argmax(-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, [-1]]
-                    logits = logits.masked_fill(logits < kth, -math.inf)
-                nxt = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)  # (B, 1)
-            idx = torch.cat((idx, broadcast_from_first_(nxt, self.tp_group)), dim=1)
-        return idx
+        _check_temperature(temperature, positive=False)
+        return generation.generate(self, idx, max_new_tokens, temperature, top_k, stop_tokens=stop_tokens,
+                                   prompt_lengths=prompt_lengths, pad_token=pad_token,
+                                   return_logprobs=return_logprobs, use_cache=use_cache)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsharded model's state dict, on every rank (a collective)."""

@@ -150,7 +150,7 @@ def attention(default: T, attn: Any) -> T | HeadByHead:
     spread = heads.kv_replicated and tp > 1  # a KV head's query heads on several ranks: gather their gradients
     sizes = [len(head_layout(n_head, n_kv, tp, r).query) for r in range(tp)] if spread else None
     return HeadByHead(n_head, heads.query.start, [j - heads.kv_held.start for j in heads.kv_read], n_head // n_kv,
-                      sizes, group)
+                      sizes, group, mode.key_block)
 
 
 def check_hf_kv_heads(n_head: int, n_kv: int) -> None:

@@ -58,7 +58,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp = summed_exp(z, group)  # (*); z now holds exp(z - m)
         target_z = pending.wait()
         valid = targets != ignore_index
-        loss = (sum_exp.log() - target_z).masked_fill(~valid, 0.0)  # (*)
+        log = summed_exp.log if isinstance(summed_exp, SegmentedExpSum) else torch.log  # the mode's: shape-blind
+        loss = (log(sum_exp) - target_z).masked_fill(~valid, 0.0)  # (*)
         z.div_(sum_exp.unsqueeze(-1))  # softmax, this rank's rows
         ctx.save_for_backward(z, local_t, owned, valid)
         ctx.reduction, ctx.dtype = reduction, logits.dtype

@@ -19,7 +19,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from ..comm.collectives import all_gather_along
-from .linear import blockwise
+from .linear import MIN_ROWS, blockwise, lanewise
 
 
 def attention_dropped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
@@ -30,6 +30,47 @@ def attention_dropped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: t
     causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
     probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
     return (probs * keep / (1 - p)) @ v
+
+
+def attention_by_key_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None,
+                            key_block: int) -> torch.Tensor:
+    """Attention whose every query gets the same bits whatever the number of queries (rows, tokens) beside
+    it and however many keys are held past its own: ``(B, h, S, d)`` queries at ``positions`` (B, S)
+    (``None``: ``0..S-1``), each reading the keys and values ``(B, h, L, d)`` of slots ``0..position``.
+
+    The keys are taken in blocks of ``key_block`` slots, in order: each block's scores are one product of
+    fixed shape (queries padded to :data:`~.linear.MIN_ROWS` rows), masked past the query's position; the
+    maximum is exact in any order; each block's exponentials (:func:`~.linear.lanewise`) are summed alone
+    and the blocks' sums, and their products with the values, added block after block. Blocks past a
+    query's position add exact zeros, so a query alone (decoding), in a batch, or in a whole sequence
+    (training) gets the same bits. Computed in float32 for 16-bit inputs."""
+    b, _, s, d = q.shape
+    length, dtype = k.shape[2], q.dtype
+    if positions is None:
+        positions = torch.arange(s, device=q.device).expand(b, s)
+    rows = max(s, MIN_ROWS)
+    wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    with torch.autocast(q.device.type, enabled=False):
+        q = F.pad(q.to(wide), (0, 0, 0, rows - s))  # (B, h, rows, d): padded queries read slot 0
+        positions = F.pad(positions, (0, rows - s))
+        scale = 1 / math.sqrt(d)
+        scores, values = [], []
+        for lo in range(0, length, key_block):
+            n = min(key_block, length - lo)
+            kb, vb = (F.pad(t.narrow(2, lo, n).to(wide), (0, 0, 0, key_block - n)).contiguous() for t in (k, v))
+            slots = torch.arange(lo, lo + key_block, device=q.device)
+            keep = (slots <= positions[:, None, :, None]) & (slots < length)  # (B, 1, rows, key_block)
+            scores.append((q @ kb.transpose(-2, -1) * scale).masked_fill(~keep, -math.inf))  # (B, h, rows, kb)
+            values.append(vb)
+        top = functools.reduce(torch.maximum, [sc.amax(-1) for sc in scores]).detach()  # (B, h, rows)
+        total = y = None
+        for sc, vb in zip(scores, values, strict=True):
+            e = lanewise(torch.exp, sc - top[..., None])  # (B, h, rows, key_block)
+            part, weighted = e.sum(-1), e @ vb
+            total = part if total is None else total + part
+            y = weighted if y is None else y + weighted  # (B, h, rows, d)
+        assert y is not None and total is not None
+        return (y / total[..., None])[:, :, :s].to(dtype)
 
 
 class _ExpandKV(torch.autograd.Function):
@@ -64,14 +105,19 @@ class HeadByHead:
     heads, of which this rank takes its heads' (the same mask at every tp)."""
 
     def __init__(self, n_head: int, q_lo: int, kv_index: Sequence[int], g: int, query_sizes: Sequence[int] | None,
-                 group: ProcessGroup) -> None:
+                 group: ProcessGroup, key_block: int) -> None:
         self.n_head, self.q_lo, self.kv_index, self.g = n_head, q_lo, tuple(kv_index), g
-        self.query_sizes, self.group = query_sizes, group
+        self.query_sizes, self.group, self.key_block = query_sizes, group, key_block
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
-        k, v = (_ExpandKV.apply(t, self.kv_index, self.g, self.query_sizes, self.group) for t in (k, v))  # (B, h, T, d)
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float,
+                 positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Without dropout, by key blocks (:func:`attention_by_key_blocks`): the queries at ``positions``
+        (B, T) read the keys of slots up to theirs (``None``: causal, ``L == T``)."""
+        k, v = (_ExpandKV.apply(t, self.kv_index, self.g, self.query_sizes, self.group) for t in (k, v))  # (B, h, L, d)
         if not p:
-            return blockwise(functools.partial(F.scaled_dot_product_attention, is_causal=True), [q, k, v], 1)
+            return attention_by_key_blocks(q, k, v, positions, self.key_block)
+        if positions is not None:
+            raise ValueError("attention dropout with a KV cache: generate in eval mode")
         b, h, t, _ = q.shape
         keep = torch.rand(b, self.n_head, t, t, device=q.device)[:, self.q_lo:self.q_lo + h] >= p  # (B, h, T, T)
         return blockwise(functools.partial(attention_dropped, p=p), [q, k, v, keep], 1)

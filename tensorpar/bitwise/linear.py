@@ -11,6 +11,7 @@ a kernel reads is contiguous and aligned (:func:`fixed`), whichever tensor a seg
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from types import MappingProxyType
@@ -28,6 +29,12 @@ from .tree_sum import start_tree_sum, tree_sum
 
 #: the alignment of a fresh allocation (torch's CPU allocator: 64 bytes; CUDA's caching allocator: more)
 ALIGNMENT = MappingProxyType({"cpu": 64, "cuda": 256})
+#: the fewest rows a product is computed with: CPU GEMMs (torch 2.13) give row ``i`` of a product of ``M >= 4``
+#: rows the same bits whatever ``M`` is, while ``M < 4`` (one token decoding) takes another code path
+MIN_ROWS = 8
+#: elementwise kernels run a flat tensor in vector chunks and its last ``< 2 * vector width`` elements in scalar
+#: code, whose ``exp``, ``log`` and ``tanh`` differ in the last bit; a multiple of this has no scalar tail
+LANES = 64
 
 
 def fixed(t: torch.Tensor) -> torch.Tensor:
@@ -37,6 +44,24 @@ def fixed(t: torch.Tensor) -> torch.Tensor:
         return t.contiguous()
     aligned = t.storage_offset() * t.element_size() % ALIGNMENT.get(t.device.type, 64) == 0
     return t if aligned and t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
+
+
+def padded_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (N, k) with zero rows after it up to :data:`MIN_ROWS` (itself when it has as many): each row's
+    product then has the same bits whatever the number of rows (a batch of one decoding, or training)."""
+    n = x.shape[0]
+    return x if n >= MIN_ROWS else torch.cat([x, x.new_zeros(MIN_ROWS - n, *x.shape[1:])])
+
+
+def lanewise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """An elementwise ``fn`` of ``x`` with every element computed by the vector code: flattened and padded
+    (with ones) to a multiple of :data:`LANES` elements, so that an element's bits depend neither on the
+    tensor's shape nor on where in it the element lies."""
+    n = x.numel()
+    flat = x.reshape(-1)
+    if n % LANES:
+        flat = F.pad(flat, (0, -n % LANES), value=1.0)
+    return fn(flat)[:n].view(x.shape)
 
 
 class _FixedGradient(torch.autograd.Function):
@@ -72,7 +97,7 @@ class BySegment:
         self.placed = placed
 
     def __call__(self, x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        return blockwise(fn, [x], -1, self.placed.lengths())
+        return blockwise(functools.partial(lanewise, fn), [x], -1, self.placed.lengths())
 
 
 def gathered(t: torch.Tensor, pieces: Sequence[tuple[int, int]], dim: int) -> torch.Tensor:
@@ -101,12 +126,14 @@ class _SegmentedColumnLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.placed, ctx.group, ctx.has_bias = placed, group, bias is not None
         x2 = fixed(x.reshape(-1, x.shape[-1]))  # (N, in)
+        n = x2.shape[0]
+        rows = padded_rows(x2)  # (max(N, MIN_ROWS), in)
         outputs: dict[int, torch.Tensor] = {}  # segment -> (N, its rows)
         with torch.autocast(x.device.type, enabled=False):
             for leaf in sorted(placed.held(placed.rank)):  # one product per leaf, its segments' rows gathered
                 pieces = placed.pieces(leaf)
                 b = None if bias is None else gathered(bias, pieces, 0)
-                y = F.linear(x2, gathered(weight, pieces, 0), b)  # (N, rows of the leaf)
+                y = F.linear(rows, gathered(weight, pieces, 0), b)[:n]  # (N, rows of the leaf)
                 outputs |= zip(placed.tree.leaves[leaf], y.split([n for _, n in pieces], -1), strict=True)
         parts = [outputs[s] for s, _, _ in placed.local]
         return torch.cat(parts, -1).reshape(*x.shape[:-1], -1)  # (*, out / tp)
@@ -153,7 +180,8 @@ class _SegmentedRowLinear(torch.autograd.Function):
         by_leaf = dict(zip(leaves, inputs, strict=True))
 
         def part(leaf: int) -> torch.Tensor:
-            return F.linear(by_leaf[leaf], gathered(weight, placed.pieces(leaf), 1))  # (N, out)
+            x_leaf = by_leaf[leaf]
+            return F.linear(padded_rows(x_leaf), gathered(weight, placed.pieces(leaf), 1))[:x_leaf.shape[0]]  # (N, out)
 
         with torch.autocast(x.device.type, enabled=False):
             y = tree_sum(part, placed, group, (x2.shape[0], weight.shape[0]), x2)

@@ -31,6 +31,9 @@ class Bitwise:
     """Bitwise mode: a model sharded over any tp in ``tp_sizes`` computes exactly the bits it computes
     at tp = 1 (see :mod:`tensorpar.bitwise`).
 
+    ``key_block``: the keys attention takes at a time, in order (a query's bits are then the same alone or in
+    a batch, decoding from a KV cache or in one forward: :func:`~.attention.attention_by_key_blocks`).
+
     ``threads``: each rank's CPU intra-op threads, set by :func:`enable` (CPU kernels split their sums
     between threads, so runs compared bit for bit need the same count; ``None`` leaves it as it is).
 
@@ -42,6 +45,7 @@ class Bitwise:
 
     tp_sizes: tuple[int, ...] = DEFAULT_TP_SIZES
     threads: int | None = 1
+    key_block: int = 64
 
     def __post_init__(self) -> None:
         if isinstance(self.tp_sizes, (str, bytes)) or not isinstance(self.tp_sizes, Sequence) or not self.tp_sizes:
@@ -52,6 +56,7 @@ class Bitwise:
         object.__setattr__(self, "tp_sizes", tuple(sorted(set(self.tp_sizes))))
         if self.threads is not None:
             check_int(self.threads, "Bitwise: threads")
+        check_int(self.key_block, "Bitwise: key_block")
 
     @classmethod
     def of(cls, value: bool | Bitwise | Sequence[int] | None) -> Bitwise | None:
@@ -104,9 +109,11 @@ def enable(mode: bool | Bitwise | Sequence[int] = True) -> Bitwise | None:
     mesh = current_mesh()
     sizes = sum(1 << t for t in chosen.tp_sizes if t < 62) if chosen is not None else 0  # the tp sizes as bits
     # compared first: then a mode that leaves out this tp raises on every rank alike
-    agree([sizes, -1 if chosen is None else chosen.threads or 0], "asked for different bitwise modes",
-          lambda bits, threads: "off" if threads < 0 else
-          f"tp sizes {[t for t in range(62) if bits >> t & 1]}, threads {threads or None}")
+    agree([sizes, -1 if chosen is None else chosen.threads or 0, 0 if chosen is None else chosen.key_block],
+          "asked for different bitwise modes",
+          lambda bits, threads, key_block: "off" if threads < 0 else
+          f"tp sizes {[t for t in range(62) if bits >> t & 1]}, threads {threads or None}"
+          + (f", key_block {key_block}" if key_block != Bitwise.key_block else ""))
     if chosen is not None:
         chosen.check_tp(mesh.tp)
         if chosen.threads is not None and mesh.device.type == "cpu":

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import torch
 from torch.distributed import ProcessGroup
 
-from .linear import fixed
+from .linear import lanewise
 from .segments import PlacedTree, placed_vocabulary
 from .tree_sum import tree_sum
 
@@ -26,7 +26,7 @@ class SegmentedExpSum:
 
     def __call__(self, z: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         placed = self.placed
-        exps = {s: fixed(z.narrow(-1, lo, n)).exp() for s, lo, n in placed.local}  # (*, n) each, contiguous
+        exps = {s: lanewise(torch.exp, z.narrow(-1, lo, n)) for s, lo, n in placed.local}  # (*, n) each
 
         def partial(leaf: int) -> torch.Tensor:
             (s,) = placed.tree.leaves[leaf]  # the vocabulary is split plainly: a leaf is one segment
@@ -36,3 +36,8 @@ class SegmentedExpSum:
         for s, lo, n in placed.local:
             z.narrow(-1, lo, n).copy_(exps[s])
         return total
+
+    @staticmethod
+    def log(t: torch.Tensor) -> torch.Tensor:
+        """``log(t)`` of every element alike, whatever ``t``'s shape (:func:`~.linear.lanewise`)."""
+        return lanewise(torch.log, t)

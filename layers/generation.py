@@ -1,0 +1,126 @@
+"""Sampling from a :class:`~layers.GPT`: prefill the prompts into its KV cache, then one token per step.
+
+Each step takes this rank's vocabulary slice of the last position's logits, samples from the gathered
+logits on every rank (the first rank's choice is broadcast) and scores the sampled token with the model's
+own vocab-parallel cross-entropy, the training path's: in the bitwise mode the log-probabilities are the
+bits ``-model(seq, targets, reduction="none", temperature=τ)`` gives at any tp of the mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import tensorpar
+from tensorpar.checks import check_int
+from tensorpar.comm.collectives import broadcast_from_first_
+
+from .kv_cache import KVCache
+
+GPT = Any  # a layers.GPT (which imports this module)
+
+
+def last_logits(model: GPT, idx: torch.Tensor, last: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+    """This rank's vocabulary slice of the logits at position ``last[r]`` of each row of ``idx`` (B, S), run
+    after the tokens ``cache`` holds (or from position 0): ``(B, V / tp)``."""
+    h = model._hidden(idx, cache)  # (B, S, C), or with sequence parallelism this rank's (B, S_r, C)
+    rows = torch.arange(idx.shape[0], device=idx.device)
+    if model.config.sequence_parallel:  # the rows' last tokens may lie on any rank: the head gathers them
+        return model.lm_head(h, idx.shape[1])[rows, last]
+    return model.lm_head(h[rows, last])  # (B, V / tp)
+
+
+def _lengths(idx: torch.Tensor, prompt_lengths: torch.Tensor | Iterable[int] | None) -> list[int]:
+    b, t = idx.shape
+    if prompt_lengths is None:
+        return [t] * b
+    lengths = [int(n) for n in (prompt_lengths.tolist() if isinstance(prompt_lengths, torch.Tensor)
+                                else prompt_lengths)]
+    if len(lengths) != b or any(not 1 <= n <= t for n in lengths):
+        raise ValueError(f"prompt_lengths must hold {b} lengths in [1, {t}] (idx is {tuple(idx.shape)}), "
+                         f"got {lengths}")
+    return lengths
+
+
+@torch.no_grad()
+def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, *, stop_tokens: Iterable[int] | None = None,
+             prompt_lengths: torch.Tensor | Iterable[int] | None = None, pad_token: int = 0,
+             return_logprobs: bool = False, use_cache: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`layers.GPT.generate` (see there)."""
+    b, t = idx.shape
+    lengths = _lengths(idx, prompt_lengths)
+    stops = sorted({int(s) for s in stop_tokens or ()})
+    for token in [*stops, pad_token]:
+        check_int(token, "a stop or pad token", minimum=0)
+    block = model.config.block_size
+    longest = max(lengths)
+    ragged = len(set(lengths)) > 1
+    cached = use_cache and longest + max_new_tokens <= block
+    if ragged and longest + max_new_tokens > block:
+        raise ValueError(f"prompts of different lengths need room for every token: the longest ({longest}) and "
+                         f"max_new_tokens ({max_new_tokens}) exceed block_size ({block})")
+    out = idx.new_full((b, longest + max_new_tokens), pad_token)
+    out[:, :t] = idx
+    rows = torch.arange(b, device=idx.device)
+    at = torch.tensor(lengths, device=idx.device)  # (B,) where each row's next token goes
+    logprobs = []
+    stop_set = torch.tensor(stops, dtype=out.dtype, device=idx.device)
+    done = torch.zeros(b, dtype=torch.bool, device=idx.device)
+    stopped_with = out.new_zeros(b)
+    cache = model.new_cache(b) if cached else None
+    nxt = at  # (B,) the tokens sampled last
+    if cache is not None:  # prefill: every prompt, right-padded to the longest; each row's last token's logits
+        logits = last_logits(model, idx[:, :longest], at - 1, cache)
+        if ragged:
+            cache.truncate_(lengths)
+    for step in range(max_new_tokens):
+        if step and cache is not None:
+            logits = last_logits(model, nxt[:, None], torch.zeros_like(at), cache)  # decode: (B, V / tp)
+        elif cache is None:  # recompute from the start (the last block_size tokens when they are more)
+            end = longest + step
+            lo = max(0, end - block)
+            logits = last_logits(model, out[:, lo:end], at - 1 - lo, None)
+        nxt, logprob = _sample(model, logits, temperature, top_k, return_logprobs)
+        nxt = torch.where(done, stopped_with, nxt)  # a row that stopped repeats its stop token, log-prob 0
+        logprobs.append(logprob.masked_fill(done, 0.0))
+        out[rows, at] = nxt
+        at = at + 1
+        if stops:
+            newly = torch.isin(nxt, stop_set) & ~done
+            stopped_with = torch.where(newly, nxt, stopped_with)
+            done |= newly
+            if bool(done.all()):  # the rest repeats every row's stop token
+                for _ in range(step + 1, max_new_tokens):
+                    out[rows, at] = stopped_with
+                    at = at + 1
+                    logprobs.append(torch.zeros_like(logprob))
+                break
+    scores = torch.stack(logprobs, 1) if logprobs else torch.zeros(b, 0, device=idx.device)  # (B, max_new_tokens)
+    return (out, scores) if return_logprobs else out
+
+
+def _sample(model: GPT, logits: torch.Tensor, temperature: float, top_k: int | None, scored: bool
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The next token of each row from this rank's logits (B, V / tp), the same on every rank, and when
+    ``scored`` its log-probability (B,) under the distribution it was drawn from (greedy: under the model
+    itself; else zeros)."""
+    full = tensorpar.gather_from_tp(logits, -1, model.config.vocab_size, model.tp_group)  # (B, V)
+    if temperature == 0:
+        nxt = full.argmax(-1)
+    else:
+        scaled = full / temperature
+        if top_k is not None:
+            kth = torch.topk(scaled, min(top_k, scaled.shape[-1])).values[:, [-1]]
+            scaled = scaled.masked_fill(scaled < kth, -torch.inf)
+        nxt = torch.multinomial(F.softmax(scaled, dim=-1), num_samples=1)[:, 0]  # (B,)
+    nxt = broadcast_from_first_(nxt.contiguous(), model.tp_group)
+    if not scored:
+        return nxt, torch.zeros(nxt.shape, device=nxt.device)
+    if top_k is not None and temperature != 0:  # renormalised over the top k: the default numerics
+        return nxt, F.log_softmax(scaled.float(), -1).gather(-1, nxt[:, None])[:, 0]
+    # the training path's cross-entropy of the sampled token (the bitwise mode's bits, when on)
+    return nxt, -model._loss(logits, nxt, "none", temperature or 1.0)

@@ -1,0 +1,102 @@
+"""The keys and values a GPT keeps while it generates: each rank holds those of its own heads.
+
+A :class:`KVCache` holds, for every layer, the keys and values of the KV heads the rank holds (grouped-query
+attention: its KV heads; fewer KV heads than ranks: all of them), preallocated for ``block_size`` tokens:
+``(B, held KV heads, block_size, head_dim)`` each, so the shapes never change while decoding. Each row
+keeps its own length (per-row positions): a token at position ``p`` of its row is stored in slot ``p``, and a
+query at position ``p`` attends to slots ``0..p`` of its row. Prompts of different lengths are therefore
+given right-padded, with their lengths (:meth:`KVCache.truncate_`): the padding's slots are masked until the
+row's own tokens overwrite them.
+
+Example::
+
+    cache = gpt.new_cache(batch_size=2)
+    logits = gpt(prompt, cache=cache)          # prefill: (2, P, V); the cache now holds P tokens per row
+    logits = gpt(next_tokens, cache=cache)     # decode: (2, 1, V), attending to P + 1 tokens
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tensorpar.checks import check_int
+
+
+class LayerCache:
+    """One layer's keys and values ``(B, held KV heads, block_size, d)``, allocated at the first write (in the
+    dtype of the keys written: under autocast, its compute dtype), and the positions being written."""
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """Store ``k``, ``v`` ``(B, held KV heads, S, d)`` at the positions of this forward; returns every
+        slot's keys and values ``(B, held KV heads, L, d)`` up to ``L`` (the longest row after the write),
+        the queries' positions ``(B, S)`` and ``L``."""
+        cache, (b, hk, s, d) = self.cache, k.shape
+        if self.keys is None:
+            shape = (cache.batch_size, hk, cache.block_size, d)
+            self.keys, self.values = (k.new_zeros(shape) for _ in range(2))
+        assert self.values is not None
+        pos = cache.positions  # (B, S)
+        if cache.uniform is not None:  # every row at the same length: a slice
+            at = cache.uniform
+            self.keys[:, :, at:at + s] = k
+            self.values[:, :, at:at + s] = v
+        else:
+            index = pos[:, None, :, None].expand(b, hk, s, d)
+            self.keys.scatter_(2, index, k)
+            self.values.scatter_(2, index, v)
+        end = cache.end
+        return self.keys[:, :, :end], self.values[:, :, :end], pos, end
+
+
+class KVCache:
+    """Every layer's keys and values for ``batch_size`` rows of up to ``block_size`` tokens (see the module).
+
+    ``lengths`` (B,) holds how many tokens each row has; a forward with the cache appends its ``S`` tokens to
+    every row and advances them by ``S``.
+    """
+
+    def __init__(self, batch_size: int, block_size: int, n_layer: int, device: torch.device | str | None = None
+                 ) -> None:
+        check_int(batch_size, "batch_size")
+        self.batch_size, self.block_size = batch_size, block_size
+        self.layers = [LayerCache(self) for _ in range(n_layer)]
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self._host_lengths = [0] * batch_size  # the same, on the host: no device sync to plan a step
+        self.positions = self.lengths[:, None]  # (B, S) of the forward running now
+        self.uniform: int | None = 0  # every row's length when they agree (writes are slices), else None
+        self.end = 0  # the longest row's length after the forward running now
+
+    def begin(self, s: int) -> torch.Tensor:
+        """Plan a forward of ``s`` tokens per row: their positions ``(B, s)``. Raises past ``block_size``."""
+        longest = max(self._host_lengths)
+        if longest + s > self.block_size:
+            raise ValueError(f"the KV cache holds {self.block_size} tokens per row (block_size); a row of "
+                             f"{longest} cannot take {s} more")
+        self.positions = self.lengths[:, None] + torch.arange(s, device=self.lengths.device)  # (B, S)
+        self.end = longest + s
+        return self.positions
+
+    def advance(self, s: int) -> None:
+        """Every row now holds ``s`` more tokens."""
+        self.lengths = self.lengths + s
+        self._host_lengths = [n + s for n in self._host_lengths]
+        if self.uniform is not None:
+            self.uniform += s
+
+    def truncate_(self, lengths: torch.Tensor | list[int]) -> KVCache:
+        """Keep only each row's first ``lengths[r]`` tokens (after a right-padded prefill, the prompts' own
+        lengths); the slots beyond are masked until overwritten. Returns the cache."""
+        host = [int(n) for n in (lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths)]
+        if len(host) != self.batch_size or any(not 0 <= n <= h for n, h in zip(host, self._host_lengths,
+                                                                                 strict=False)):
+            raise ValueError(f"truncate_ needs {self.batch_size} lengths, each at most the row's length "
+                             f"{self._host_lengths}, got {host}")
+        self._host_lengths = host
+        self.lengths = torch.tensor(host, dtype=torch.long, device=self.lengths.device)
+        self.uniform = host[0] if len(set(host)) == 1 else None
+        return self
