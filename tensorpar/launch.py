@@ -1,8 +1,8 @@
-"""``tensorpar.spawn``: a function run once on local ranks (:mod:`tensorpar.testing.ranks` starts and
-supervises them)."""
+"""``tensorpar.spawn``: a function run once on local ranks (started and supervised by :mod:`.testing.ranks`)."""
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -46,19 +46,18 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None =
 
         tensorpar.spawn(work, 2)   # [torch.Size([2, 8]), torch.Size([2, 8])]
     """
-    job = _running_job()
-    if job is not None:
+    if (job := _running_job()) is not None:
         raise RuntimeError(f"tensorpar.spawn cannot start {nprocs} ranks here: {job}, so every rank of that job "
                            "would start a job of its own. Call the function directly on the existing ranks "
                            "(tensorpar.init reads torchrun's environment), or spawn from a plain process")
     packed = pack(fn, args, caller="tensorpar.spawn")
-    end = time.monotonic() + (float("inf") if timeout is None else timeout)
+    end = time.monotonic() + (math.inf if timeout is None else timeout)
     ranks = LocalRanks(call, nprocs, backend=backend, collective_timeout=collective_timeout)
     clean_exit = 0.0
     try:
         ranks.collect("process", timeout)  # every rank has joined the group
         ranks.send(packed)
-        results = ranks.collect("process", None if timeout is None else end - time.monotonic(), grace=5.0)
+        results = ranks.collect("process", end - time.monotonic(), grace=5.0)
         ranks.send(None)  # grace above: for a failed rank's peers to report; now leave the group together
         clean_exit = collective_timeout.total_seconds()
         return results

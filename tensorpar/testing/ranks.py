@@ -1,15 +1,13 @@
-"""Local ranks in one process group and their supervision, for :func:`tensorpar.spawn` and the test pool.
-
-Ranks are children of ``multiprocessing``'s fork server (torch imported once) with the launcher's environment
-of now; they meet through a TCP store the launcher hosts on loopback and reply over a pipe. A rank ends when
-its launcher does, however it ends (it waits on ``multiprocessing``'s parent sentinel, a pipe the kernel
-closes). The launcher blocks in ``multiprocessing.connection.wait`` on every pipe and process."""
+"""Local ranks in one process group and their supervision, for :func:`tensorpar.spawn` and the test pool:
+children of ``multiprocessing``'s fork server (torch imported once) with the launcher's environment of now,
+meeting through a TCP store the launcher hosts on loopback, replying over a pipe, and ending when the launcher
+ends, however it ends (``multiprocessing``'s parent sentinel, a pipe the kernel closes). The launcher blocks in
+``multiprocessing.connection.wait`` on every pipe and process."""
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import math
 import multiprocessing
 import multiprocessing.connection as mpc
@@ -31,10 +29,6 @@ from ..mesh import DEFAULT_TIMEOUT, default_backend, shutdown
 
 _LOOPBACK = "127.0.0.1"
 
-#: What a rank runs for each task the launcher sends it (a picklable function or object).
-RankTask = Callable[[Any], Any]
-
-
 class RankError(RuntimeError):
     """An exception of rank ``rank`` re-raised by its launcher, with ``remote_traceback`` (text) and
     the original exception as ``__cause__`` when it could be pickled."""
@@ -45,30 +39,24 @@ class RankError(RuntimeError):
         super().__init__(f"rank {rank}: {message}{where}")
 
 
-def _failure(error: BaseException) -> bytes:
-    """``(False, (text, traceback, error))`` pickled for the launcher; ``error`` None if it does not travel."""
-    text, remote_traceback = f"{type(error).__name__}: {error}", "".join(traceback.format_exception(error))
-    try:
-        return pickle.dumps((False, (text, remote_traceback, pickle.loads(pickle.dumps(error)))))
-    except Exception:  # noqa: BLE001 - whatever stops the exception travelling: its text and traceback go
-        return pickle.dumps((False, (text, remote_traceback, None)))
-
-
-def reply(conn: mpc.Connection, work: Callable[[], Any]) -> bool:
-    """Send the launcher ``(True, work())``, or the failure if it raises (or its result cannot be pickled)."""
+def _reply(conn: mpc.Connection, work: Callable[[], Any]) -> bool:
+    """Send the launcher ``(True, work())``, or if that fails ``(False, (text, traceback, exception or None))``."""
     try:
         conn.send_bytes(pickle.dumps((True, work())))
         return True
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the launcher
-        conn.send_bytes(_failure(e))
+        text, remote_traceback = f"{type(e).__name__}: {e}", "".join(traceback.format_exception(e))
+        try:
+            conn.send_bytes(pickle.dumps((False, (text, remote_traceback, pickle.loads(pickle.dumps(e))))))
+        except Exception:  # noqa: BLE001 - whatever stops the exception travelling: its text and traceback go
+            conn.send_bytes(pickle.dumps((False, (text, remote_traceback, None))))
         return False
 
 
 def _end_with_launcher(rank: int) -> None:
     """On a thread: block until the launcher has ended, then end this process."""
     multiprocessing.parent_process().join()  # type: ignore[union-attr]  # its pipe closes when the launcher ends
-    sys.stderr.write(f"rank {rank}: the launching process exited; stopping this rank\n")
-    sys.stderr.flush()
+    print(f"rank {rank}: the launching process exited; stopping this rank", file=sys.stderr, flush=True)
     os._exit(1)
 
 
@@ -80,7 +68,7 @@ def _join(rank: int, world_size: int, port: int, backend: str, timeout: timedelt
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
-def _rank_process(run: RankTask, rank: int, world_size: int, port: int, backend: str, timeout: timedelta,
+def _rank_process(run: Callable[[Any], Any], rank: int, world_size: int, port: int, backend: str, timeout: timedelta,
                   threads: int, environ: dict[str, str], conn: mpc.Connection) -> None:
     """Join the group and say so, reply ``run(task)`` to each task until a None, then leave the group."""
     os.environ.clear()  # the launcher's environment of now, not the fork server's
@@ -89,9 +77,9 @@ def _rank_process(run: RankTask, rank: int, world_size: int, port: int, backend:
     dist.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG as the launcher has it (c10d read it at import)
     threading.Thread(target=_end_with_launcher, args=(rank,), daemon=True).start()
     try:
-        if reply(conn, functools.partial(_join, rank, world_size, port, backend, timeout, threads)):
+        if _reply(conn, lambda: _join(rank, world_size, port, backend, timeout, threads)):
             while (task := pickle.loads(conn.recv_bytes())) is not None:
-                reply(conn, functools.partial(run, task))
+                _reply(conn, lambda: run(task))
             shutdown(timeout)  # leave the group together with the other ranks
     finally:  # the fork server ends its children with os._exit: run the exit handlers user code registered
         atexit._run_exitfuncs()
@@ -99,16 +87,13 @@ def _rank_process(run: RankTask, rank: int, world_size: int, port: int, backend:
 
 @contextlib.contextmanager
 def _missing_main_file_hidden() -> Iterator[None]:
-    """Hide a ``__main__.__file__`` that names no file (``<stdin>``), which ``multiprocessing`` would
-    have each new process run again before anything else."""
+    """Hide a ``__main__.__file__`` naming no file (``<stdin>``): ``multiprocessing`` would run it in new processes."""
     main, path = sys.modules["__main__"], getattr(sys.modules["__main__"], "__file__", None)
-    hide = isinstance(path, str) and not os.path.isfile(path)
-    if hide:
-        del main.__file__
+    hidden = isinstance(path, str) and not os.path.isfile(path) and main.__dict__.pop("__file__")
     try:
         yield
     finally:
-        if hide:
+        if hidden:
             main.__file__ = path
 
 
@@ -116,7 +101,7 @@ class LocalRanks:
     """``nprocs`` new local processes joining one process group: each replies once it has joined (or with
     its error), then with ``run(task)`` for each task sent; ``threads``: each rank's intra-op threads."""
 
-    def __init__(self, run: RankTask, nprocs: int, *, backend: str | None = None,
+    def __init__(self, run: Callable[[Any], Any], nprocs: int, *, backend: str | None = None,
                  collective_timeout: timedelta = DEFAULT_TIMEOUT, threads: int | None = None) -> None:
         if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
             raise ValueError(f"nprocs must be a positive integer, got {nprocs!r}")
@@ -154,9 +139,18 @@ class LocalRanks:
             ready = set(mpc.wait([self.conns[r] for r in waiting] + [self.procs[r].sentinel for r in waiting],
                                  None if left == math.inf else left))
             for rank in waiting:
-                if ready & {self.conns[rank], self.procs[rank].sentinel} and (outcome := self._outcome(rank)):
-                    replies[rank] = outcome
-                    deadline = deadline if outcome[0] else min(deadline, time.monotonic() + grace)
+                if not ready & {self.conns[rank], self.procs[rank].sentinel}:
+                    continue
+                with contextlib.suppress(EOFError):  # EOFError: the pipe closed without a reply
+                    if self.conns[rank].poll():
+                        replies[rank] = pickle.loads(self.conns[rank].recv_bytes())
+                    elif self.procs[rank].is_alive():
+                        continue
+                if rank not in replies:  # it ended without a reply
+                    self.procs[rank].join(5)  # reaped: its exit code is known
+                    replies[rank] = (False, None)
+                if not replies[rank][0]:
+                    deadline = min(deadline, time.monotonic() + grace)
         errors = {r: value for r, (ok, value) in replies.items() if not ok}
         dead = sorted(r for r, error in errors.items() if error is None)
         if waiting or dead:
@@ -173,21 +167,10 @@ class LocalRanks:
             raise TimeoutError(f"{what} did not finish within {timeout} s on ranks {waiting} of {self.size}", waiting)
         return [replies[r][1] for r in range(self.size)]
 
-    def _outcome(self, rank: int) -> tuple[bool, Any] | None:
-        """Rank ``rank``'s reply; ``(False, None)`` if it ended without one; None while it runs silent."""
-        with contextlib.suppress(EOFError):  # the pipe closed without a reply
-            if self.conns[rank].poll():
-                return pickle.loads(self.conns[rank].recv_bytes())
-            if self.procs[rank].is_alive():
-                return None
-        self.procs[rank].join(5)  # reaped: its exit code is known
-        return False, None
-
     def kill(self, wait: float = 0.0) -> None:
         """Give the ranks ``wait`` seconds in all to exit, then kill the rest; reap them all."""
         deadline = time.monotonic() + wait
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join()
+            p.kill()  # a no-op once it has exited
+            p.join()
