@@ -22,8 +22,8 @@ def _running_job() -> str | None:
     """How this process is a rank of a running job (torchrun, spawn, the pool), in words; None if not."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         return f"this process is rank {dist.get_rank()} of a process group of {dist.get_world_size()}"
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        return f"this process is a rank started by torchrun (TORCHELASTIC_RUN_ID={os.environ['TORCHELASTIC_RUN_ID']!r})"
+    if (run_id := os.environ.get("TORCHELASTIC_RUN_ID")) is not None:
+        return f"this process is a rank started by torchrun (TORCHELASTIC_RUN_ID={run_id!r})"
     return None
 
 

@@ -1,8 +1,7 @@
 """Local ranks in one process group and their supervision, for :func:`tensorpar.spawn` and the test pool:
-children of ``multiprocessing``'s fork server (torch imported once) with the launcher's environment of now,
-meeting through a TCP store the launcher hosts on loopback, replying over a pipe, and ending when the launcher
-ends, however it ends (``multiprocessing``'s parent sentinel, a pipe the kernel closes). The launcher blocks in
-``multiprocessing.connection.wait`` on every pipe and process."""
+fork-server children (torch imported once) with the launcher's environment of now, meeting through a TCP
+store the launcher hosts on loopback, replying over a pipe, ending with the launcher however it ends (their
+``multiprocessing`` parent sentinel, a pipe the kernel closes); the launcher sleeps in ``mpc.wait`` meanwhile."""
 
 from __future__ import annotations
 
@@ -28,6 +27,7 @@ import torch.distributed as dist
 from ..mesh import DEFAULT_TIMEOUT, default_backend, shutdown
 
 _LOOPBACK = "127.0.0.1"
+
 
 class RankError(RuntimeError):
     """An exception of rank ``rank`` re-raised by its launcher, with ``remote_traceback`` (text) and
