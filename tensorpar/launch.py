@@ -1,40 +1,30 @@
-"""``tensorpar.spawn``: a function run once on local ranks (:mod:`tensorpar.testing.ranks` starts and
-supervises them)."""
+"""``tensorpar.spawn``: a function run once on local ranks (started and supervised by :mod:`.testing.ranks`)."""
 
 from __future__ import annotations
 
-import functools
-import multiprocessing.connection
+import math
 import os
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-from .mesh import DEFAULT_TIMEOUT, shutdown
-from .testing.ranks import LocalRanks, RankError, reply
-from .testing.sendable import Packed, pack, unpack
+from .mesh import DEFAULT_TIMEOUT
+from .testing.ranks import LocalRanks, RankError
+from .testing.sendable import call, pack
 
 __all__ = ["RankError", "spawn"]
 
 
 def _running_job() -> str | None:
     """How this process is a rank of a running job (torchrun, spawn, the pool), in words; None if not."""
-    env = os.environ
     if dist.is_initialized() and dist.get_world_size() > 1:
         return f"this process is rank {dist.get_rank()} of a process group of {dist.get_world_size()}"
-    if "TORCHELASTIC_RUN_ID" in env:
-        return f"this process is a rank started by torchrun (TORCHELASTIC_RUN_ID={env['TORCHELASTIC_RUN_ID']!r})"
+    if (run_id := os.environ.get("TORCHELASTIC_RUN_ID")) is not None:
+        return f"this process is a rank started by torchrun (TORCHELASTIC_RUN_ID={run_id!r})"
     return None
-
-
-def _run_once(packed: Packed, timeout: timedelta, conn: multiprocessing.connection.Connection) -> None:
-    def work() -> Any:
-        fn, args = unpack(packed)
-        return fn(*args)
-    if reply(conn, work):
-        shutdown(timeout)  # leave the group together with the other ranks
 
 
 def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None = None,
@@ -56,18 +46,20 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None =
 
         tensorpar.spawn(work, 2)   # [torch.Size([2, 8]), torch.Size([2, 8])]
     """
-    job = _running_job()
-    if job is not None:
+    if (job := _running_job()) is not None:
         raise RuntimeError(f"tensorpar.spawn cannot start {nprocs} ranks here: {job}, so every rank of that job "
                            "would start a job of its own. Call the function directly on the existing ranks "
                            "(tensorpar.init reads torchrun's environment), or spawn from a plain process")
     packed = pack(fn, args, caller="tensorpar.spawn")
-    ranks = LocalRanks(functools.partial(_run_once, packed, collective_timeout), nprocs, backend=backend,
-                       collective_timeout=collective_timeout)
+    end = time.monotonic() + (math.inf if timeout is None else timeout)
+    ranks = LocalRanks(call, nprocs, backend=backend, collective_timeout=collective_timeout)
     clean_exit = 0.0
     try:
-        results = ranks.collect("process", timeout, grace=5.0)  # grace: for a failed rank's peers to report
-        clean_exit = collective_timeout.total_seconds()  # the ranks leave the group together
+        ranks.collect("process", timeout)  # every rank has joined the group
+        ranks.send(packed)
+        results = ranks.collect("process", end - time.monotonic(), grace=5.0)
+        ranks.send(None)  # grace above: for a failed rank's peers to report; now leave the group together
+        clean_exit = collective_timeout.total_seconds()
         return results
     except TimeoutError as e:
         raise RankError(e.args[1][0], f"timed out after {timeout} s; ranks {e.args[1]} had not finished") from None

@@ -3,64 +3,36 @@ many examples, each a few milliseconds instead of the ~1 s of starting processes
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import multiprocessing.connection
 import os
-import pickle
 import runpy
 import sys
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
 from ..bitwise.settings import Bitwise, use_bitwise
-from ..mesh import Mesh, init, shutdown, use_mesh
-from .ranks import LocalRanks, RankError, reply
-from .sendable import Packed, pack, unpack
+from ..mesh import Mesh, init, use_mesh
+from .ranks import LocalRanks, RankError
+from .sendable import Packed, call, pack
 
 
-def _run_task(payload: tuple[Packed, int, int | None, int, bool, Bitwise | None],
-              meshes: dict[tuple[int, int | None, int], Mesh]) -> Any:
-    """One task of a pool rank: the function and its arguments, run under the mesh they ask for (kept in
-    ``meshes`` for the next task of that layout) and the bitwise mode they ask for."""
-    packed, tp, dp, pp, with_mesh, bitwise = payload
-    fn, args = unpack(packed)
-    mesh = None
-    if with_mesh:
-        mesh = meshes.get((tp, dp, pp)) or meshes.setdefault((tp, dp, pp), init(tp, dp, pp=pp))
-        if bitwise is not None:
-            bitwise.check_tp(tp)  # the pool's ranks run one thread each already
-    with use_mesh(mesh), use_bitwise(bitwise if with_mesh else None):
-        return fn(*args)
+class _Tasks:
+    """What a pool rank runs for each task: the function and its arguments under the mesh they ask for (kept
+    for the next task of that layout: each init creates process groups) and the bitwise mode they ask for."""
 
+    def __init__(self) -> None:
+        self.meshes: dict[tuple[int, int | None, int], Mesh] = {}
 
-def _serve(conn: multiprocessing.connection.Connection) -> None:
-    """A pool rank: say it is ready, then run tasks until told to stop."""
-    conn.send_bytes(pickle.dumps((True, None)))
-    meshes: dict[tuple[int, int | None, int], Mesh] = {}  # reused: each init creates process groups
-    while True:
-        kind, payload = pickle.loads(conn.recv_bytes())
-        if kind == "stop":
-            break
-        if kind == "path":
-            sys.path[:] = payload
-            continue
-        reply(conn, functools.partial(_run_task, payload, meshes))
-    shutdown(timedelta(seconds=10))
-    _end()
-
-
-def _end() -> None:
-    """End this rank once threads that tasks left running have finished, output flushed, without the
-    interpreter's teardown (about a second of CPU per rank with torch loaded, and a pool's ranks all stop at once)."""
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    def __call__(self, task: tuple[Packed, list[str], int, int | None, int, bool, Bitwise | None]) -> Any:
+        packed, path, tp, dp, pp, with_mesh, bitwise = task
+        sys.path[:] = path  # the test process's of now
+        mesh = None
+        if with_mesh:
+            mesh = self.meshes.get((tp, dp, pp)) or self.meshes.setdefault((tp, dp, pp), init(tp, dp, pp=pp))
+            if bitwise is not None:
+                bitwise.check_tp(tp)  # the pool's ranks run one thread each already
+        with use_mesh(mesh), use_bitwise(bitwise if with_mesh else None):
+            return call(packed)
 
 
 class World:
@@ -73,14 +45,12 @@ class World:
         self.size, self.timeout, self.grace, self.startup = size, timeout, grace, startup
         self.runs = 0
         self._ranks: LocalRanks | None = None
-        self._path: list[str] = []
         self._broken: str | None = None
 
     def _start(self) -> LocalRanks:
         if self._broken:  # do not pay the start-up timeout again for every example
             raise RuntimeError(self._broken)
-        self._path = list(sys.path)
-        ranks = LocalRanks(_serve, self.size, backend="gloo", threads=1,
+        ranks = LocalRanks(_Tasks(), self.size, backend="gloo", threads=1,
                            collective_timeout=timedelta(seconds=self.timeout + 30))
         try:
             ranks.collect("pool worker starting", self.startup)
@@ -102,11 +72,8 @@ class World:
         if self._ranks is None:
             self._ranks = self._start()
         ranks = self._ranks
-        if sys.path != self._path:
-            self._path = list(sys.path)
-            ranks.send(("path", self._path))
         self.runs += 1
-        ranks.send(("run", (packed, tp or self.size // pp, dp, pp, mesh, Bitwise.of(bitwise))))
+        ranks.send((packed, sys.path, tp or self.size // pp, dp, pp, mesh, Bitwise.of(bitwise)))
         name = getattr(fn, "__name__", repr(fn))
         try:
             return ranks.collect(f"pool worker running {name}", self.timeout if timeout is None else timeout,
@@ -119,8 +86,7 @@ class World:
 
     def _stop(self) -> None:
         if self._ranks is not None:
-            with contextlib.suppress(OSError):
-                self._ranks.send(("stop", None))
+            self._ranks.send(None)
 
     def close(self) -> None:
         """Stop the workers (killing any that do not stop in time)."""

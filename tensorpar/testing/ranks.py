@@ -1,13 +1,7 @@
-"""Local ranks in one process group, and their supervision: what :func:`tensorpar.spawn` and the test
-pool (:class:`tensorpar.testing.World`) start.
-
-Ranks are children of ``multiprocessing``'s fork server (torch imported once), with the launcher's
-environment, working directory and ``__main__``; they meet through a TCP store the launcher hosts on
-loopback and reply over a pipe. Each also blocks reading a pipe only its launcher holds: the kernel
-closes it when the launcher ends, however it ends, and the rank ends at once. The launcher blocks in
-``multiprocessing.connection.wait`` on every pipe and process, so a rank that raises or dies ends
-the wait, and the error names the rank most likely to be the root cause.
-"""
+"""Local ranks in one process group and their supervision, for :func:`tensorpar.spawn` and the test pool:
+fork-server children (torch imported once) with the launcher's environment of now, meeting through a TCP
+store the launcher hosts on loopback, replying over a pipe, ending with the launcher however it ends (their
+``multiprocessing`` parent sentinel, a pipe the kernel closes); the launcher sleeps in ``mpc.wait`` meanwhile."""
 
 from __future__ import annotations
 
@@ -23,20 +17,16 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..mesh import DEFAULT_TIMEOUT, default_backend
-from .sendable import missing_main_file_hidden
+from ..mesh import DEFAULT_TIMEOUT, default_backend, shutdown
 
 _LOOPBACK = "127.0.0.1"
-
-#: What a rank runs once it has joined the group, given its pipe to the launcher.
-RankMain = Callable[[mpc.Connection], None]
 
 
 class RankError(RuntimeError):
@@ -45,69 +35,73 @@ class RankError(RuntimeError):
 
     def __init__(self, rank: int, message: str, remote_traceback: str = "") -> None:
         self.rank, self.remote_traceback = rank, remote_traceback
-        text = f"rank {rank}: {message}"
-        if remote_traceback:
-            text += f"\n\n--- traceback on rank {rank} ---\n{remote_traceback.rstrip()}"
-        super().__init__(text)
+        where = f"\n\n--- traceback on rank {rank} ---\n{remote_traceback.rstrip()}" if remote_traceback else ""
+        super().__init__(f"rank {rank}: {message}{where}")
 
 
-def _error_payload(error: BaseException) -> tuple[bytes | None, str, str]:
-    """``error`` pickled (None if it does not travel), its text and its traceback."""
-    blob: bytes | None
+def _reply(conn: mpc.Connection, work: Callable[[], Any]) -> bool:
+    """Send the launcher ``(True, work())``, or if that fails ``(False, (text, traceback, exception or None))``."""
     try:
-        blob = pickle.dumps(error)
-        pickle.loads(blob)
-    except Exception:  # noqa: BLE001 - whatever stops it travelling: its text and traceback go
-        blob = None
-    return blob, f"{type(error).__name__}: {error}", "".join(traceback.format_exception(error))
-
-
-def reply(conn: mpc.Connection, work: Callable[[], Any]) -> bool:
-    """Send the launcher ``(True, work())``, or ``(False, error)`` if it raises; say which."""
-    try:
-        message: tuple[bool, Any] = (True, work())
+        conn.send_bytes(pickle.dumps((True, work())))
+        return True
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the launcher
-        message = (False, _error_payload(e))
-    conn.send_bytes(pickle.dumps(message))
-    return message[0]
+        text, remote_traceback = f"{type(e).__name__}: {e}", "".join(traceback.format_exception(e))
+        try:
+            conn.send_bytes(pickle.dumps((False, (text, remote_traceback, pickle.loads(pickle.dumps(e))))))
+        except Exception:  # noqa: BLE001 - whatever stops the exception travelling: its text and traceback go
+            conn.send_bytes(pickle.dumps((False, (text, remote_traceback, None))))
+        return False
 
 
-def _end_with_launcher(lifeline: mpc.Connection, rank: int) -> None:
-    """On a thread: block until the launcher's end of ``lifeline`` closes, then end this process."""
-    with contextlib.suppress(EOFError, OSError):
-        lifeline.recv_bytes()  # the launcher never writes: this ends only by EOFError, in the kernel until then
-    sys.stderr.write(f"rank {rank}: the launching process exited; stopping this rank\n")
-    sys.stderr.flush()
+def _end_with_launcher(rank: int) -> None:
+    """On a thread: block until the launcher has ended, then end this process."""
+    multiprocessing.parent_process().join()  # type: ignore[union-attr]  # its pipe closes when the launcher ends
+    print(f"rank {rank}: the launching process exited; stopping this rank", file=sys.stderr, flush=True)
     os._exit(1)
 
 
-def _rank_process(main: RankMain, rank: int, world_size: int, port: int, backend: str, timeout: timedelta,
-                  threads: int, environ: dict[str, str], conn: mpc.Connection, lifeline: mpc.Connection) -> None:
+def _join(rank: int, world_size: int, port: int, backend: str, timeout: timedelta, threads: int) -> None:
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    torch.set_num_threads(threads)
+    store = dist.TCPStore(_LOOPBACK, port, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def _rank_process(run: Callable[[Any], Any], rank: int, world_size: int, port: int, backend: str, timeout: timedelta,
+                  threads: int, environ: dict[str, str], conn: mpc.Connection) -> None:
+    """Join the group and say so, reply ``run(task)`` to each task until a None, then leave the group."""
     os.environ.clear()  # the launcher's environment of now, not the fork server's
     os.environ.update(environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=_LOOPBACK, MASTER_PORT=str(port))
     dist.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG as the launcher has it (c10d read it at import)
-    threading.Thread(target=_end_with_launcher, args=(lifeline, rank), daemon=True).start()
+    threading.Thread(target=_end_with_launcher, args=(rank,), daemon=True).start()
     try:
-        try:
-            if backend == "nccl":
-                torch.cuda.set_device(rank)
-            torch.set_num_threads(threads)
-            store = dist.TCPStore(_LOOPBACK, port, is_master=False, timeout=timeout)
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-        except BaseException as e:  # noqa: BLE001 - the launcher reports it
-            conn.send_bytes(pickle.dumps((False, _error_payload(e))))
-            return
-        main(conn)
-    finally:  # a forked rank ends with os._exit: run the exit handlers user code registered
+        if _reply(conn, lambda: _join(rank, world_size, port, backend, timeout, threads)):
+            while (task := pickle.loads(conn.recv_bytes())) is not None:
+                _reply(conn, lambda: run(task))
+            shutdown(timeout)  # leave the group together with the other ranks
+    finally:  # the fork server ends its children with os._exit: run the exit handlers user code registered
         atexit._run_exitfuncs()
 
 
-class LocalRanks:
-    """``nprocs`` new local processes joined in one process group, each running ``main(conn)`` once it has
-    joined (one that fails to join replies with its error); ``threads``: each rank's intra-op threads."""
+@contextlib.contextmanager
+def _missing_main_file_hidden() -> Iterator[None]:
+    """Hide a ``__main__.__file__`` naming no file (``<stdin>``): ``multiprocessing`` would run it in new processes."""
+    main, path = sys.modules["__main__"], getattr(sys.modules["__main__"], "__file__", None)
+    hidden = isinstance(path, str) and not os.path.isfile(path) and main.__dict__.pop("__file__")
+    try:
+        yield
+    finally:
+        if hidden:
+            main.__file__ = path
 
-    def __init__(self, main: RankMain, nprocs: int, *, backend: str | None = None,
+
+class LocalRanks:
+    """``nprocs`` new local processes joining one process group: each replies once it has joined (or with
+    its error), then with ``run(task)`` for each task sent; ``threads``: each rank's intra-op threads."""
+
+    def __init__(self, run: Callable[[Any], Any], nprocs: int, *, backend: str | None = None,
                  collective_timeout: timedelta = DEFAULT_TIMEOUT, threads: int | None = None) -> None:
         if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
             raise ValueError(f"nprocs must be a positive integer, got {nprocs!r}")
@@ -116,75 +110,67 @@ class LocalRanks:
         self._listener = socket.create_server((_LOOPBACK, 0))  # loopback only (a store binds every interface)
         self._store = dist.TCPStore(_LOOPBACK, self._listener.getsockname()[1], is_master=True,
                                     wait_for_workers=False, master_listen_fd=self._listener.fileno())
-        self.size, self.procs, self.conns, self._lifelines = nprocs, [], [], []
-        with missing_main_file_hidden():
+        self.size, self.procs, self.conns = nprocs, [], []
+        args = (nprocs, self._store.port, backend or default_backend(nprocs), collective_timeout,
+                threads or max(1, (os.cpu_count() or 1) // nprocs), dict(os.environ))
+        with _missing_main_file_hidden():
             for rank in range(nprocs):
-                (conn, child_conn), (watched, held) = ctx.Pipe(), ctx.Pipe(duplex=False)
-                self.procs.append(ctx.Process(target=_rank_process, daemon=True, args=(
-                    main, rank, nprocs, self._store.port, backend or default_backend(nprocs), collective_timeout,
-                    threads or max(1, (os.cpu_count() or 1) // nprocs), dict(os.environ), child_conn, watched)))
+                conn, child_conn = ctx.Pipe()
+                self.procs.append(ctx.Process(target=_rank_process, args=(run, rank, *args, child_conn), daemon=True))
                 self.procs[-1].start()
                 child_conn.close()
-                watched.close()  # the launcher keeps only `held`, and never writes to it
                 self.conns.append(conn)
-                self._lifelines.append(held)
 
     def send(self, message: Any) -> None:
-        """Pickle ``message`` once and send it to every rank."""
+        """Pickle ``message`` once and send it to every rank still there (None: leave the group and exit)."""
         blob = pickle.dumps(message)
         for conn in self.conns:
-            conn.send_bytes(blob)
+            with contextlib.suppress(OSError):
+                conn.send_bytes(blob)
 
     def collect(self, what: str, timeout: float | None, grace: float = 0.0) -> list[Any]:
         """One reply per rank, in rank order. Raise :class:`RankError` for a rank that raised or died
         (after ``grace`` more seconds for its peers to report what they saw), ``TimeoutError(message,
         silent ranks)`` for ranks still silent after ``timeout`` seconds; those ranks are killed."""
         deadline = math.inf if timeout is None else time.monotonic() + timeout
-        results: dict[int, Any] = {}
-        errors: dict[int, tuple[bytes | None, str, str]] = {}  # in arrival order
-        dead: dict[int, int | None] = {}  # exit codes
-        waiting = set(range(self.size))
-        while waiting and (left := deadline - time.monotonic()) > 0:
-            ready = mpc.wait([self.conns[r] for r in waiting] + [self.procs[r].sentinel for r in waiting],
-                             None if left == math.inf else left)
-            for rank in sorted(r for r in waiting if self.conns[r] in ready or self.procs[r].sentinel in ready):
-                if self.conns[rank].poll():
-                    try:
-                        ok, value = pickle.loads(self.conns[rank].recv_bytes())
-                        (results if ok else errors)[rank] = value
-                    except EOFError:  # the pipe closed without a reply
-                        self.procs[rank].join(5)
-                        dead[rank] = self.procs[rank].exitcode
-                elif not self.procs[rank].is_alive():
-                    dead[rank] = self.procs[rank].exitcode
-                else:
+        replies: dict[int, tuple[bool, Any]] = {}  # in arrival order; (False, None): ended without a reply
+        while (waiting := [r for r in range(self.size) if r not in replies]) and (
+                left := deadline - time.monotonic()) > 0:
+            ready = set(mpc.wait([self.conns[r] for r in waiting] + [self.procs[r].sentinel for r in waiting],
+                                 None if left == math.inf else left))
+            for rank in waiting:
+                if not ready & {self.conns[rank], self.procs[rank].sentinel}:
                     continue
-                waiting.discard(rank)
-                if rank not in results:
+                with contextlib.suppress(EOFError):  # EOFError: the pipe closed without a reply
+                    if self.conns[rank].poll():
+                        replies[rank] = pickle.loads(self.conns[rank].recv_bytes())
+                    elif self.procs[rank].is_alive():
+                        continue
+                if rank not in replies:  # it ended without a reply
+                    self.procs[rank].join(5)  # reaped: its exit code is known
+                    replies[rank] = (False, None)
+                if not replies[rank][0]:
                     deadline = min(deadline, time.monotonic() + grace)
+        errors = {r: value for r, (ok, value) in replies.items() if not ok}
+        dead = sorted(r for r, error in errors.items() if error is None)
         if waiting or dead:
             self.kill()  # the group is unusable
         if dead:  # the likeliest root cause: a rank that died, else the first to report an error
-            rank, code = min(dead.items())
+            code = self.procs[dead[0]].exitcode
             how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-            seen = "".join(f"; then rank {r} failed: {errors[r][1].splitlines()[0]}" for r in sorted(errors))
-            raise RankError(rank, f"{what} {how} before returning{seen}")
+            seen = "".join(f"; then rank {r} failed: {e[0].splitlines()[0]}" for r, e in sorted(errors.items()) if e)
+            raise RankError(dead[0], f"{what} {how} before returning{seen}")
         if errors:
-            rank = next(iter(errors))
-            blob, text, remote_tb = errors[rank]
-            raise RankError(rank, text, remote_tb) from (pickle.loads(blob) if blob is not None else None)
+            rank, (text, remote_traceback, error) = next(iter(errors.items()))
+            raise RankError(rank, text, remote_traceback) from error
         if waiting:
-            raise TimeoutError(f"{what} did not finish within {timeout} s on ranks {sorted(waiting)} of "
-                                f"{self.size}", sorted(waiting))
-        return [results[r] for r in range(self.size)]
+            raise TimeoutError(f"{what} did not finish within {timeout} s on ranks {waiting} of {self.size}", waiting)
+        return [replies[r][1] for r in range(self.size)]
 
     def kill(self, wait: float = 0.0) -> None:
         """Give the ranks ``wait`` seconds in all to exit, then kill the rest; reap them all."""
         deadline = time.monotonic() + wait
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join()
-        for lifeline in self._lifelines:
-            lifeline.close()
+            p.kill()  # a no-op once it has exited
+            p.join()

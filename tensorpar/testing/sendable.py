@@ -4,11 +4,10 @@ no file holds: a REPL, stdin, ``python -c``, a notebook cell)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 FIX = ("define it at the top level of a .py file and import it, e.g. `from mywork import train`; functions "
@@ -46,28 +45,13 @@ def pack(fn: Callable[..., Any], args: tuple[Any, ...], *, caller: str) -> Packe
                         f"({type(e).__name__}: {e}); for the function: {FIX}") from e
 
 
-def unpack(packed: Packed) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-    """On a rank: the function and arguments of :func:`pack`, or a ``RuntimeError`` saying why not."""
+def call(packed: Packed) -> Any:
+    """On a rank: the function of :func:`pack` called on its arguments, or a ``RuntimeError`` if it cannot load."""
     name, blob = packed
     try:
-        return pickle.loads(blob)
+        fn, args = pickle.loads(blob)
     except Exception as e:
         raise RuntimeError(f"this new process cannot load `{name}` to run it ({type(e).__name__}: {e}): a "
                            f"function defined under `if __name__ == \"__main__\":` or in a module the new "
                            f"process cannot import is not found there; {FIX}") from e
-
-
-@contextlib.contextmanager
-def missing_main_file_hidden() -> Iterator[None]:
-    """While processes start, hide a ``__main__.__file__`` that names no file (``<stdin>``), which
-    ``multiprocessing`` would have each new process run again before anything else."""
-    main = sys.modules["__main__"]
-    path = getattr(main, "__file__", None)
-    hide = isinstance(path, str) and not os.path.isfile(path)
-    if hide:
-        del main.__file__
-    try:
-        yield
-    finally:
-        if hide:
-            main.__file__ = path
+    return fn(*args)
