@@ -11,9 +11,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .mesh import DEFAULT_TIMEOUT
 from .testing.ranks import LocalRanks, RankError
 from .testing.sendable import call, pack
+from .world import DEFAULT_TIMEOUT
 
 __all__ = ["RankError", "spawn"]
 
