@@ -21,13 +21,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from ..checks import check_int
 from ..mesh import Mesh, current_mesh
 
-_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
-SCHEDULES = tuple(_SCHEDULES)
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 #: ``stage_shapes(stage, micro)``: stage ``stage``'s example input and output (meta tensors of the shape,
 #: dtype and layout it takes and returns) for a micro-batch ``micro`` of the first stage's input (a meta tensor),
@@ -51,26 +49,31 @@ class StageTimes:
         return 1.0 - self.busy / self.wall if self.wall > 0 else 0.0
 
 
-class _TimedStage(PipelineStage):
-    """A ``PipelineStage`` that counts its compute time and in-flight micro-batches."""
+def _timed_stage_class() -> type:
+    from torch.distributed.pipelining import PipelineStage
 
-    busy = 0.0
-    peak = 0
+    class TimedStage(PipelineStage):
+        """A ``PipelineStage`` that counts its compute time and in-flight micro-batches."""
 
-    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        began = time.perf_counter()
-        try:
-            return super().forward_one_chunk(*args, **kwargs)
-        finally:
-            self.busy += time.perf_counter() - began
-            self.peak = max(self.peak, len(self.fwd_cache))  # forwards awaiting their backward
+        busy = 0.0
+        peak = 0
 
-    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        began = time.perf_counter()
-        try:
-            return super().backward_one_chunk(*args, **kwargs)
-        finally:
-            self.busy += time.perf_counter() - began
+        def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return super().forward_one_chunk(*args, **kwargs)
+            finally:
+                self.busy += time.perf_counter() - began
+                self.peak = max(self.peak, len(self.fwd_cache))  # forwards awaiting their backward
+
+        def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return super().backward_one_chunk(*args, **kwargs)
+            finally:
+                self.busy += time.perf_counter() - began
+
+    return TimedStage
 
 
 def _flowing(example: torch.Tensor, grad: bool) -> torch.Tensor:
@@ -138,17 +141,20 @@ class Pipeline:
         if key not in self._schedules:
             first = inputs.tensor_split(self.microbatches)[0]  # the schedule's first micro-batch: a view, as here
             micro = torch.empty_strided(first.shape, first.stride(), dtype=inputs.dtype, device="meta")
+            stage_class = _timed_stage_class()
             stages = []
             for module, s in zip(self.modules, self.stage_ids, strict=True):
                 example_input, example_output = self._stage_shapes(s, micro)
                 # as torch's own inference marks them: gradients flow back through what stages pass on
                 example_input = _flowing(example_input, train and s > 0)
                 example_output = _flowing(example_output, train)
-                stages.append(_TimedStage(module, s, self.n_stages, self.mesh.device, input_args=example_input,
+                stages.append(stage_class(module, s, self.n_stages, self.mesh.device, input_args=example_input,
                                           output_args=example_output, group=self.mesh.pp_group))
+            from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+            cls: type = (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B)[SCHEDULES.index(self.schedule_name)]
             scheduled = stages if self.schedule_name == "interleaved" else stages[0]
-            self._schedules[key] = (_SCHEDULES[self.schedule_name](scheduled, self.microbatches, loss_fn=self._loss,
-                                                                   scale_grads=False), stages)
+            self._schedules[key] = (cls(scheduled, self.microbatches, loss_fn=self._loss, scale_grads=False), stages)
         return self._schedules[key]
 
     def _run(self, inputs: torch.Tensor, target: torch.Tensor, *, train: bool, loss_scale: float = 1.0) -> torch.Tensor:
