@@ -76,11 +76,6 @@ def _timed_stage_class() -> type:
     return TimedStage
 
 
-def _flowing(example: torch.Tensor, grad: bool) -> torch.Tensor:
-    """``example`` (a meta tensor) marked as needing a gradient when ``grad`` and it is a float tensor."""
-    return example.detach().requires_grad_(grad and example.is_floating_point())
-
-
 class Pipeline:
     """Run ``modules`` (this rank's stages, numbered ``stages`` of ``mesh.pp * len(modules)``) as one
     pipeline over ``mesh.pp_group`` with the schedule ``schedule``.
@@ -144,10 +139,10 @@ class Pipeline:
             stage_class = _timed_stage_class()
             stages = []
             for module, s in zip(self.modules, self.stage_ids, strict=True):
-                example_input, example_output = self._stage_shapes(s, micro)
+                given, made = self._stage_shapes(s, micro)
                 # as torch's own inference marks them: gradients flow back through what stages pass on
-                example_input = _flowing(example_input, train and s > 0)
-                example_output = _flowing(example_output, train)
+                example_input = given.detach().requires_grad_(train and s > 0 and given.is_floating_point())
+                example_output = made.detach().requires_grad_(train and made.is_floating_point())
                 stages.append(stage_class(module, s, self.n_stages, self.mesh.device, input_args=example_input,
                                           output_args=example_output, group=self.mesh.pp_group))
             from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
