@@ -155,9 +155,9 @@ def recompute_contexts(*trackers: RNGStatesTracker) -> tuple[AbstractContextMana
                                                              AbstractContextManager[None]]:
     """The two contexts ``torch.utils.checkpoint(..., context_fn=...)`` asks for, replaying ``trackers``.
 
-    The first notes each tracker's state as the checkpointed forward begins; the second, around the
-    recomputation, puts those states back (every forked region draws its masks again) and afterwards
-    restores the live states. While ``torch.compile`` traces, the compiled graph recomputes and replays its
+    The trackers' states are noted when torch asks for the contexts, as the checkpointed forward begins
+    (where torch notes its own generators'); the second context, around the recomputation, puts them
+    back (every forked region draws its masks again) and afterwards restores the live states. While ``torch.compile`` traces, the compiled graph recomputes and replays its
     own draws: the contexts are then selective checkpointing's, recomputing every operation.
 
     Example::
@@ -169,12 +169,7 @@ def recompute_contexts(*trackers: RNGStatesTracker) -> tuple[AbstractContextMana
     if torch.compiler.is_compiling():  # traced: the compiled graph recomputes; no Python runs again
         return create_selective_checkpoint_contexts(lambda *_, **__: CheckpointPolicy.PREFER_RECOMPUTE)
     unique = list({id(t): t for t in trackers}.values())
-    at_forward: list[TrackerState] = []
-
-    @contextlib.contextmanager
-    def forward() -> Iterator[None]:
-        at_forward[:] = [t.state_dict() for t in unique]
-        yield
+    at_forward = [t.state_dict() for t in unique]  # as torch notes its own generators', before the forward
 
     @contextlib.contextmanager
     def recompute() -> Iterator[None]:
@@ -187,4 +182,4 @@ def recompute_contexts(*trackers: RNGStatesTracker) -> tuple[AbstractContextMana
             for tracker, state in zip(unique, live, strict=True):
                 tracker.load_state_dict(state)
 
-    return forward(), recompute()
+    return contextlib.nullcontext(), recompute()
