@@ -157,8 +157,9 @@ def recompute_contexts(*trackers: RNGStatesTracker) -> tuple[AbstractContextMana
 
     The trackers' states are noted when torch asks for the contexts, as the checkpointed forward begins
     (where torch notes its own generators'); the second context, around the recomputation, puts them
-    back (every forked region draws its masks again) and afterwards restores the live states. While ``torch.compile`` traces, the compiled graph recomputes and replays its
-    own draws: the contexts are then selective checkpointing's, recomputing every operation.
+    back (every forked region draws its masks again) and afterwards restores the live states. While
+    ``torch.compile`` traces, the compiled graph recomputes and replays its own draws: the contexts are
+    then selective checkpointing's, recomputing every operation.
 
     Example::
 
