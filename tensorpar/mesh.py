@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -32,10 +32,10 @@ __all__ = ["Mesh", "current_mesh", "current_mesh_or_none", "group_rank_size", "i
 class Mesh:
     """A 3-D ``("pp", "dp", "tp")`` mesh over the world, with its groups, this rank's place and the sizes."""
 
-    device_mesh: DeviceMesh
-    tp_group: ProcessGroup
-    dp_group: ProcessGroup
-    pp_group: ProcessGroup
+    device_mesh: DeviceMesh = field(repr=False)
+    tp_group: ProcessGroup = field(repr=False)
+    dp_group: ProcessGroup = field(repr=False)
+    pp_group: ProcessGroup = field(repr=False)
     tp: int
     dp: int
     pp: int
@@ -45,10 +45,6 @@ class Mesh:
     rank: int
     world_size: int
     device: torch.device
-
-    def __repr__(self) -> str:
-        return (f"Mesh(tp={self.tp}, dp={self.dp}, pp={self.pp}, rank={self.rank}, tp_rank={self.tp_rank}, "
-                f"dp_rank={self.dp_rank}, pp_rank={self.pp_rank}, device={self.device})")
 
 
 # The default mesh of modules built without a ``group``: scoped by ``use_mesh``, per thread.
@@ -85,7 +81,12 @@ def init(tp: int | None = None, dp: int | None = None, *, pp: int = 1, backend: 
         agree([tp or 0, dp or 0, pp, _BACKENDS.index(backend) if backend in _BACKENDS else -1],
               "called tensorpar.init with different arguments", lambda t, d, p, b:
               f"tp={t or None}, dp={d or None}, pp={p}, backend={_BACKENDS[b] if b >= 0 else 'other'!r}")
-        mesh = _build_mesh(*_sizes(tp, dp, pp))
+        pp, dp, tp = _sizes(tp, dp, pp)  # ranks row-major on (pp, dp, tp)
+        device = collective_device() or torch.device("cpu")
+        grid = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+        pp_rank, dp_rank, tp_rank = grid.get_coordinate() or (0, 0, 0)
+        mesh = Mesh(grid, grid.get_group("tp"), grid.get_group("dp"), grid.get_group("pp"), tp, dp, pp,
+                    tp_rank, dp_rank, pp_rank, dist.get_rank(), dist.get_world_size(), device)
     except BaseException:
         if created:  # leave nothing half-initialised
             dist.destroy_process_group()
@@ -112,15 +113,6 @@ def _sizes(tp: int | None, dp: int | None, pp: int) -> tuple[int, int, int]:
                  else f"tp ({tp}) x dp ({dp}) = {tp * dp}")
         raise ValueError(f"{shape} does not match the world size ({world})")
     return pp, dp, tp
-
-
-def _build_mesh(pp: int, dp: int, tp: int) -> Mesh:
-    """The mesh over torch's ``DeviceMesh`` of the world, ranks laid out row-major on ``(pp, dp, tp)``."""
-    device = collective_device() or torch.device("cpu")
-    device_mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
-    pp_rank, dp_rank, tp_rank = device_mesh.get_coordinate() or (0, 0, 0)
-    return Mesh(device_mesh, device_mesh.get_group("tp"), device_mesh.get_group("dp"), device_mesh.get_group("pp"),
-                tp, dp, pp, tp_rank, dp_rank, pp_rank, dist.get_rank(), dist.get_world_size(), device)
 
 
 def current_mesh_or_none() -> Mesh | None:

@@ -46,15 +46,15 @@ def mix_seed(base: int, *keys: int) -> int:
     return seed >> 1
 
 
-def _get_state(device: torch.device) -> torch.Tensor:
-    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
-
-
-def _set_state(device: torch.device, state: torch.Tensor) -> None:
+def _swap(device: torch.device, state: torch.Tensor) -> torch.Tensor:
+    """Set ``device``'s default generator to ``state``; return the state it had."""
     if device.type == "cuda":
+        old = torch.cuda.get_rng_state(device)
         torch.cuda.set_rng_state(state, device)
     else:
+        old = torch.get_rng_state()
         torch.set_rng_state(state)
+    return old
 
 
 class TrackerState(TypedDict):
@@ -107,15 +107,13 @@ class RNGStatesTracker:
             if self._base is None:
                 self._base = int(torch.randint(0, 2**62, ()).item())  # the same draw on every rank
             self._states[key] = torch.Generator(device).manual_seed(mix_seed(self._base, self.rank)).get_state()
-        outside = _get_state(device)
-        _set_state(device, self._states[key])
+        outside = _swap(device, self._states[key])
         self._inside.add(key)
         try:
             yield
         finally:
             self._inside.discard(key)
-            self._states[key] = _get_state(device)
-            _set_state(device, outside)
+            self._states[key] = _swap(device, outside)
 
     def state_dict(self) -> TrackerState:
         """The stream's state, for a checkpoint."""
@@ -153,19 +151,15 @@ def manual_seed(seed: int, mesh: Mesh | None = None) -> None:
     tracker(mesh).seed(seed)
 
 
-def _recompute_all(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
-    """A selective-checkpointing policy that recomputes every operation: plain checkpointing."""
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
 def recompute_contexts(*trackers: RNGStatesTracker) -> tuple[AbstractContextManager[None],
                                                              AbstractContextManager[None]]:
     """The two contexts ``torch.utils.checkpoint(..., context_fn=...)`` asks for, replaying ``trackers``.
 
-    The first notes each tracker's state as the checkpointed forward begins; the second, around the
-    recomputation, puts those states back (every forked region draws its masks again) and afterwards
-    restores the live states. While ``torch.compile`` traces, the compiled graph recomputes and replays its
-    own draws: the contexts are then selective checkpointing's, recomputing every operation.
+    The trackers' states are noted when torch asks for the contexts, as the checkpointed forward begins
+    (where torch notes its own generators'); the second context, around the recomputation, puts them
+    back (every forked region draws its masks again) and afterwards restores the live states. While
+    ``torch.compile`` traces, the compiled graph recomputes and replays its own draws: the contexts are
+    then selective checkpointing's, recomputing every operation.
 
     Example::
 
@@ -174,14 +168,9 @@ def recompute_contexts(*trackers: RNGStatesTracker) -> tuple[AbstractContextMana
                                               context_fn=functools.partial(recompute_contexts, *trackers))
     """
     if torch.compiler.is_compiling():  # traced: the compiled graph recomputes; no Python runs again
-        return create_selective_checkpoint_contexts(_recompute_all)
+        return create_selective_checkpoint_contexts(lambda *_, **__: CheckpointPolicy.PREFER_RECOMPUTE)
     unique = list({id(t): t for t in trackers}.values())
-    at_forward: list[TrackerState] = []
-
-    @contextlib.contextmanager
-    def forward() -> Iterator[None]:
-        at_forward[:] = [t.state_dict() for t in unique]
-        yield
+    at_forward = [t.state_dict() for t in unique]  # as torch notes its own generators', before the forward
 
     @contextlib.contextmanager
     def recompute() -> Iterator[None]:
@@ -194,4 +183,4 @@ def recompute_contexts(*trackers: RNGStatesTracker) -> tuple[AbstractContextMana
             for tracker, state in zip(unique, live, strict=True):
                 tracker.load_state_dict(state)
 
-    return forward(), recompute()
+    return contextlib.nullcontext(), recompute()

@@ -43,10 +43,6 @@ def join(backend: str | None, timeout: timedelta) -> None:
     if "WORLD_SIZE" not in os.environ:  # plain `python`, a notebook: a single-process world
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
-        missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
-        if missing:
-            raise RuntimeError(f"WORLD_SIZE is set but {', '.join(missing)} is not: launch with torchrun "
-                               "or tensorpar.spawn, or initialise torch.distributed yourself")
         if "TORCHELASTIC_RUN_ID" in os.environ:  # the kernel kills this rank when torchrun's agent ends
             with contextlib.suppress(OSError, AttributeError):  # Linux only
                 ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from ..full import is_dtensor, placements
@@ -44,12 +45,11 @@ def like(value: torch.Tensor, current: torch.Tensor, dtype: torch.dtype | None =
 
 def _local(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer holding this rank's state: a ``ZeroRedundancyOptimizer``'s local one, or itself."""
-    inner = getattr(optimizer, "optim", None)
-    return inner if hasattr(optimizer, "consolidate_state_dict") and isinstance(inner, torch.optim.Optimizer) \
-        else optimizer
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
 
 def grouped_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """The names of the parameters of each of the optimizer's groups."""
     names = {id(p): name for name, p in model.named_parameters()}
     if any(id(p) not in names for group in optimizer.param_groups for p in group["params"]):
         raise CheckpointError("the optimizer holds a tensor that is not a parameter of the model")

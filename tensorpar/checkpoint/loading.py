@@ -14,6 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import _check_box_bounds, _check_box_overlap
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..mesh import Mesh, current_mesh
@@ -50,18 +51,15 @@ def _stored(directory: Path, meta: dict[str, Any]) -> Stored:
     for name, value in metadata.state_dict_metadata.items():
         if not isinstance(value, TensorStorageMetadata):
             continue
-        size, chunks = tuple(value.size), [(tuple(c.offsets), tuple(c.sizes)) for c in value.chunks]
+        size, chunks = tuple(value.size), value.chunks
         if math.prod(size) * value.properties.dtype.itemsize > total:
             raise CheckpointError(f"{directory / '.metadata'}: {name} of size {list(size)} would hold more than "
                                   f"the {total} bytes of the checkpoint's files")
-        inside = all(len(o) == len(s) == len(size) and all(a >= 0 and a + b <= n for a, b, n in zip(o, s, size,
-                                                                                                    strict=True))
-                     for o, s in chunks)
-        apart = all(any(a + b <= c or c + d <= a for a, b, c, d in zip(o, s, p, q, strict=True)) for i, (o, s) in
-                    enumerate(chunks) for p, q in chunks[:i])
-        if not (inside and apart and sum(math.prod(s) for _, s in chunks) == math.prod(size)):
+        if not (all(len(c.offsets) == len(c.sizes) == len(size) and _check_box_bounds(value.size, c) for c in chunks)
+                and not any(_check_box_overlap(c, d) for i, c in enumerate(chunks) for d in chunks[:i])
+                and sum(math.prod(c.sizes) for c in chunks) == math.prod(size)):
             raise CheckpointError(f"{directory / '.metadata'}: the chunks of {name} do not tile its size "
-                                  f"{list(size)} ({chunks[:4]})")
+                                  f"{list(size)} ({[(tuple(c.offsets), tuple(c.sizes)) for c in chunks[:4]]})")
         stored[name] = (size, value.properties.dtype)
     return stored
 

@@ -134,19 +134,6 @@ def _writer(job: Job) -> dict[str, Any]:
             "planner": BoxSavePlanner(job.boxes)}
 
 
-def write(job: Job) -> Path:
-    """Steps 2 and 3 of a synchronous save."""
-    error = None
-    try:
-        dcp.save(job.tensors, **_writer(job))
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's (a BaseException) wraps every rank's failure
-        mine = (getattr(e, "failures", {}).get(job.mesh.rank) or (None,))[0]  # (exception, its stack)
-        if mine is not None and not isinstance(mine, Exception):
-            raise mine from None  # this rank was interrupted (KeyboardInterrupt, SystemExit): not a failed save
-        error = e
-    return finish(job, error)
-
-
 class PendingSave:
     """A checkpoint being written in the background (from :func:`~tensorpar.checkpoint.async_save`);
     :meth:`wait` (a collective) publishes it and returns its path (or raises, each time it is called)."""
@@ -193,7 +180,16 @@ def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimiz
     any rank, or ranks passing different ``step``, ``keep`` or ``extra``, raise the same
     :class:`CheckpointError` on every rank, and nothing on disk changes.
     """
-    return write(prepare(directory, model, optimizer, step=step, extra=extra, keep=keep, mesh=mesh or current_mesh()))
+    job = prepare(directory, model, optimizer, step=step, extra=extra, keep=keep, mesh=mesh or current_mesh())
+    error = None
+    try:
+        dcp.save(job.tensors, **_writer(job))
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's (a BaseException) wraps every rank's failure
+        mine = (getattr(e, "failures", {}).get(job.mesh.rank) or (None,))[0]  # (exception, its stack)
+        if mine is not None and not isinstance(mine, Exception):
+            raise mine from None  # this rank was interrupted (KeyboardInterrupt, SystemExit): not a failed save
+        error = e
+    return finish(job, error)
 
 
 def async_save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -33,12 +33,6 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 StageShapes = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def _schedule_class(name: str) -> type:
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-
-    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}[name]
-
-
 @dataclass
 class StageTimes:
     """What stage ``stage`` did since the last reset: ``busy`` seconds in its forward and backward chunks of
@@ -46,9 +40,9 @@ class StageTimes:
     ``peak_in_flight``, the most micro-batches whose forward had run and whose backward had not."""
 
     stage: int
-    busy: float
-    wall: float
-    peak_in_flight: int
+    busy: float = 0.0
+    wall: float = 0.0
+    peak_in_flight: int = 0
 
     @property
     def idle_fraction(self) -> float:
@@ -80,11 +74,6 @@ def _timed_stage_class() -> type:
                 self.busy += time.perf_counter() - began
 
     return TimedStage
-
-
-def _flowing(example: torch.Tensor, grad: bool) -> torch.Tensor:
-    """``example`` (a meta tensor) marked as needing a gradient when ``grad`` and it is a float tensor."""
-    return example.detach().requires_grad_(grad and example.is_floating_point())
 
 
 class Pipeline:
@@ -131,8 +120,7 @@ class Pipeline:
         self.schedule_name, self.microbatches = schedule, microbatches
         self.modules, self.stage_ids = list(modules), list(stages)
         self._loss_fn, self._check, self._after_backward = loss_fn, check_inputs, after_backward
-        self._stage_shapes = stage_shapes
-        self._scale, self.timed = 1.0, timed
+        self._stage_shapes, self._scale, self.timed = stage_shapes, 1.0, timed
         self._schedules: dict[tuple[Any, ...], tuple[Any, list[Any]]] = {}
         self.reset_times()
 
@@ -151,13 +139,15 @@ class Pipeline:
             stage_class = _timed_stage_class()
             stages = []
             for module, s in zip(self.modules, self.stage_ids, strict=True):
-                example_input, example_output = self._stage_shapes(s, micro)
+                given, made = self._stage_shapes(s, micro)
                 # as torch's own inference marks them: gradients flow back through what stages pass on
-                example_input = _flowing(example_input, train and s > 0)
-                example_output = _flowing(example_output, train)
+                example_input = given.detach().requires_grad_(train and s > 0 and given.is_floating_point())
+                example_output = made.detach().requires_grad_(train and made.is_floating_point())
                 stages.append(stage_class(module, s, self.n_stages, self.mesh.device, input_args=example_input,
                                           output_args=example_output, group=self.mesh.pp_group))
-            cls = _schedule_class(self.schedule_name)
+            from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+            cls: type = (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B)[SCHEDULES.index(self.schedule_name)]
             scheduled = stages if self.schedule_name == "interleaved" else stages[0]
             self._schedules[key] = (cls(scheduled, self.microbatches, loss_fn=self._loss, scale_grads=False), stages)
         return self._schedules[key]
@@ -193,10 +183,9 @@ class Pipeline:
             dist.all_reduce(total, group=self.mesh.pp_group)
         wall = time.perf_counter() - began
         for stage in stages:
-            s = stage.stage_index
-            self._busy[s], self._wall[s] = self._busy.get(s, 0.0) + stage.busy, self._wall.get(s, 0.0) + wall
-            self._peak[s] = max(self._peak.get(s, 0), stage.peak)
-            stage.busy, stage.peak = 0.0, 0
+            times = self._times.setdefault(stage.stage_index, StageTimes(stage.stage_index))
+            times.busy, times.wall = times.busy + stage.busy, times.wall + wall
+            times.peak_in_flight, stage.busy, stage.peak = max(times.peak_in_flight, stage.peak), 0.0, 0
         return total
 
     def step(self, inputs: torch.Tensor, target: torch.Tensor, *, loss_scale: float = 1.0) -> torch.Tensor:
@@ -210,9 +199,7 @@ class Pipeline:
 
     def times(self) -> list[StageTimes]:
         """This rank's stages' measurements since the last :meth:`reset_times`."""
-        return [StageTimes(s, self._busy[s], self._wall[s], self._peak[s]) for s in sorted(self._wall)]
+        return [replace(t) for _, t in sorted(self._times.items())]
 
     def reset_times(self) -> None:
-        self._busy: dict[int, float] = {}
-        self._wall: dict[int, float] = {}
-        self._peak: dict[int, int] = {}
+        self._times: dict[int, StageTimes] = {}
