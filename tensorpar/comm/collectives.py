@@ -71,7 +71,7 @@ def start_all_reduce_(x: torch.Tensor, group: ProcessGroup, *, op: str = "sum") 
     input); traced, the result is a new tensor."""
     if op not in REDUCE_OPS:
         raise ValueError(f"all-reduce: op {op!r} is neither 'sum' nor 'max'")
-    if dist.get_world_size(group) == 1:
+    if group.size() == 1:
         return Pending(x)
     sent = _host(x, group)
     if torch.compiler.is_compiling():
@@ -87,7 +87,7 @@ def all_reduce_sum(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 def broadcast_from_first_(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Overwrite ``x`` in place with the group's first rank's ``x``."""
-    if dist.get_world_size(group) == 1:
+    if group.size() == 1:
         return x
     sent = _host(x, group)
     if torch.compiler.is_compiling():
@@ -108,7 +108,7 @@ def _split_view(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
 def _prepare(what: str, x: torch.Tensor, dim: int, sizes: Sequence[int], group: ProcessGroup
              ) -> tuple[int, int, torch.Tensor, int]:
     """The group's size, this rank, ``x`` as ``(pre, n, post)`` and ``dim`` made non-negative."""
-    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    n, rank = group.size(), group.rank()
     if len(sizes) != n:
         raise ValueError(f"{what}: the split {list(sizes)} has {len(sizes)} parts for {n} ranks")
     return n, rank, *_split_view(x, dim)

@@ -23,7 +23,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from ..checks import check_int
-from ..mesh import exchange_ints, group_rank_size, tp_group
+from ..mesh import exchange_ints, tp_group
 from ..sharding import partition_sizes
 from .collectives import start_all_gather_along, start_reduce_scatter_along
 from .linear import add_bias, autocast_inputs, check_linear_args, weight_grads
@@ -48,7 +48,7 @@ def sequence_length(x: torch.Tensor, seq_len: int | None, group: ProcessGroup | 
         return seq_len
     group = tp_group(group)
     check_tokens("sequence_length", x)
-    if group_rank_size(group)[1] == 1:
+    if group.size() == 1:
         return x.shape[SEQ_DIM]
     held = [row[0] for row in exchange_ints([x.shape[SEQ_DIM]], group, x.device)]
     if held != sequence_sizes(sum(held), len(held)):
@@ -113,7 +113,7 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int],
                 group: ProcessGroup) -> torch.Tensor:
         x, weight, bias = autocast_inputs(x, weight, bias)
-        rank = group_rank_size(group)[0]
+        rank = group.rank()
         ctx.save_for_backward(x, weight)  # this rank's tokens only: gathered again in backward
         ctx.sizes, ctx.group, ctx.has_bias = sizes, group, bias is not None
         gathering = start_all_gather_along(x, SEQ_DIM, sizes, group)
