@@ -122,7 +122,7 @@ def time_block(n_embd: int, n_head: int, batch: int, seq: int, steps: int, compi
 
 def all_reduce_bandwidth(numel: int, repeats: int, ours: bool) -> float:
     """Bus bandwidth of a float32 all-reduce of ``numel`` elements, GB/s (2 (n-1)/n x bytes / time):
-    gloo's own (``dist.all_reduce``), or tensorpar's (a functional all-reduce on the same gloo group)."""
+    gloo's own (``dist.all_reduce``), or tensorpar's (``start_all_reduce_``: c10d's, started then waited for)."""
     x = torch.ones(numel)
     group = tensorpar.current_mesh().tp_group
 
@@ -241,7 +241,7 @@ def report(m: dict[Any, float], libs: list[str], missing: dict[str, str], bandwi
         f"{m[('block', 2, True, False)] / block[False]:.3f}).", "",
         f"Communication of one block at tp=2 (B=2, T=256, C=768): {n} collectives, {sent} bytes; Megatron's formula "
         f"{formula} bytes; ratio {sent / formula:.3f}. All-reduce of 16 MB between the 2 ranks, bus bandwidth: "
-        f"gloo {bandwidth[False]:.2f} GB/s, tensorpar (functional all-reduce) {bandwidth[True]:.2f} GB/s.", "",
+        f"gloo {bandwidth[False]:.2f} GB/s, tensorpar (c10d, async) {bandwidth[True]:.2f} GB/s.", "",
         "Bytes each rank sends for one block's forward+backward (ring algorithms), plain and sequence-parallel, "
         "as ratios to Megatron's formula (`accounting.sequence_traffic`):", "",
         accounting.traffic_table(traffic, 2), "",

@@ -18,12 +18,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-# exchange_ints, default_backend and shutdown are re-exported from world.py for comm/, launch.py and
-# testing/ranks.py, which still import them from here
 from .world import DEFAULT_TIMEOUT, agree, collective_device, join
-from .world import default_backend as default_backend
-from .world import exchange_ints as exchange_ints
-from .world import shutdown as shutdown
 
 __all__ = ["Mesh", "current_mesh", "current_mesh_or_none", "group_rank_size", "init", "tp_group", "use_mesh"]
 

@@ -1,9 +1,11 @@
-"""Out-of-place collectives along any dim over balanced (uneven) shards: one route each, on torch.
+"""Collectives along any dim over balanced (uneven) shards: one function each, on torch.
 
-Every collective is a functional collective (``torch.ops._c10d_functional``), eager and traced alike: an
-op that starts c10d's collective and returns a new tensor, and ``wait_tensor`` where the result is needed
-(eagerly the caller computes meanwhile; in a graph the compiler schedules work between them). Nothing here
-reads the environment, looks up a mesh or counts: ``CommDebugMode`` and ``torch.profiler`` see these ops.
+Eagerly each is c10d's own op (``dist.all_reduce`` and the like, ``async_op=True``), the all-reduce in
+place on a buffer the caller owns (a product it just computed); inside ``torch.compile`` the same function
+issues the functional collective (``torch.ops._c10d_functional``), which the graph can schedule. That is
+the one branch. ``wait()`` returns the result where it is needed, so the caller computes meanwhile. Nothing
+here reads the environment, looks up a mesh or counts: ``CommDebugMode`` and ``torch.profiler`` see c10d's
+ops and functional collectives alike, and nothing changes while they watch.
 
 Agreement across ranks is torch's: byte sizes that differ abort gloo ("Is there a distributed collective
 mismatch in your code?"), ending every rank; the same bytes in another dtype return garbage unless
@@ -33,15 +35,21 @@ REDUCE_OPS = ("sum", "max")
 
 
 class Pending:
-    """A collective in flight (``in_flight=False``: the result of a group of one); ``wait()`` returns its
-    result, moved back to ``device`` and finished by ``finish`` where given."""
+    """A collective in flight: c10d's ``work`` eagerly, a functional collective's result where ``traced``
+    (neither: a group of one). ``wait()`` returns the result, moved back to ``device`` and finished by
+    ``finish`` where given."""
 
-    def __init__(self, started: torch.Tensor, finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 device: torch.device | None = None, *, in_flight: bool = True) -> None:
-        self._started, self._finish, self._device, self._in_flight = started, finish, device, in_flight
+    def __init__(self, result: torch.Tensor, work: dist.Work | None = None, *, traced: bool = False,
+                 finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 device: torch.device | None = None) -> None:
+        self._result, self._work, self._traced, self._finish, self._device = result, work, traced, finish, device
 
     def wait(self) -> torch.Tensor:
-        out = _functional.wait_tensor(self._started) if self._in_flight else self._started
+        out = self._result
+        if self._traced:
+            out = _functional.wait_tensor(out)
+        elif self._work is not None:
+            self._work.wait()
         if self._device is not None:  # staged through host memory
             out = out.to(self._device)
         return out if self._finish is None else self._finish(out)
@@ -58,29 +66,37 @@ def _back(x: torch.Tensor, sent: torch.Tensor) -> torch.device | None:
 
 
 def start_all_reduce_(x: torch.Tensor, group: ProcessGroup, *, op: str = "sum") -> Pending:
-    """Start reducing ``x`` over the group (``op``: ``"sum"`` or ``"max"``) and return at once;
-    ``wait()`` returns the result, a new tensor (``x`` is left alone)."""
+    """Start reducing ``x`` over the group (``op``: ``"sum"`` or ``"max"``) and return at once; ``wait()``
+    returns the result. Eagerly ``x`` is reduced in place (pass a buffer of your own, never an autograd
+    input); traced, the result is a new tensor."""
     if op not in REDUCE_OPS:
         raise ValueError(f"all-reduce: op {op!r} is neither 'sum' nor 'max'")
-    if dist.get_world_size(group) == 1:
-        return Pending(x, in_flight=False)
+    if group.size() == 1:
+        return Pending(x)
     sent = _host(x, group)
-    return Pending(_functional.all_reduce(sent, op, group.group_name), device=_back(x, sent))
+    if torch.compiler.is_compiling():
+        return Pending(_functional.all_reduce(sent, op, group.group_name), traced=True, device=_back(x, sent))
+    # the group's own method, c10d's op as dist.all_reduce issues it, without its Python checks (a 16 KB
+    # all-reduce between two gloo ranks: 405 µs against 467 µs through dist.all_reduce, 713 µs functional)
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return Pending(sent, group.allreduce([sent], options), device=_back(x, sent))
 
 
 def all_reduce_sum(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Sum of ``x`` over the group, in a new tensor."""
-    if dist.get_world_size(group) == 1:
-        return x.clone(memory_format=torch.contiguous_format)
-    return start_all_reduce_(x, group).wait()
+    """Sum of ``x`` over the group, in a new tensor (``x`` is left alone)."""
+    return start_all_reduce_(x.clone(memory_format=torch.contiguous_format), group).wait()
 
 
 def broadcast_from_first_(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Overwrite ``x`` in place with the group's first rank's ``x``."""
-    if dist.get_world_size(group) == 1:
+    if group.size() == 1:
         return x
     sent = _host(x, group)
-    return x.copy_(_functional.wait_tensor(_functional.broadcast(sent, 0, group.group_name)))  # 0: in the group
+    if torch.compiler.is_compiling():
+        return x.copy_(_functional.wait_tensor(_functional.broadcast(sent, 0, group.group_name)))  # 0: in the group
+    dist.broadcast(sent, group=group, group_src=0)
+    return x if sent is x else x.copy_(sent)
 
 
 def _split_view(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
@@ -95,7 +111,7 @@ def _split_view(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
 def _prepare(what: str, x: torch.Tensor, dim: int, sizes: Sequence[int], group: ProcessGroup
              ) -> tuple[int, int, torch.Tensor, int]:
     """The group's size, this rank, ``x`` as ``(pre, n, post)`` and ``dim`` made non-negative."""
-    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    n, rank = group.size(), group.rank()
     if len(sizes) != n:
         raise ValueError(f"{what}: the split {list(sizes)} has {len(sizes)} parts for {n} ranks")
     return n, rank, *_split_view(x, dim)
@@ -114,7 +130,7 @@ def start_all_gather_along(x: torch.Tensor, dim: int, sizes: Sequence[int], grou
         raise ValueError(f"all-gather along dim {dim}: rank {rank} of {n} holds {local} elements there "
                          f"but the split is {list(sizes)}")
     if n == 1:
-        return Pending(x.clone(memory_format=torch.contiguous_format), in_flight=False)
+        return Pending(x.clone(memory_format=torch.contiguous_format))
     big = max(sizes)
     send = x3.new_zeros(pre, big, post) if local < big else x3.contiguous()  # (pre, big, post)
     if local < big:
@@ -129,8 +145,12 @@ def start_all_gather_along(x: torch.Tensor, dim: int, sizes: Sequence[int], grou
             out = torch.cat([buf[r, :, :s] for r, s in enumerate(sizes)], dim=1)
         return out.reshape(*x.shape[:dim], sum(sizes), *x.shape[dim + 1:])
 
-    return Pending(_functional.all_gather_into_tensor(sent.view(-1), n, group.group_name), finish,
-                   _back(send, sent))
+    if torch.compiler.is_compiling():
+        return Pending(_functional.all_gather_into_tensor(sent.view(-1), n, group.group_name), traced=True,
+                       finish=finish, device=_back(send, sent))
+    out = sent.new_empty(n * sent.numel())  # (n * pre * big * post)
+    return Pending(out, dist.all_gather_into_tensor(out, sent.view(-1), group, async_op=True), finish=finish,
+                   device=_back(send, sent))
 
 
 def reduce_scatter_along(x: torch.Tensor, dim: int, sizes: Sequence[int], group: ProcessGroup) -> torch.Tensor:
@@ -146,7 +166,7 @@ def start_reduce_scatter_along(x: torch.Tensor, dim: int, sizes: Sequence[int], 
         raise ValueError(f"reduce-scatter along dim {dim}: size {full} does not match "
                          f"the split {list(sizes)} over {n} ranks")
     if n == 1:
-        return Pending(x.clone(memory_format=torch.contiguous_format), in_flight=False)
+        return Pending(x.clone(memory_format=torch.contiguous_format))
     big = max(sizes)
     if all(s == big for s in sizes):
         send = x3.reshape(pre, n, big, post).transpose(0, 1).contiguous()  # (n, pre, big, post)
@@ -156,5 +176,12 @@ def start_reduce_scatter_along(x: torch.Tensor, dim: int, sizes: Sequence[int], 
             send[r, :, :sizes[r]] = chunk
     sent = _host(send, group)
     shape = (*x.shape[:dim], sizes[rank], *x.shape[dim + 1:])
-    return Pending(_functional.reduce_scatter_tensor(sent.view(-1), "sum", n, group.group_name),
-                   lambda flat: flat.view(pre, big, post)[:, :sizes[rank]].reshape(shape), _back(send, sent))
+    def finish(flat: torch.Tensor) -> torch.Tensor:
+        return flat.view(pre, big, post)[:, :sizes[rank]].reshape(shape)
+
+    if torch.compiler.is_compiling():
+        return Pending(_functional.reduce_scatter_tensor(sent.view(-1), "sum", n, group.group_name), traced=True,
+                       finish=finish, device=_back(send, sent))
+    out = sent.new_empty(sent.numel() // n)  # (pre * big * post)
+    return Pending(out, dist.reduce_scatter_tensor(out, sent.view(-1), group=group, async_op=True), finish=finish,
+                   device=_back(send, sent))

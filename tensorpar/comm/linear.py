@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
-from ..mesh import group_rank_size, tp_group
+from ..mesh import tp_group
 from .collectives import start_all_reduce_
 
 Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]
@@ -116,7 +116,7 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     """
     check_linear_args("column_parallel_linear", x, weight, bias)
     group = tp_group(group)
-    if group_rank_size(group)[1] == 1:
+    if group.size() == 1:
         return F.linear(x, weight, bias)
     return _ColumnParallelLinear.apply(x, weight, bias, group)
 
@@ -130,6 +130,6 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     """
     check_linear_args("row_parallel_linear", x, weight, bias)
     group = tp_group(group)
-    if group_rank_size(group)[1] == 1:
+    if group.size() == 1:
         return F.linear(x, weight, bias)
     return _RowParallelLinear.apply(x, weight, bias, group)

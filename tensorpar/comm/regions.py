@@ -22,7 +22,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from ..checks import check_int
-from ..mesh import group_rank_size, tp_group
+from ..mesh import tp_group
 from ..sharding import partition_sizes
 from .collectives import all_gather_along, all_reduce_sum, reduce_scatter_along
 
@@ -59,7 +59,7 @@ class ScatterToTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, sizes: list[int], group: ProcessGroup) -> torch.Tensor:
-        rank, _ = group_rank_size(group)
+        rank = group.rank()
         ctx.dim, ctx.sizes, ctx.group = dim, sizes, group
         return x.narrow(dim, sum(sizes[:rank]), sizes[rank]).clone(memory_format=torch.contiguous_format)
 
@@ -74,7 +74,7 @@ class GatherFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, sizes: list[int], group: ProcessGroup) -> torch.Tensor:
-        rank, _ = group_rank_size(group)
+        rank = group.rank()
         ctx.dim, ctx.offset, ctx.size = dim, sum(sizes[:rank]), sizes[rank]
         return all_gather_along(x, dim, sizes, group)
 
@@ -115,7 +115,7 @@ class AllGather(torch.autograd.Function):
 def tp_group_rank_size(group: ProcessGroup | None) -> tuple[ProcessGroup, int, int]:
     """The tp group (``group``, or the default mesh's) with this rank in it and its size."""
     group = tp_group(group)
-    return (group, *group_rank_size(group))
+    return group, group.rank(), group.size()
 
 
 def _check(op: str, x: object, dim: int | None = None) -> None:

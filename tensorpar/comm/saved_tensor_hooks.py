@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup
 
-from ..mesh import group_rank_size
 from .collectives import start_all_gather_along
 from .regions import tp_group_rank_size
 from .sequence import SEQ_DIM, check_tokens, sequence_sizes
@@ -26,7 +25,7 @@ class _Regather:
 
     def __init__(self, full: torch.Tensor, local: torch.Tensor, group: ProcessGroup) -> None:
         self.group = group
-        self.sizes = sequence_sizes(full.shape[SEQ_DIM], group_rank_size(group)[1])
+        self.sizes = sequence_sizes(full.shape[SEQ_DIM], group.size())
         self.offset, self.version = full.storage_offset(), local._version
         self.users, self._left = 0, 0
         self._task: int | None = None
