@@ -16,6 +16,7 @@ Targets (CPU): cache / recomputation ≥ 5, ours / plain at tp 1 ≤ 1.10 (time)
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -70,7 +71,7 @@ def time_generation(path: str, batch: int, prompt: int, new: int, config: dict[s
         elapsed = time.perf_counter() - start
     finally:
         hook.remove()
-    return elapsed, [b - a for a, b in zip(stamps, stamps[1:])]
+    return elapsed, [b - a for a, b in itertools.pairwise(stamps)]
 
 
 def measure(pools: dict[int, World], args: argparse.Namespace, config: dict[str, Any]
