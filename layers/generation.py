@@ -117,7 +117,8 @@ def _sample(model: GPT, logits: torch.Tensor, temperature: float, top_k: int | N
     """The next token of each row from this rank's logits (B, V / tp), the same on every rank, and when
     ``scored`` its log-probability (B,) under the distribution it was drawn from (greedy: under the model
     itself; else zeros)."""
-    full = tensorpar.gather_from_tp(logits, -1, model.config.vocab_size, model.tp_group)  # (B, V)
+    alone = model.tp_group.size() == 1
+    full = logits if alone else tensorpar.gather_from_tp(logits, -1, model.config.vocab_size, model.tp_group)  # (B, V)
     if temperature == 0:
         nxt = full.argmax(-1)
     else:
@@ -126,7 +127,8 @@ def _sample(model: GPT, logits: torch.Tensor, temperature: float, top_k: int | N
             kth = torch.topk(scaled, min(top_k, scaled.shape[-1])).values[:, [-1]]
             scaled = scaled.masked_fill(scaled < kth, -torch.inf)
         nxt = torch.multinomial(F.softmax(scaled, dim=-1), num_samples=1)[:, 0]  # (B,)
-    nxt = broadcast_from_first_(nxt.contiguous(), model.tp_group)
+    if not alone:
+        nxt = broadcast_from_first_(nxt.contiguous(), model.tp_group)
     if not scored:
         return nxt, logits.new_zeros(())  # unused
     if top_k is not None and temperature != 0:  # renormalised over the top k: the default numerics
