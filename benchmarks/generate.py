@@ -143,7 +143,9 @@ def main() -> None:
     print(f"{shape}; {loads}\n{table}")
     if args.write:
         write_section("Generation speed", f"{machine()}, gloo, one thread per rank; {shape}; medians of "
-                      f"{args.rounds} interleaved rounds (recomputation: {args.recompute_rounds}); {loads} "
+                      f"{args.rounds} interleaved rounds (recomputation: {args.recompute_rounds}); ratios and per-step "
+                      f"times of CPU time (`time.process_time`, the slower rank's), steady where the wall clock "
+                      f"is not on this shared machine; {loads} "
                       f"(`python benchmarks/generate.py --write`). Targets: cache / recompute ≥ 5, ours / plain "
                       f"(time) ≤ 1.10 at tp 1, last 32 / first 32 ≤ 1.2.\n\n" + table)
 
