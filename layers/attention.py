@@ -146,16 +146,17 @@ class ParallelSelfAttention(nn.Module):
         if cache is None:
             y = self.attend(q, k, v, p)  # (B, h, T, d)
         else:  # every token of the rows so far: (B, held KV heads, L, d), the queries at positions (B, T)
-            k, v, positions, _ = cache.write(k, v)
-            y = self.attend(q, k, v, p, positions)
+            k, v = cache.write(k, v)
+            y = self.attend(q, k, v, p, cache.cache.positions, cache.cache.mask)
         y = self.c_proj(y.transpose(1, 2).flatten(2))  # (B, T, h * d) -> (B, T, C) summed over ranks, or (B, T_r, C)
         return self.resid_dropout(y, x.shape[-2]) if self.sequence_parallel else self.resid_dropout(y)
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float,
-                   positions: torch.Tensor | None = None) -> torch.Tensor:
+                   positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
         """SDPA on this rank's heads: ``(B, h, T, d)`` queries, ``(B, held KV heads, L, d)`` keys and values,
         dropout ``p`` on the probabilities -> ``(B, h, T, d)``. Causal (``L == T``), or with the queries'
-        ``positions`` (B, T) each query reads the keys of slots ``0..position``."""
+        ``positions`` (B, T) (a KV cache's) each query reads the keys of slots ``0..position``: those of
+        ``mask`` (B, 1, T, L), or where it is ``None``, causally from slot 0 (``T > 1``) or every key."""
         h = self.local_heads
         if self._kv_index is not None:  # each local query head's KV head, gathered (uneven readers only)
             k, v = k[:, self._kv_index], v[:, self._kv_index]  # (B, h, T, d)
@@ -163,9 +164,10 @@ class ParallelSelfAttention(nn.Module):
             k, v = (t.narrow(1, self.kv_lo, self.local_kv_heads) for t in (k, v))  # (B, h_kv, T, d)
         grouped = k.shape[1] != h
         if positions is not None:  # keys read: slot <= the query's position
-            mask = torch.arange(k.shape[2], device=q.device) <= positions[:, None, :, None]  # (B, 1, T, L)
+            causal = mask is None and q.shape[2] > 1
             with self.rng.fork(q.device) if p else contextlib.nullcontext():
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, enable_gqa=grouped)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal,
+                                                      enable_gqa=grouped)
         if p and torch.compiler.is_compiling():  # no stream can be swapped in a graph: see below
             if grouped:
                 k, v = (t.repeat_interleave(h // t.shape[1], 1) for t in (k, v))  # (B, h, T, d)

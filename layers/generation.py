@@ -23,14 +23,17 @@ from .kv_cache import KVCache
 GPT = Any  # a layers.GPT (which imports this module)
 
 
-def last_logits(model: GPT, idx: torch.Tensor, last: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
-    """This rank's vocabulary slice of the logits at position ``last[r]`` of each row of ``idx`` (B, S), run
-    after the tokens ``cache`` holds (or from position 0): ``(B, V / tp)``."""
+def last_logits(model: GPT, idx: torch.Tensor, last: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
+    """This rank's vocabulary slice of the logits at position ``last[r]`` of each row of ``idx`` (B, S)
+    (``None``: the last position of every row), run after the tokens ``cache`` holds (or from position 0):
+    ``(B, V / tp)``."""
     h = model._hidden(idx, cache)  # (B, S, C), or with sequence parallelism this rank's (B, S_r, C)
-    rows = torch.arange(idx.shape[0], device=idx.device)
     if model.config.sequence_parallel:  # the rows' last tokens may lie on any rank: the head gathers them
-        return model.lm_head(h, idx.shape[1])[rows, last]
-    return model.lm_head(h[rows, last])  # (B, V / tp)
+        h = model.lm_head(h, idx.shape[1])  # (B, S, V / tp)
+        return h[:, -1] if last is None else h[torch.arange(idx.shape[0], device=idx.device), last]
+    if last is None:
+        return model.lm_head(h[:, -1])  # (B, V / tp)
+    return model.lm_head(h[torch.arange(idx.shape[0], device=idx.device), last])
 
 
 def _lengths(idx: torch.Tensor, prompt_lengths: torch.Tensor | Iterable[int] | None) -> list[int]:
@@ -74,33 +77,39 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
     cache = model.new_cache(b) if cached else None
     nxt = at  # (B,) the tokens sampled last
     if cache is not None:  # prefill: every prompt, right-padded to the longest; each row's last token's logits
-        logits = last_logits(model, idx[:, :longest], at - 1, cache)
+        logits = last_logits(model, idx[:, :longest], at - 1 if ragged else None, cache)
         if ragged:
             cache.truncate_(lengths)
     for step in range(max_new_tokens):
         if step and cache is not None:
-            logits = last_logits(model, nxt[:, None], torch.zeros_like(at), cache)  # decode: (B, V / tp)
+            logits = last_logits(model, nxt[:, None], None, cache)  # decode: (B, V / tp)
         elif cache is None:  # recompute from the start (the last block_size tokens when they are more)
             end = longest + step
             lo = max(0, end - block)
-            logits = last_logits(model, out[:, lo:end], at - 1 - lo, None)
+            logits = last_logits(model, out[:, lo:end], at + step - 1 - lo if ragged else None, None)
         nxt, logprob = _sample(model, logits, temperature, top_k, return_logprobs)
-        nxt = torch.where(done, stopped_with, nxt)  # a row that stopped repeats its stop token, log-prob 0
-        logprobs.append(logprob.masked_fill(done, 0.0))
-        out[rows, at] = nxt
-        at = at + 1
+        if stops:
+            nxt = torch.where(done, stopped_with, nxt)  # a row that stopped repeats its stop token, log-prob 0
+            logprob = logprob.masked_fill(done, 0.0)
+        if return_logprobs:
+            logprobs.append(logprob)
+        if ragged:
+            out[rows, at + step] = nxt
+        else:
+            out[:, longest + step] = nxt
         if stops:
             newly = torch.isin(nxt, stop_set) & ~done
             stopped_with = torch.where(newly, nxt, stopped_with)
             done |= newly
             if bool(done.all()):  # the rest repeats every row's stop token
-                for _ in range(step + 1, max_new_tokens):
-                    out[rows, at] = stopped_with
-                    at = at + 1
+                for rest in range(step + 1, max_new_tokens):
+                    out[rows, at + rest] = stopped_with
                     logprobs.append(torch.zeros_like(logprob))
                 break
+    if not return_logprobs:
+        return out
     scores = torch.stack(logprobs, 1) if logprobs else torch.zeros(b, 0, device=idx.device)  # (B, max_new_tokens)
-    return (out, scores) if return_logprobs else out
+    return out, scores
 
 
 def _sample(model: GPT, logits: torch.Tensor, temperature: float, top_k: int | None, scored: bool
@@ -108,7 +117,8 @@ def _sample(model: GPT, logits: torch.Tensor, temperature: float, top_k: int | N
     """The next token of each row from this rank's logits (B, V / tp), the same on every rank, and when
     ``scored`` its log-probability (B,) under the distribution it was drawn from (greedy: under the model
     itself; else zeros)."""
-    full = tensorpar.gather_from_tp(logits, -1, model.config.vocab_size, model.tp_group)  # (B, V)
+    alone = model.tp_group.size() == 1
+    full = logits if alone else tensorpar.gather_from_tp(logits, -1, model.config.vocab_size, model.tp_group)  # (B, V)
     if temperature == 0:
         nxt = full.argmax(-1)
     else:
@@ -117,9 +127,10 @@ def _sample(model: GPT, logits: torch.Tensor, temperature: float, top_k: int | N
             kth = torch.topk(scaled, min(top_k, scaled.shape[-1])).values[:, [-1]]
             scaled = scaled.masked_fill(scaled < kth, -torch.inf)
         nxt = torch.multinomial(F.softmax(scaled, dim=-1), num_samples=1)[:, 0]  # (B,)
-    nxt = broadcast_from_first_(nxt.contiguous(), model.tp_group)
+    if not alone:
+        nxt = broadcast_from_first_(nxt.contiguous(), model.tp_group)
     if not scored:
-        return nxt, torch.zeros(nxt.shape, device=nxt.device)
+        return nxt, logits.new_zeros(())  # unused
     if top_k is not None and temperature != 0:  # renormalised over the top k: the default numerics
         return nxt, F.log_softmax(scaled.float(), -1).gather(-1, nxt[:, None])[:, 0]
     # the training path's cross-entropy of the sampled token (the bitwise mode's bits, when on)

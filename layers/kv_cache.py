@@ -31,26 +31,24 @@ class LayerCache:
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
 
-    def write(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k``, ``v`` ``(B, held KV heads, S, d)`` at the positions of this forward; returns every
-        slot's keys and values ``(B, held KV heads, L, d)`` up to ``L`` (the longest row after the write),
-        the queries' positions ``(B, S)`` and ``L``."""
-        cache, (b, hk, s, d) = self.cache, k.shape
-        if self.keys is None:
-            shape = (cache.batch_size, hk, cache.block_size, d)
-            self.keys, self.values = (k.new_zeros(shape) for _ in range(2))
-        assert self.values is not None
-        pos = cache.positions  # (B, S)
-        if cache.uniform is not None:  # every row at the same length: a slice
-            at = cache.uniform
-            self.keys[:, :, at:at + s] = k
-            self.values[:, :, at:at + s] = v
+        slot's keys and values ``(B, held KV heads, L, d)`` up to ``L`` (the longest row after the write)."""
+        cache, s = self.cache, k.shape[2]
+        keys, values = self.keys, self.values
+        if keys is None or values is None:
+            shape = (cache.batch_size, k.shape[1], cache.block_size, k.shape[3])
+            self.keys, self.values = keys, values = k.new_zeros(shape), v.new_zeros(shape)
+        at = cache.uniform
+        if at is not None:  # every row at the same length: a slice
+            keys[:, :, at:at + s] = k
+            values[:, :, at:at + s] = v
         else:
-            index = pos[:, None, :, None].expand(b, hk, s, d)
-            self.keys.scatter_(2, index, k)
-            self.values.scatter_(2, index, v)
+            index = cache.positions[:, None, :, None].expand(k.shape)
+            keys.scatter_(2, index, k)
+            values.scatter_(2, index, v)
         end = cache.end
-        return self.keys[:, :, :end], self.values[:, :, :end], pos, end
+        return keys[:, :, :end], values[:, :, :end]
 
 
 class KVCache:
@@ -70,15 +68,23 @@ class KVCache:
         self.positions = self.lengths[:, None]  # (B, S) of the forward running now
         self.uniform: int | None = 0  # every row's length when they agree (writes are slices), else None
         self.end = 0  # the longest row's length after the forward running now
+        self.mask: torch.Tensor | None = None  # (B, 1, S, L) the slots each query reads; None: see begin
 
     def begin(self, s: int) -> torch.Tensor:
-        """Plan a forward of ``s`` tokens per row: their positions ``(B, s)``. Raises past ``block_size``."""
+        """Plan a forward of ``s`` tokens per row: their positions ``(B, s)``, and the slots each query reads,
+        for every layer: ``mask`` ``(B, 1, s, L)``, or ``None`` where rows agree and no mask is needed (a
+        prefill from slot 0 is causal; one token per row reads every slot). Raises past ``block_size``."""
         longest = max(self._host_lengths)
         if longest + s > self.block_size:
             raise ValueError(f"the KV cache holds {self.block_size} tokens per row (block_size); a row of "
                              f"{longest} cannot take {s} more")
-        self.positions = self.lengths[:, None] + torch.arange(s, device=self.lengths.device)  # (B, S)
+        device = self.lengths.device
+        self.positions = self.lengths[:, None] + torch.arange(s, device=device)  # (B, S)
         self.end = longest + s
+        if self.uniform is not None and (self.uniform == 0 or s == 1):
+            self.mask = None
+        else:
+            self.mask = torch.arange(self.end, device=device) <= self.positions[:, None, :, None]  # (B, 1, S, L)
         return self.positions
 
     def advance(self, s: int) -> None:

@@ -59,8 +59,11 @@ def generated(cfg, seed, sequence_parallel, lengths, new):
     cache = model.new_cache(b)
     steps = [model(sampled[:, :t], cache=cache)] + [model(sampled[:, i:i + 1], cache=cache)
                                                     for i in range(t, sampled.shape[1])]
+    cache = model.new_cache(b)  # the rest in chunks of 2 tokens: several queries after the cache's tokens
+    chunks = [model(sampled[:, :t], cache=cache)] + [model(sampled[:, i:i + 2], cache=cache)
+                                                     for i in range(t, sampled.shape[1], 2)]
     whole = model(sampled)
-    return out, logprobs, -losses, ragged, ragged_lp, alone, torch.cat(steps, 1), whole
+    return out, logprobs, -losses, ragged, ragged_lp, alone, torch.cat(steps, 1), torch.cat(chunks, 1), whole
 
 
 @settings(max_examples=5)
@@ -74,13 +77,13 @@ def test_generation_with_the_cache_is_generation_without_it(worlds, tp, data):
     new = data.draw(st.integers(1, cfg["block_size"] - max(lengths)))
     sp = data.draw(st.booleans(), label="sequence_parallel")
     results = worlds[tp].run(generated, cfg, 0, sp, lengths, new)
-    for out, logprobs, training, ragged, ragged_lp, alone, steps, whole in results:
+    for out, logprobs, training, ragged, ragged_lp, alone, steps, chunks, whole in results:
         assert out["cached"].tolist() == out["recomputed"].tolist() == out["reference"].tolist()
         assert logprobs.shape == (len(lengths), new)
         for r, n in enumerate(lengths):
             assert ragged[r, :n + new].tolist() == alone[r][0][0].tolist(), (r, n)
             assert (ragged[r, n + new:] == 0).all()
-        assert_all_close({"log-probs": (logprobs, training), "steps": (steps, whole),
+        assert_all_close({"log-probs": (logprobs, training), "steps": (steps, whole), "chunks": (chunks, whole),
                           "ragged log-probs": (ragged_lp, torch.cat([a[1] for a in alone]))},
                          rtol=TOLERANCES[torch.float64])
     assert all(r[0]["cached"].tolist() == results[0][0]["cached"].tolist() for r in results)

@@ -110,9 +110,10 @@ class HeadByHead:
         self.query_sizes, self.group, self.key_block = query_sizes, group, key_block
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float,
-                 positions: torch.Tensor | None = None) -> torch.Tensor:
+                 positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Without dropout, by key blocks (:func:`attention_by_key_blocks`): the queries at ``positions``
-        (B, T) read the keys of slots up to theirs (``None``: causal, ``L == T``)."""
+        (B, T) read the keys of slots up to theirs (``None``: causal, ``L == T``; ``mask``, the same slots
+        as a KV cache gives them to the default attention, is not needed here)."""
         k, v = (_ExpandKV.apply(t, self.kv_index, self.g, self.query_sizes, self.group) for t in (k, v))  # (B, h, L, d)
         if not p:
             return attention_by_key_blocks(q, k, v, positions, self.key_block)
