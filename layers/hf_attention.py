@@ -20,7 +20,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
 #: The key of :func:`attention` in ``transformers``' ``ALL_ATTENTION_FUNCTIONS``.
 NAME = "tensorpar_heads"
@@ -44,8 +43,9 @@ class HeadsConfig:
         setattr(self.model_config, name, value)
 
 
-def install(attn: nn.Module, heads: range, n_head: int) -> None:
-    """Make ``attn`` (holding query heads ``heads`` of ``n_head``) drop its heads' slice of one mask for all."""
+def install(attn: Any, heads: range, n_head: int) -> None:
+    """Make ``attn`` (a Hugging Face attention module holding query heads ``heads`` of ``n_head``) drop
+    its heads' slice of one mask for all."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if NAME not in ALL_ATTENTION_FUNCTIONS:
@@ -55,7 +55,7 @@ def install(attn: nn.Module, heads: range, n_head: int) -> None:
     attn.config = HeadsConfig(attn.config)
 
 
-def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Hugging Face's attention interface: ``(B, h, T, d)`` queries, ``(B, h_kv, S, d)`` keys and values,
