@@ -117,6 +117,28 @@ def test_attention_dropout_draws_the_dense_models_masks(worlds):
             assert dropped > 1e-3, (arch, dropped)  # the masks changed the loss
 
 
+def reordered_attention_dropout():
+    """GPT-2 with reorder_and_upcast_attn (its own eager path): training with attention dropout raises at
+    tp > 1, the same on every rank; evaluation runs."""
+    from layers import parallelize_hf
+
+    model = parallelize_hf(build("gpt2", dict(GPT2, attn_pdrop=0.1, reorder_and_upcast_attn=True), torch.float32, 0))
+    ids = torch.randint(0, GPT2["vocab_size"], (1, 4))
+    try:
+        model.train()(ids)
+        message = "no error"
+    except ValueError as e:
+        message = str(e)
+    return message, model.eval()(ids).logits.shape
+
+
+def test_attention_dropout_with_gpt2s_reordered_attention_is_refused(worlds):
+    for message, shape in worlds[2].run(reordered_attention_dropout):
+        assert message.startswith("attention dropout (attn_pdrop=0.1) in training is not supported by "
+                                  "parallelize_hf at tp > 1 with reorder_and_upcast_attn=True")
+        assert shape == (1, 4, GPT2["vocab_size"])
+
+
 def load_back(seed):
     """A dense GPT-2's state dict loaded into another seed's sharded copy gives back that state dict
     and its logits; the fused ``c_attn``'s shard is a piece of each of its three blocks (how a checkpoint holds it)."""
