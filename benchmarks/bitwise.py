@@ -2,11 +2,13 @@
 
     python benchmarks/bitwise.py [--rounds 5] [--write]
 
-Three workloads, each in both modes on the same ranks (one CPU thread each: the mode's own setting,
+Four workloads, each in both modes on the same ranks (one CPU thread each: the mode's own setting,
 and the default mode's too, so that only the mode differs): the MLP at hidden 768 (1024 tokens,
 forward+backward), a GPT block (n_embd 768, 12 heads, 4×256 tokens, forward+backward) and a small
 GPT's whole training step (4 layers, n_embd 256, 8 heads, vocabulary 8192, 4×256 tokens: forward,
-loss, backward, clipping, AdamW). Figures are medians over interleaved rounds of the slowest rank's
+loss, backward, clipping, AdamW), and the same step of the demo model, ``examples/train_gpt.py``'s
+defaults (4 layers, n_embd 128, 4 heads, no biases, 256 byte values, 16×64 tokens); ``--workloads``
+picks some. Figures are medians over interleaved rounds of the slowest rank's
 step; memory is the bytes of the distinct storages autograd keeps for backward in one forward
 (parameters excluded), the largest rank's. Target: bitwise / default ≤ 1.5 at tp = 2.
 """
@@ -30,7 +32,9 @@ from results import machine, write_section
 from tensorpar.testing import World
 
 SMALL_GPT = dict(n_layer=4, n_embd=256, n_head=8, vocab_size=8192, block_size=256)
-WORKLOADS = ("MLP h=768", "GPT block", "small GPT step")
+DEMO_GPT = dict(n_layer=4, n_embd=128, n_head=4, vocab_size=256, block_size=64, bias=False)  # train_gpt.py's
+GPT_STEPS = {"small GPT step": (SMALL_GPT, 4), "demo GPT step": (DEMO_GPT, 16)}  # the model and its batch
+WORKLOADS = ("MLP h=768", "GPT block", *GPT_STEPS)
 ORDERS = [(1, False), (1, True), (2, False), (2, True)]
 _BUILT: dict[tuple[str, bool], tuple[nn.Module, Callable[[], torch.Tensor], Any]] = {}
 
@@ -59,9 +63,11 @@ def _workload(name: str) -> tuple[nn.Module, Callable[[], torch.Tensor], Any]:
             y.backward(torch.ones_like(y))
             return y
     else:
-        module = GPT(GPTConfig(**SMALL_GPT))
+        spec, batch = GPT_STEPS[name]
+        module = GPT(GPTConfig(**spec))
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
-        ids = torch.randint(0, SMALL_GPT["vocab_size"], (4, 257), generator=torch.Generator().manual_seed(0))
+        ids = torch.randint(0, spec["vocab_size"], (batch, spec["block_size"] + 1),
+                            generator=torch.Generator().manual_seed(0))
 
         def step() -> torch.Tensor:
             loss = module(ids[:, :-1], ids[:, 1:])
@@ -74,17 +80,20 @@ def _workload(name: str) -> tuple[nn.Module, Callable[[], torch.Tensor], Any]:
     return _BUILT[(name, bitwise)]
 
 
-def time_steps(name: str, steps: int) -> list[float]:
-    """In a pool rank: seconds of each of ``steps`` steps of ``name`` in the current mode, after a warm-up."""
+def time_steps(name: str, steps: int, clock: str = "wall") -> list[float]:
+    """In a pool rank: seconds of each of ``steps`` steps of ``name`` in the current mode, after a warm-up:
+    elapsed (``clock="wall"``), or this process's CPU time (``"cpu"``: what the rank computed, waits for
+    its peers and for a busy machine's other processes left out)."""
     torch.set_num_threads(1)
     module, step, _ = _workload(name)
+    now = time.perf_counter if clock == "wall" else time.process_time
     times = []
     for i in range(steps + 1):
         module.zero_grad(set_to_none=True)
-        start = time.perf_counter()
+        start = now()
         step()
         if i:
-            times.append(time.perf_counter() - start)
+            times.append(now() - start)
     return times
 
 
@@ -96,23 +105,24 @@ def saved_bytes(name: str) -> int:
     return saved
 
 
-def measure(pools: dict[int, World], rounds: int, steps: int) -> tuple[dict[Any, float], dict[Any, int]]:
+def measure(pools: dict[int, World], rounds: int, steps: int, workloads: tuple[str, ...] = WORKLOADS,
+            clock: str = "wall") -> tuple[dict[Any, float], dict[Any, int]]:
     samples: dict[Any, list[float]] = {}
     for r in range(rounds):
-        for name in WORKLOADS:
+        for name in workloads:
             for tp, bitwise in ORDERS[r % len(ORDERS):] + ORDERS[:r % len(ORDERS)]:  # each round another first
-                per_rank = pools[tp].run(time_steps, name, steps, bitwise=bitwise, timeout=600)
+                per_rank = pools[tp].run(time_steps, name, steps, clock, bitwise=bitwise, timeout=600)
                 samples.setdefault((name, tp, bitwise), []).extend(max(ts) for ts in zip(*per_rank, strict=True))
         print(f"round {r + 1}/{rounds} done", file=sys.stderr)
     memory = {(name, tp, bitwise): max(pools[tp].run(saved_bytes, name, bitwise=bitwise))
-              for name in WORKLOADS for tp in (1, 2) for bitwise in (False, True)}
+              for name in workloads for tp in (1, 2) for bitwise in (False, True)}
     return {k: statistics.median(v) for k, v in samples.items()}, memory
 
 
 def report(times: dict[Any, float], memory: dict[Any, int]) -> str:
     lines = ["| workload | tp | default ms | bitwise ms | bitwise / default | default saved MiB | bitwise saved MiB | "
              "bitwise / default |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for name in WORKLOADS:
+    for name in dict.fromkeys(name for name, _, _ in times):
         for tp in (1, 2):
             d, b = times[(name, tp, False)], times[(name, tp, True)]
             md, mb = memory[(name, tp, False)], memory[(name, tp, True)]
@@ -125,11 +135,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per workload, mode and round")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="elapsed time, or each rank's CPU time (on a machine others load)")
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--write", action="store_true", help="record the table in benchmarks/RESULTS.md")
     args = parser.parse_args()
     pools = {tp: World(tp, timeout=600) for tp in (1, 2)}
     try:
-        times, memory = measure(pools, args.rounds, args.steps)
+        times, memory = measure(pools, args.rounds, args.steps, tuple(args.workloads), args.clock)
     finally:
         for pool in pools.values():
             pool.close()

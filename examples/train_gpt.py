@@ -27,7 +27,8 @@ writes OUT/metrics.jsonl (one JSON line per step: loss, lr, grad_norm,
 tokens_per_s, and val_loss after every --eval-every steps) and OUT/loss.png,
 and prints a sample. Each rank writes its own shards of each checkpoint
 (torch.distributed.checkpoint) into OUT/step-NNNNNN; --export-hf DIR saves the
-final model as a Hugging Face GPT-2 directory.
+final model as a Hugging Face GPT-2 directory (with --export-only, the newest
+checkpoint in OUT, training nothing: a finished run exported afterwards).
 
 The bar, metrics.jsonl and the summary show tokens_per_s (last 20 steps), mfu,
 peak memory (rank 0's; the summary every rank's), step_s, device and dtype.
@@ -123,6 +124,7 @@ EPILOG = """examples:
   python examples/train_gpt.py --data my.txt --out run1 --overwrite    # run1's earlier run moved to run1/replaced-*
   python examples/train_gpt.py --lr 1e-2 --on-nonfinite skip    # a step with a NaN loss is skipped, not fatal
   python examples/train_gpt.py --tp 1 --export-hf run1/hf   # one GPU, bf16; then GPT2LMHeadModel.from_pretrained
+  python examples/train_gpt.py --out run1 --export-only --export-hf run1/hf   # run1's newest checkpoint, no training
   python examples/train_gpt.py --data data/shakespeare --vocab-size 50257 --eval-every 50 --logger tensorboard
   torchrun --nproc-per-node 8 examples/train_gpt.py --tp 4 --n-layer 12 --n-embd 768 --n-head 12
 """
@@ -193,6 +195,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     out = Path(cfg.out) if cfg.out else None
     if cfg.resume != "never" and out and (out / "latest").exists():
         done = checkpoint.load(out, model, optimizer)["step"]
+    if cfg.export_only:  # the checkpoint, written as it is
+        assert isinstance(model, GPT)  # --export-hf needs --pp 1
+        export_gpt2(model, cfg.export_hf)
+        return {"losses": {}, "val_losses": {}, "grad_norms": {}, "skipped": [], "stopped": None, "sample": None,
+                "hardware": {}, "step": done} if lead else {}
     pipe = None
     if isinstance(model, PipelinedGPT):  # gradients averaged over dp once per step (or reduced by FSDP2)
         pipe = model.pipeline(cfg.schedule, cfg.microbatches)
@@ -372,6 +379,8 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.out:
         print(f"metrics: {cfg.out}/metrics.jsonl, curve: {cfg.out}/loss.png, checkpoint: {cfg.out}/latest"
               + (f", {cfg.logger}: {cfg.out}" if cfg.logger != "none" else ""))
+    if cfg.export_only:
+        print(f"step {result['step']} of {cfg.out}: ", end="")
     if cfg.export_hf:
         print(f"Hugging Face GPT-2: {cfg.export_hf} (transformers.GPT2LMHeadModel.from_pretrained loads it)")
     if result.get("sample"):

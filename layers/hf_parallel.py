@@ -29,10 +29,13 @@ In bitwise mode (:mod:`layers.numerics`) the linear layers compute by segments, 
 between them run one segment at a time, and ``copy_in`` passes gradients through (the column
 layers sum them); grouped-query models need at least as many KV heads as the largest tp of the mode.
 
+Attention-probability dropout in training draws one mask for all the heads from the default
+generator and each rank keeps its heads' slice (:mod:`layers.hf_attention`): the dense model's masks
+at every tp, when it draws them as ``torch.rand(B, n_head, T, S) >= p``.
+
 Not covered: attention implementations other than ``"eager"`` and ``"sdpa"``,
-attention-probability dropout in training at tp > 1 (each rank would draw
-its heads' masks from one generator, which would then differ between ranks:
-it raises at the forward), GPT-2 cross-attention, ``output_attentions`` (each
+attention-probability dropout in training at tp > 1 with GPT-2's ``reorder_and_upcast_attn``
+(it raises at the forward), GPT-2 cross-attention, ``output_attentions`` (each
 rank returns its own heads), resizing the embeddings afterwards.
 """
 
@@ -49,7 +52,7 @@ from torch.distributed import ProcessGroup
 
 import tensorpar
 
-from . import numerics
+from . import hf_attention, numerics
 from .embedding import VocabParallelEmbedding
 from .heads import head_layout
 from .hf_modules import ColumnParallelConv1D, PaddedVocabParallelEmbedding, ReplicatedHeadsLinear, RowParallelConv1D
@@ -115,7 +118,10 @@ def _gpt2(model: nn.Module, config: Any, group: ProcessGroup, rank: int, tp: int
         attn.c_attn = ColumnParallelConv1D.from_conv1d(attn.c_attn, unit=d, blocks=3, group=group)
         attn.c_proj = RowParallelConv1D.from_conv1d(attn.c_proj, unit=d, group=group)
         attn.split_size, attn.num_heads = heads * d, heads  # this rank's Q (K, V) width and heads
-        _refuse_attention_dropout(attn, tp, lambda a: a.attn_dropout.p, "attn_pdrop")
+        if config.reorder_and_upcast_attn:  # its own eager path, whose dropout draws per rank
+            _refuse_attention_dropout(attn, tp, lambda a: a.attn_dropout.p, "attn_pdrop")
+        else:
+            hf_attention.install(attn, head_layout(n_head, n_head, tp, rank).query, n_head)
         mlp.c_fc = ColumnParallelConv1D.from_conv1d(mlp.c_fc, group=group)
         mlp.c_proj = RowParallelConv1D.from_conv1d(mlp.c_proj, group=group)
         mlp.act = numerics.segmentwise(mlp.act, inner, group)  # in bitwise mode, GELU by segments of c_fc's output
@@ -131,7 +137,7 @@ def _llama(model: nn.Module, config: Any, group: ProcessGroup, rank: int, tp: in
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         _shard_attention(attn, n_head, n_kv, group, rank, tp)
-        _refuse_attention_dropout(attn, tp, lambda a: a.attention_dropout, "attention_dropout")
+        hf_attention.install(attn, head_layout(n_head, n_kv, tp, rank).query, n_head)
         _enter_region(attn, group)
         column = dict(copy_input=False, group=group)  # behind copy_in's f
         mlp.gate_proj = ColumnParallelLinear.from_linear(mlp.gate_proj, **column)
@@ -177,7 +183,8 @@ def _copy_in_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
 
 
 def _refuse_attention_dropout(attn: nn.Module, tp: int, rate: Callable[[nn.Module], float], option: str) -> None:
-    """At tp > 1, make a training forward with attention-probability dropout raise (see the module docstring)."""
+    """At tp > 1, make a training forward with attention-probability dropout raise (GPT-2 with
+    ``reorder_and_upcast_attn``, whose own eager path would draw each rank's masks alone)."""
     if tp > 1:
         attn.register_forward_pre_hook(functools.partial(_dropout_hook, rate=rate, option=option))
 
@@ -187,9 +194,10 @@ def _dropout_hook(module: nn.Module, args: tuple[Any, ...], *, rate: Callable[[n
     """Raise for a training forward with attention-probability dropout."""
     if module.training and rate(module) > 0:
         raise ValueError(f"attention dropout ({option}={rate(module)}) in training is not supported by "
-                         "parallelize_hf at tp > 1: each rank would draw its heads' masks from the default "
-                         f"generator, which would then differ between ranks; set config.{option} = 0.0 before "
-                         "building the model, or call model.eval()")
+                         "parallelize_hf at tp > 1 with reorder_and_upcast_attn=True: each rank would draw its "
+                         "heads' masks from the default generator, which would then differ between ranks; set "
+                         f"config.{option} = 0.0 or reorder_and_upcast_attn = False before building the model, "
+                         "or call model.eval()")
 
 
 def _check_vocab(model: nn.Module, tp: int) -> None:

@@ -13,7 +13,7 @@ def build(arch, spec, dtype, seed):
     spec = dict(spec)
     attn = spec.pop("attn")
     if arch == "gpt2":
-        config = transformers.GPT2Config(**spec, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        config = transformers.GPT2Config(**{"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, **spec},
                                          bos_token_id=0, eos_token_id=0)
         cls = transformers.GPT2LMHeadModel
     else:

@@ -362,8 +362,11 @@ HF_SPECS = {"gpt2": dict(vocab_size=37, attn="sdpa", n_layer=1, n_head=6, n_embd
 
 def test_parallelized_and_hugging_face_models_compute_the_same_bits_at_every_tp(worlds):
     """A plan-converted nanoGPT block (its activation by ``Segmentwise``) and ``parallelize_hf``'s GPT-2 (6
-    heads: uneven at tp 4) and Llama (grouped-query, 4 KV heads) at tp 2, 3 and 4 against tp 1."""
+    heads: uneven at tp 4; also with attention and residual dropout) and Llama (grouped-query, 4 KV heads)
+    at tp 2, 3 and 4 against tp 1."""
+    dropout = dict(attn_pdrop=0.2, resid_pdrop=0.1, embd_pdrop=0.1)
     cases = [(nano_block_run, (6, 3, 0))] + [(hf_run, (arch, spec, 0)) for arch, spec in HF_SPECS.items()]
+    cases.append((hf_run, ("gpt2", HF_SPECS["gpt2"] | dropout, 0)))
     for fn, args in cases:
         one = worlds[1].run(fn, *args, bitwise=True)[0]
         for tp in (2, 3, 4):

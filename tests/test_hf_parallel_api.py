@@ -7,7 +7,7 @@ import torch
 import transformers  # the hf extra: make test installs it, so a missing one fails
 
 import tensorpar
-from hf_cases import build
+from hf_cases import batch, build
 from tensorpar.sharding import Shard
 from tensorpar.testing import count_collectives
 
@@ -68,12 +68,62 @@ def test_refusals_name_the_model_and_the_numbers(worlds):
     assert cross == "ValueError: parallelize_hf does not support GPT-2 with add_cross_attention=True"
 
 
-def attention_dropout():
-    """Training with attention dropout raises at tp > 1 (the same on every rank); evaluation runs."""
+class RandDropout(torch.overrides.TorchFunctionMode):
+    """The dense reference's attention dropout (a 4-D ``F.dropout``, on the probabilities) with the mask
+    ``torch.rand(probs.shape) >= p`` (float32 draws); the residual dropouts (3-D) run as they are."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.dropout and args[0].dim() == 4:
+            probs, p = args[0], kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+            training = kwargs.get("training", args[2] if len(args) > 2 else True)
+            return probs * (torch.rand(probs.shape, device=probs.device) >= p) / (1 - p) if training and p else probs
+        return func(*args, **kwargs)
+
+
+def attention_dropout(arch, spec):
+    """A training step with attention dropout (and residual dropout) on the sharded model and on the dense
+    model drawing its masks as ``rand >= p`` from the same seed: loss and every gradient, on every rank."""
+    import copy
+
     from layers import parallelize_hf
 
-    model = parallelize_hf(build("llama", dict(LLAMA, attention_dropout=0.1), torch.float32, 0))
-    ids = torch.randint(0, LLAMA["vocab_size"], (1, 4))
+    dense = build(arch, spec, torch.float64, 0)
+    model = parallelize_hf(copy.deepcopy(dense)).train()
+    dense.config._attn_implementation = "eager"  # the reference's dropout is an F.dropout the mode sees
+    dense.train()
+    ids, labels = batch(spec, 2, 6, 0)
+    torch.manual_seed(7)
+    out = model(ids, labels=labels)
+    torch.manual_seed(7)
+    with RandDropout():
+        ref = dense(ids, labels=labels)
+    torch.manual_seed(7)
+    no_drop = dense.eval()(ids, labels=labels).loss
+    out.loss.backward()
+    ref.loss.backward()
+    grads = tensorpar.full_grads(model)
+    worst = max((grads[k] - p.grad).abs().max().item() for k, p in dense.named_parameters())
+    return (out.loss - ref.loss).abs().item(), worst, (ref.loss - no_drop).abs().item()
+
+
+def test_attention_dropout_draws_the_dense_models_masks(worlds):
+    # float64, but Llama's RMSNorm computes in float32: 1e-6 is round-off, a head's wrong mask moves ~1e-1
+    gpt2 = dict(GPT2, attn_pdrop=0.3, resid_pdrop=0.1, embd_pdrop=0.1, n_head=3, n_embd=6)
+    for arch, spec in (("gpt2", gpt2), ("gpt2", dict(gpt2, attn="sdpa")),
+                       ("llama", dict(LLAMA, attn="sdpa", attention_dropout=0.3))):
+        for loss_gap, grad_gap, dropped in worlds[3].run(attention_dropout, arch, spec):
+            assert loss_gap < 1e-6 and grad_gap < 1e-6, (arch, spec["attn"], loss_gap, grad_gap)
+            assert dropped > 1e-3, (arch, dropped)  # the masks changed the loss
+
+
+def reordered_attention_dropout():
+    """GPT-2 with reorder_and_upcast_attn (its own eager path): training with attention dropout raises at
+    tp > 1, the same on every rank; evaluation runs."""
+    from layers import parallelize_hf
+
+    model = parallelize_hf(build("gpt2", dict(GPT2, attn_pdrop=0.1, reorder_and_upcast_attn=True), torch.float32, 0))
+    ids = torch.randint(0, GPT2["vocab_size"], (1, 4))
     try:
         model.train()(ids)
         message = "no error"
@@ -82,10 +132,11 @@ def attention_dropout():
     return message, model.eval()(ids).logits.shape
 
 
-def test_attention_dropout_in_training_is_refused(worlds):
-    for message, shape in worlds[2].run(attention_dropout):
-        assert message.startswith("attention dropout (attention_dropout=0.1) in training is not supported")
-        assert shape == (1, 4, LLAMA["vocab_size"])
+def test_attention_dropout_with_gpt2s_reordered_attention_is_refused(worlds):
+    for message, shape in worlds[2].run(reordered_attention_dropout):
+        assert message.startswith("attention dropout (attn_pdrop=0.1) in training is not supported by "
+                                  "parallelize_hf at tp > 1 with reorder_and_upcast_attn=True")
+        assert shape == (1, 4, GPT2["vocab_size"])
 
 
 def load_back(seed):

@@ -101,6 +101,10 @@ def test_bad_arguments_are_argument_errors(capsys, monkeypatch, tmp_path):
     assert refused(capsys, "--peak-tflops=0") == "--peak-tflops must be above 0, got 0.0"
     assert refused(capsys, "--export-hf=hf", "--pp=2", "--n-layer=2").startswith(
         "--export-hf needs --pp 1 (each of the 2 pipeline ranks holds part of the model)")
+    assert refused(capsys, "--export-only") == (
+        "--export-only writes the checkpoint in --out to --export-hf DIR: give --export-hf")
+    assert refused(capsys, f"--out={tmp_path}/empty", "--export-only", "--export-hf=hf").startswith(
+        f"--resume: nothing to resume from: no checkpoint at {tmp_path}/empty")
     assert refused(capsys, f"--out={tmp_path}/empty", "--resume").startswith(
         f"--resume: nothing to resume from: no checkpoint at {tmp_path}/empty")
     assert parse_args([f"--out={tmp_path}/empty", "--resume=auto"]).resume == "auto"  # starts afresh

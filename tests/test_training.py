@@ -187,6 +187,32 @@ def test_export_loads_into_the_plain_model(worlds, tmp_path):
     assert {(r["dtype"], "mfu" in r, r["tokens_per_s"] > 0) for r in metrics(tmp_path)} == {("fp32", False, True)}
 
 
+def test_export_only_writes_a_finished_runs_model(worlds, tmp_path):
+    """A finished run (tp=2) exported afterwards by --export-only (tp=1 dp=2, the model options left at their
+    defaults: the checkpoint's are used) writes the files the run itself wrote from its live model at its
+    end (--export-hf), tensor for tensor; transformers' GPT-2 from them gives the plain model's logits."""
+    pytest.importorskip("safetensors", reason="the hf extra is not installed")
+    from safetensors.torch import load_file
+    from transformers import GPT2LMHeadModel
+
+    from reference_gpt import RefConfig, RefGPT
+
+    out = tmp_path / "run"
+    run_training(worlds, out, 2, steps=3, ckpt_every=3, export_hf=tmp_path / "live")
+    worlds[2].run(run_script, str(SCRIPT), "--tp=1", "--dp=2", f"--out={out}", "--export-only",
+                  f"--export-hf={tmp_path / 'after'}", "--no-progress")
+    live, after = (load_file(tmp_path / name / "model.safetensors") for name in ("live", "after"))
+    assert live.keys() == after.keys() and all(torch.equal(live[k], after[k]) for k in live)
+    assert (tmp_path / "live" / "config.json").read_text() == (tmp_path / "after" / "config.json").read_text()
+    plain = RefGPT(RefConfig(vocab_size=256, block_size=16, n_layer=2, n_head=4, n_embd=32, bias=False))
+    plain.load_state_dict(checkpoint.export_state_dict(out))
+    hf = GPT2LMHeadModel.from_pretrained(tmp_path / "after", local_files_only=True).eval()
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert_all_close({"logits": (hf(idx).logits, plain(idx))})
+    assert len(metrics(out)) == 3  # nothing trained, nothing logged
+
+
 def _children(parent: int) -> list[int]:
     """Pids of the processes ``parent`` started (Linux /proc)."""
     pids = []

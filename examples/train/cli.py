@@ -125,6 +125,9 @@ class TrainConfig:
     export_hf: str | None = _opt(None, "checkpoints and output", "at the end, save the model as a Hugging Face "
                                  "GPT-2 directory (GPT2LMHeadModel.from_pretrained loads it; needs --pp 1)",
                                  shown="none", metavar="DIR")
+    export_only: bool = _opt(False, "checkpoints and output", "train nothing: load the newest checkpoint in --out "
+                             "(at any --tp and --dp; the model options are the checkpoint's) and write it to "
+                             "--export-hf (implies --resume)")
     logger: str = _opt("none", "checkpoints and output", "also log to TensorBoard (OUT/tensorboard) or Weights & "
                        "Biases (offline unless WANDB_MODE says otherwise)", choices=LOGGERS)
 
@@ -150,6 +153,13 @@ class TrainConfig:
         if self.bitwise and self.tp not in DEFAULT_TP_SIZES:
             raise ValueError(f"--bitwise makes --tp {', '.join(map(str, DEFAULT_TP_SIZES))} agree; --tp {self.tp} "
                              "is not one of them")
+        if self.export_only:
+            if self.export_hf is None:
+                raise ValueError("--export-only writes the checkpoint in --out to --export-hf DIR: give --export-hf")
+            if self.overwrite:
+                raise ValueError("--export-only and --overwrite exclude each other: --export-only reads the run in "
+                                 "--out")
+            self.resume = "must"
         if self.overwrite and self.resume != "never":
             raise ValueError("--overwrite and --resume exclude each other: --overwrite sets the earlier run aside, "
                              "--resume continues it")
@@ -258,7 +268,7 @@ def resolve(cfg: TrainConfig, *, parameters: Callable[[TrainConfig], int] | None
     if cfg.out is not None:
         # another job's lock: not on torchrun's other ranks (their rank 0 may hold it for them already)
         check_out(Path(cfg.out), resume=cfg.resume, overwrite=cfg.overwrite, held=os.environ.get("RANK", "0") == "0")
-    _check_resume(cfg)
+    cfg = _check_resume(cfg)
     if parameters is not None:
         _check_memory(cfg, parameters(cfg))
     for name, package, install in LOGGER_PACKAGES:
@@ -309,18 +319,18 @@ def _check_data(cfg: TrainConfig) -> int:
     return vocab
 
 
-def _check_resume(cfg: TrainConfig) -> None:
+def _check_resume(cfg: TrainConfig) -> TrainConfig:
     """With ``--resume must``: a checkpoint exists; with any resume, a checkpoint found is of the same
-    model and has steps left to run."""
+    model and has steps left to run. With ``--export-only``: ``cfg`` with the checkpoint's model options."""
     if cfg.resume == "never":
-        return
+        return cfg
     if cfg.out is None:
         raise ValueError("--resume needs --out (the directory holding the checkpoint)")
     try:
         meta = checkpoint_files.read_manifest(checkpoint_files.resolve(cfg.out), None)  # load hashes the files
     except CheckpointError as e:
         if cfg.resume == "auto" and not Path(cfg.out, "latest").exists() and not Path(cfg.out, "meta.json").exists():
-            return
+            return cfg
         raise ValueError(f"--resume: nothing to resume from: {e}") from None
     log = Path(cfg.out, "metrics.jsonl")
     if log.is_file():
@@ -328,14 +338,17 @@ def _check_resume(cfg: TrainConfig) -> None:
     # the model's config as the checkpoint holds it (the fields that say what the model is): each that
     # an option sets must be the same now
     saved, ours = meta.get("config") or {}, dataclasses.asdict(cfg)
+    if cfg.export_only:  # the model as it was trained, whatever the options say
+        return dataclasses.replace(cfg, **{k: v for k, v in saved.items() if k in ours})
     diff = ", ".join(f"--{_flag(k)}: checkpoint {value}, now {ours[k]}" for k, value in saved.items()
                      if k in ours and value != ours[k])
     if diff:
         raise ValueError(f"--resume: the checkpoint in {cfg.out} is of another model ({diff})")
     last = cfg.stop_at or cfg.steps
-    if meta["step"] >= last:
+    if meta["step"] >= last and not cfg.export_only:
         raise ValueError(f"--resume: the checkpoint in {cfg.out} is at step {meta['step']}, nothing left to run "
                          f"up to step {last} (raise {'--stop-at' if cfg.stop_at else '--steps'} to train further)")
+    return cfg
 
 
 def _check_memory(cfg: TrainConfig, parameters: int) -> None:
