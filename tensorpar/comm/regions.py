@@ -27,89 +27,37 @@ from ..sharding import partition_sizes
 from .collectives import all_gather_along, all_reduce_sum, reduce_scatter_along
 
 
-class CopyToTP(torch.autograd.Function):
-    """``f``: identity forward, all-reduce of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return x
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return all_reduce_sum(grad, ctx.group), None
-
-
-class ReduceFromTP(torch.autograd.Function):
-    """``g``: all-reduce forward, identity backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def _move(op: str, x: torch.Tensor, dim: int, sizes: list[int], group: ProcessGroup) -> torch.Tensor:
+    """``x`` after ``op``: ``"identity"``, ``"all_reduce"``, ``"slice"`` (this rank's ``sizes[rank]`` along
+    ``dim``, a view), ``"all_gather"`` or ``"reduce_scatter"`` (along ``dim``, split as ``sizes``)."""
+    if op == "all_reduce":
         return all_reduce_sum(x, group)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-class ScatterToTP(torch.autograd.Function):
-    """Keep this rank's slice forward; all-gather the gradient backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, sizes: list[int], group: ProcessGroup) -> torch.Tensor:
+    if op == "slice":
         rank = group.rank()
-        ctx.dim, ctx.sizes, ctx.group = dim, sizes, group
-        return x.narrow(dim, sum(sizes[:rank]), sizes[rank]).clone(memory_format=torch.contiguous_format)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return all_gather_along(grad, ctx.dim, ctx.sizes, ctx.group), None, None, None
-
-
-class GatherFromTP(torch.autograd.Function):
-    """All-gather forward; keep this rank's slice of the (replicated) gradient backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, sizes: list[int], group: ProcessGroup) -> torch.Tensor:
-        rank = group.rank()
-        ctx.dim, ctx.offset, ctx.size = dim, sum(sizes[:rank]), sizes[rank]
+        return x.narrow(dim, sum(sizes[:rank]), sizes[rank])
+    if op == "all_gather":
         return all_gather_along(x, dim, sizes, group)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return grad.narrow(ctx.dim, ctx.offset, ctx.size), None, None, None
-
-
-class ReduceScatter(torch.autograd.Function):
-    """Reduce-scatter forward; all-gather of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, sizes: list[int], group: ProcessGroup) -> torch.Tensor:
-        ctx.dim, ctx.sizes, ctx.group = dim, sizes, group
+    if op == "reduce_scatter":
         return reduce_scatter_along(x, dim, sizes, group)
+    return x
+
+
+class Region(torch.autograd.Function):
+    """``forward`` on the input, ``backward`` on its gradient (two ops of :func:`_move`): ``f`` is
+    ``("identity", "all_reduce")``, ``g`` ``("all_reduce", "identity")``, scatter ``("slice", "all_gather")``,
+    gather ``("all_gather", "slice")``, reduce-scatter and all-gather each other's conjugate."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, forward: str, backward: str, dim: int, sizes: list[int],
+                group: ProcessGroup) -> torch.Tensor:
+        ctx.backward_op, ctx.dim, ctx.sizes, ctx.group = backward, dim, sizes, group
+        y = _move(forward, x, dim, sizes, group)
+        return y.clone(memory_format=torch.contiguous_format) if forward == "slice" else y
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return all_gather_along(grad, ctx.dim, ctx.sizes, ctx.group), None, None, None
-
-
-class AllGather(torch.autograd.Function):
-    """All-gather forward; reduce-scatter of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, sizes: list[int], group: ProcessGroup) -> torch.Tensor:
-        ctx.dim, ctx.sizes, ctx.group = dim, sizes, group
-        return all_gather_along(x, dim, sizes, group)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return reduce_scatter_along(grad, ctx.dim, ctx.sizes, ctx.group), None, None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return _move(ctx.backward_op, grad, ctx.dim, ctx.sizes, ctx.group), None, None, None, None, None
 
 
 def tp_group_rank_size(group: ProcessGroup | None) -> tuple[ProcessGroup, int, int]:
@@ -149,14 +97,14 @@ def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tens
     """Megatron's ``f``: ``x`` unchanged; backward all-reduces the gradient over the tp group."""
     _check("copy_to_tp", x)
     group, _, n = tp_group_rank_size(group)
-    return x if n == 1 else CopyToTP.apply(x, group)
+    return x if n == 1 else Region.apply(x, "identity", "all_reduce", 0, [], group)
 
 
 def reduce_from_tp(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """Megatron's ``g``: the sum of ``x`` over the tp group; backward passes the gradient through."""
     _check("reduce_from_tp", x)
     group, _, n = tp_group_rank_size(group)
-    return x if n == 1 else ReduceFromTP.apply(x, group)
+    return x if n == 1 else Region.apply(x, "all_reduce", "identity", 0, [], group)
 
 
 def scatter_to_tp(x: torch.Tensor, dim: int = -1, group: ProcessGroup | None = None, *,
@@ -167,7 +115,7 @@ def scatter_to_tp(x: torch.Tensor, dim: int = -1, group: ProcessGroup | None = N
     check_int(unit, "scatter_to_tp: unit")
     group, _, n = tp_group_rank_size(group)
     sizes = _split(x, dim, n, unit)
-    return x if n == 1 else ScatterToTP.apply(x, dim, sizes, group)
+    return x if n == 1 else Region.apply(x, "slice", "all_gather", dim, sizes, group)
 
 
 def gather_from_tp(x: torch.Tensor, dim: int, size: int, group: ProcessGroup | None = None) -> torch.Tensor:
@@ -176,7 +124,7 @@ def gather_from_tp(x: torch.Tensor, dim: int, size: int, group: ProcessGroup | N
     _check("gather_from_tp", x, dim)
     group, _, n = tp_group_rank_size(group)
     sizes = _gathered("gather_from_tp", x, dim, size, n)
-    return x if n == 1 else GatherFromTP.apply(x, dim, sizes, group)
+    return x if n == 1 else Region.apply(x, "all_gather", "slice", dim, sizes, group)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int = 0, group: ProcessGroup | None = None) -> torch.Tensor:
@@ -184,7 +132,7 @@ def reduce_scatter(x: torch.Tensor, dim: int = 0, group: ProcessGroup | None = N
     _check("reduce_scatter", x, dim)
     group, _, n = tp_group_rank_size(group)
     sizes = _split(x, dim, n)
-    return x if n == 1 else ReduceScatter.apply(x, dim, sizes, group)
+    return x if n == 1 else Region.apply(x, "reduce_scatter", "all_gather", dim, sizes, group)
 
 
 def all_gather(x: torch.Tensor, dim: int, size: int, group: ProcessGroup | None = None) -> torch.Tensor:
@@ -193,4 +141,4 @@ def all_gather(x: torch.Tensor, dim: int, size: int, group: ProcessGroup | None 
     _check("all_gather", x, dim)
     group, _, n = tp_group_rank_size(group)
     sizes = _gathered("all_gather", x, dim, size, n)
-    return x if n == 1 else AllGather.apply(x, dim, sizes, group)
+    return x if n == 1 else Region.apply(x, "all_gather", "reduce_scatter", dim, sizes, group)

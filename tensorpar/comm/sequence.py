@@ -29,7 +29,7 @@ from ..sharding import partition_sizes
 from ..world import exchange_ints
 from .collectives import start_all_gather_along, start_reduce_scatter_along
 from .linear import add_bias, autocast_inputs, check_linear_args, weight_grads
-from .regions import AllGather, GatherFromTP, ReduceScatter, ScatterToTP, tp_group_rank_size
+from .regions import Region, tp_group_rank_size
 
 SEQ_DIM = -2  # tokens: (..., T, C)
 
@@ -79,7 +79,7 @@ def all_gather_sequence(x: torch.Tensor, seq_len: int | None = None, group: Proc
     if n == 1:
         return x
     x = autocast_inputs(x)[0]  # the matmuls after it would cast it anyway: gather half the bytes
-    return AllGather.apply(x, SEQ_DIM, sequence_sizes(seq_len, n), group)
+    return Region.apply(x, "all_gather", "reduce_scatter", SEQ_DIM, sequence_sizes(seq_len, n), group)
 
 
 def gather_sequence(x: torch.Tensor, seq_len: int | None = None, group: ProcessGroup | None = None) -> torch.Tensor:
@@ -89,7 +89,7 @@ def gather_sequence(x: torch.Tensor, seq_len: int | None = None, group: ProcessG
     check_tokens("gather_sequence", x)
     group, _, n = tp_group_rank_size(group)
     seq_len = sequence_length(x, seq_len, group)
-    return x if n == 1 else GatherFromTP.apply(x, SEQ_DIM, sequence_sizes(seq_len, n), group)
+    return x if n == 1 else Region.apply(x, "all_gather", "slice", SEQ_DIM, sequence_sizes(seq_len, n), group)
 
 
 def reduce_scatter_sequence(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
@@ -97,7 +97,8 @@ def reduce_scatter_sequence(x: torch.Tensor, group: ProcessGroup | None = None) 
     backward all-gathers the gradient."""
     check_tokens("reduce_scatter_sequence", x)
     group, _, n = tp_group_rank_size(group)
-    return x if n == 1 else ReduceScatter.apply(x, SEQ_DIM, sequence_sizes(x.shape[SEQ_DIM], n), group)
+    sizes = sequence_sizes(x.shape[SEQ_DIM], n)
+    return x if n == 1 else Region.apply(x, "reduce_scatter", "all_gather", SEQ_DIM, sizes, group)
 
 
 def scatter_sequence(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
@@ -105,7 +106,7 @@ def scatter_sequence(x: torch.Tensor, group: ProcessGroup | None = None) -> torc
     check_tokens("scatter_sequence", x)
     group, _, n = tp_group_rank_size(group)
     sizes = sequence_sizes(x.shape[SEQ_DIM], n)
-    return x if n == 1 else ScatterToTP.apply(x, SEQ_DIM, sizes, group)
+    return x if n == 1 else Region.apply(x, "slice", "all_gather", SEQ_DIM, sizes, group)
 
 
 class _SequenceParallelColumnLinear(torch.autograd.Function):
