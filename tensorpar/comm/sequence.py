@@ -67,46 +67,46 @@ def check_tokens(op: str, x: object) -> None:
         raise ValueError(f"{op} expects tokens along dim -2, (..., T, C); got shape {tuple(x.shape)}")
 
 
+def _sequence_region(op: str, forward: str, backward: str, x: torch.Tensor, group: ProcessGroup | None,
+                     seq_len: int | None = None, *, gathered: bool = False, cast: bool = False) -> torch.Tensor:
+    """``x`` through :class:`~tensorpar.comm.regions.Region` along the tokens (``x`` itself at tp = 1),
+    split as the gathered ``seq_len`` (see :func:`sequence_length`) or as ``x``'s own tokens; ``cast``:
+    cast first as autocast would."""
+    check_tokens(op, x)
+    group, _, n = tp_group_rank_size(group)
+    seq_len = sequence_length(x, seq_len, group) if gathered else x.shape[SEQ_DIM]
+    if n == 1:
+        return x
+    x = autocast_inputs(x)[0] if cast else x  # the matmuls after a gather would cast it anyway: half the bytes
+    return Region.apply(x, forward, backward, SEQ_DIM, sequence_sizes(seq_len, n), group)
+
+
 def all_gather_sequence(x: torch.Tensor, seq_len: int | None = None, group: ProcessGroup | None = None
                         ) -> torch.Tensor:
     """``f̄``: every rank's tokens ``(..., T_r, C)`` concatenated, ``(..., T, C)``; backward
     reduce-scatters the gradient (the conjugate of :func:`reduce_scatter_sequence`). ``seq_len``: as in
     :func:`sequence_length`. Under autocast the tokens are cast to its dtype first, as the column maps
     after the gather would."""
-    check_tokens("all_gather_sequence", x)
-    group, _, n = tp_group_rank_size(group)
-    seq_len = sequence_length(x, seq_len, group)
-    if n == 1:
-        return x
-    x = autocast_inputs(x)[0]  # the matmuls after it would cast it anyway: gather half the bytes
-    return Region.apply(x, "all_gather", "reduce_scatter", SEQ_DIM, sequence_sizes(seq_len, n), group)
+    return _sequence_region("all_gather_sequence", "all_gather", "reduce_scatter", x, group, seq_len,
+                            gathered=True, cast=True)
 
 
 def gather_sequence(x: torch.Tensor, seq_len: int | None = None, group: ProcessGroup | None = None) -> torch.Tensor:
     """Every rank's tokens ``(..., T_r, C)`` concatenated, ``(..., T, C)``; backward keeps this rank's tokens
     of a gradient already summed over the group (by the bitwise mode's column maps), the conjugate of
     :func:`scatter_sequence`. Under autocast the tokens travel in their own dtype."""
-    check_tokens("gather_sequence", x)
-    group, _, n = tp_group_rank_size(group)
-    seq_len = sequence_length(x, seq_len, group)
-    return x if n == 1 else Region.apply(x, "all_gather", "slice", SEQ_DIM, sequence_sizes(seq_len, n), group)
+    return _sequence_region("gather_sequence", "all_gather", "slice", x, group, seq_len, gathered=True)
 
 
 def reduce_scatter_sequence(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """``ḡ``: this rank's tokens of the sum of ``x`` ``(..., T, C)`` over the group, ``(..., T_r, C)``;
     backward all-gathers the gradient."""
-    check_tokens("reduce_scatter_sequence", x)
-    group, _, n = tp_group_rank_size(group)
-    sizes = sequence_sizes(x.shape[SEQ_DIM], n)
-    return x if n == 1 else Region.apply(x, "reduce_scatter", "all_gather", SEQ_DIM, sizes, group)
+    return _sequence_region("reduce_scatter_sequence", "reduce_scatter", "all_gather", x, group)
 
 
 def scatter_sequence(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """This rank's tokens of a replicated ``x`` ``(..., T, C)``; backward all-gathers the gradient."""
-    check_tokens("scatter_sequence", x)
-    group, _, n = tp_group_rank_size(group)
-    sizes = sequence_sizes(x.shape[SEQ_DIM], n)
-    return x if n == 1 else Region.apply(x, "slice", "all_gather", SEQ_DIM, sizes, group)
+    return _sequence_region("scatter_sequence", "slice", "all_gather", x, group)
 
 
 class _SequenceParallelColumnLinear(torch.autograd.Function):
