@@ -8,10 +8,9 @@ input gradient reduce-scattered. Gathers are named by their backward as in :mod:
 
 The traffic is Megatron's (a reduce-scatter and an all-gather move what one all-reduce moves). A column
 layer keeps only this rank's tokens for backward and gathers them again there (``save_sequence_shard``
-for a gather shared by several maps). Overlap: the column backward gathers the tokens while computing the
-input gradient and reduce-scatters that while computing the weight gradient. Its forward multiplies
-all the tokens at once, after the gather: multiplying this rank's tokens while the others' arrive, then
-concatenating, measured 3-6% slower at GPT-2 widths on gloo (more, smaller matmuls and a copy of the output).
+for a gather shared by several maps), while computing the input gradient, which it reduce-scatters while
+computing the weight gradient. Its forward multiplies all the tokens after the gather (overlapping the
+gather with this rank's tokens' matmul measured 3-6% slower at GPT-2 widths on gloo).
 """
 
 from __future__ import annotations
@@ -165,12 +164,8 @@ class _SequenceParallelRowLinear(torch.autograd.Function):
 
 def sequence_parallel_column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                                     seq_len: int | None = None, group: ProcessGroup | None = None) -> torch.Tensor:
-    """Column-parallel linear map of sequence shards: ``x`` ``(..., T_r, in)`` this rank's tokens, ``weight``
-    this rank's rows ``(out / tp, in)``; returns ``(..., T, out / tp)``, every token.
-
-    Equal to ``F.linear(all_gather_sequence(x, seq_len), weight, bias)``. ``seq_len`` is the full
-    sequence length (found with one small collective when not given).
-    """
+    """``F.linear(all_gather_sequence(x, seq_len), weight, bias)``: ``x`` ``(..., T_r, in)`` this rank's tokens,
+    ``weight`` this rank's rows ``(out / tp, in)``; returns ``(..., T, out / tp)``, every token."""
     check_linear_args("sequence_parallel_column_linear", x, weight, bias)
     check_tokens("sequence_parallel_column_linear", x)
     group, _, n = tp_group_rank_size(group)
@@ -182,12 +177,8 @@ def sequence_parallel_column_linear(x: torch.Tensor, weight: torch.Tensor, bias:
 
 def sequence_parallel_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                                  group: ProcessGroup | None = None) -> torch.Tensor:
-    """Row-parallel linear map into sequence shards: ``x`` ``(..., T, in / tp)`` every token,
-    ``weight`` this rank's columns ``(out, in / tp)``; returns ``(..., T_r, out)``, this rank's tokens
-    of the sum over the group, the bias added once.
-
-    Equal to ``reduce_scatter(F.linear(x, weight), -2) + bias``.
-    """
+    """``reduce_scatter(F.linear(x, weight), -2) + bias``: ``x`` ``(..., T, in / tp)`` every token, ``weight``
+    this rank's columns ``(out, in / tp)``; returns ``(..., T_r, out)``, this rank's tokens, the bias added once."""
     check_linear_args("sequence_parallel_row_linear", x, weight, bias)
     check_tokens("sequence_parallel_row_linear", x)
     group, _, n = tp_group_rank_size(group)
