@@ -1,19 +1,8 @@
-"""Everything Megatron's ``f`` and ``g`` are made of, one job per module.
-
-* :mod:`~tensorpar.comm.regions`: the paper's operators as autograd functions:
-  ``f`` (:func:`copy_to_tp`), ``g`` (:func:`reduce_from_tp`), scatter/gather and
-  reduce-scatter/all-gather along any dim, each gather named by what its backward does;
-* :mod:`~tensorpar.comm.linear`: the column- and row-parallel linear maps fused
-  with their ``f`` and ``g``;
-* :mod:`~tensorpar.comm.sequence`: sequence parallelism, the same maps with the
-  tokens split outside them (all-gather in, reduce-scatter out), overlapped;
-* :mod:`~tensorpar.comm.saved_tensor_hooks`: autograd's saved-tensor hooks that keep a gathered activation for
-  backward as this rank's tokens;
-* :mod:`~tensorpar.comm.collectives`: the plain out-of-place collectives over uneven shards, one route each,
-  on torch's functional collectives.
-
-Count collectives with torch's ``CommDebugMode`` (:func:`tensorpar.testing.count_collectives` keeps each one's
-payload and phase); compare them across ranks with ``TORCH_DISTRIBUTED_DEBUG=DETAIL``.
+"""Megatron's ``f`` and ``g`` and what they are made of: :mod:`~tensorpar.comm.regions` (the autograd
+collectives), :mod:`~tensorpar.comm.linear` (the linear maps fused with them), :mod:`~tensorpar.comm.sequence`
+and :mod:`~tensorpar.comm.saved_tensor_hooks` (sequence parallelism), :mod:`~tensorpar.comm.collectives`
+(the plain collectives over uneven shards, on torch's). Count collectives with torch's ``CommDebugMode``
+(:func:`tensorpar.testing.count_collectives`); compare them across ranks with ``TORCH_DISTRIBUTED_DEBUG=DETAIL``.
 """
 
 from .linear import column_parallel_linear, row_parallel_linear

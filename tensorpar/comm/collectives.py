@@ -32,6 +32,9 @@ _functional = torch.ops._c10d_functional
 #: the reductions, by the name functional collectives give them (a name: torch 2.11's Dynamo cannot
 #: compare a ``ReduceOp`` in a traced region)
 REDUCE_OPS = ("sum", "max")
+# torch 2.13 renamed these two (the old names warn, FutureWarning); torch 2.11 has only the old names
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class Pending:
@@ -99,22 +102,16 @@ def broadcast_from_first_(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return x if sent is x else x.copy_(sent)
 
 
-def _split_view(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
-    """``x`` as ``(pre, n, post)`` around ``dim``, and ``dim`` made non-negative."""
-    if not -x.dim() <= dim < x.dim():
-        raise ValueError(f"dim {dim} is out of range for a {x.dim()}-d tensor")
-    dim %= x.dim()
-    pre, post = math.prod(x.shape[:dim]), math.prod(x.shape[dim + 1:])
-    return x.reshape(pre, x.shape[dim], post), dim
-
-
 def _prepare(what: str, x: torch.Tensor, dim: int, sizes: Sequence[int], group: ProcessGroup
              ) -> tuple[int, int, torch.Tensor, int]:
-    """The group's size, this rank, ``x`` as ``(pre, n, post)`` and ``dim`` made non-negative."""
+    """The group's size, this rank, ``x`` as ``(pre, n, post)`` around ``dim`` and ``dim`` made non-negative."""
     n, rank = group.size(), group.rank()
     if len(sizes) != n:
         raise ValueError(f"{what}: the split {list(sizes)} has {len(sizes)} parts for {n} ranks")
-    return n, rank, *_split_view(x, dim)
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim {dim} is out of range for a {x.dim()}-d tensor")
+    dim %= x.dim()
+    return n, rank, x.reshape(math.prod(x.shape[:dim]), x.shape[dim], math.prod(x.shape[dim + 1:])), dim
 
 
 def all_gather_along(x: torch.Tensor, dim: int, sizes: Sequence[int], group: ProcessGroup) -> torch.Tensor:
@@ -149,7 +146,7 @@ def start_all_gather_along(x: torch.Tensor, dim: int, sizes: Sequence[int], grou
         return Pending(_functional.all_gather_into_tensor(sent.view(-1), n, group.group_name), traced=True,
                        finish=finish, device=_back(send, sent))
     out = sent.new_empty(n * sent.numel())  # (n * pre * big * post)
-    return Pending(out, dist.all_gather_into_tensor(out, sent.view(-1), group, async_op=True), finish=finish,
+    return Pending(out, _all_gather_single(out, sent.view(-1), group, async_op=True), finish=finish,
                    device=_back(send, sent))
 
 
@@ -183,5 +180,5 @@ def start_reduce_scatter_along(x: torch.Tensor, dim: int, sizes: Sequence[int], 
         return Pending(_functional.reduce_scatter_tensor(sent.view(-1), "sum", n, group.group_name), traced=True,
                        finish=finish, device=_back(send, sent))
     out = sent.new_empty(sent.numel() // n)  # (pre * big * post)
-    return Pending(out, dist.reduce_scatter_tensor(out, sent.view(-1), group=group, async_op=True), finish=finish,
+    return Pending(out, _reduce_scatter_single(out, sent.view(-1), group=group, async_op=True), finish=finish,
                    device=_back(send, sent))

@@ -19,8 +19,6 @@ from torch.distributed import ProcessGroup
 from ..mesh import tp_group
 from .collectives import start_all_reduce_
 
-Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]
-
 
 def autocast_inputs(x: torch.Tensor, *tensors: torch.Tensor | None) -> list[Any]:
     """Cast as autocast would (a custom Function's body is not autocast)."""
@@ -64,7 +62,7 @@ class _ColumnParallelLinear(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> Grads:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         needs = ctx.needs_input_grad
         pending = start_all_reduce_(grad @ weight, ctx.group) if needs[0] else None  # (*, in)
@@ -88,7 +86,7 @@ class _RowParallelLinear(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> Grads:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         needs = ctx.needs_input_grad
         grad_x = grad @ weight if needs[0] else None  # (*, in / tp)
@@ -109,11 +107,8 @@ def check_linear_args(name: str, x: torch.Tensor, weight: torch.Tensor, bias: to
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                            group: ProcessGroup | None = None) -> torch.Tensor:
-    """Column-parallel linear map: ``x`` (*, in) replicated, ``weight`` this rank's rows (out / tp, in).
-
-    Equal to ``F.linear(copy_to_tp(x), weight, bias)``; the backward all-reduce
-    of the input gradient overlaps the weight-gradient computation.
-    """
+    """Column-parallel linear map, ``F.linear(copy_to_tp(x), weight, bias)``: ``x`` (*, in) replicated,
+    ``weight`` this rank's rows (out / tp, in)."""
     check_linear_args("column_parallel_linear", x, weight, bias)
     group = tp_group(group)
     if group.size() == 1:
@@ -123,11 +118,8 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
 
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                         group: ProcessGroup | None = None) -> torch.Tensor:
-    """Row-parallel linear map: ``x`` (*, in / tp) this rank's slice, ``weight`` its columns (out, in / tp).
-
-    Equal to ``reduce_from_tp(F.linear(x, weight)) + bias``: the output
-    (*, out) is summed over the group, the bias added once.
-    """
+    """Row-parallel linear map, ``reduce_from_tp(F.linear(x, weight)) + bias``: ``x`` (*, in / tp) this
+    rank's slice, ``weight`` its columns (out, in / tp)."""
     check_linear_args("row_parallel_linear", x, weight, bias)
     group = tp_group(group)
     if group.size() == 1:

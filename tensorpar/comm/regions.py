@@ -27,89 +27,37 @@ from ..sharding import partition_sizes
 from .collectives import all_gather_along, all_reduce_sum, reduce_scatter_along
 
 
-class CopyToTP(torch.autograd.Function):
-    """``f``: identity forward, all-reduce of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return x
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return all_reduce_sum(grad, ctx.group), None
-
-
-class ReduceFromTP(torch.autograd.Function):
-    """``g``: all-reduce forward, identity backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def _move(op: str, x: torch.Tensor, dim: int, sizes: list[int], group: ProcessGroup) -> torch.Tensor:
+    """``x`` after ``op``: ``"identity"``, ``"all_reduce"``, ``"slice"`` (this rank's ``sizes[rank]`` along
+    ``dim``, a view), ``"all_gather"`` or ``"reduce_scatter"`` (along ``dim``, split as ``sizes``)."""
+    if op == "all_reduce":
         return all_reduce_sum(x, group)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-class ScatterToTP(torch.autograd.Function):
-    """Keep this rank's slice forward; all-gather the gradient backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, sizes: list[int], group: ProcessGroup) -> torch.Tensor:
+    if op == "slice":
         rank = group.rank()
-        ctx.dim, ctx.sizes, ctx.group = dim, sizes, group
-        return x.narrow(dim, sum(sizes[:rank]), sizes[rank]).clone(memory_format=torch.contiguous_format)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return all_gather_along(grad, ctx.dim, ctx.sizes, ctx.group), None, None, None
-
-
-class GatherFromTP(torch.autograd.Function):
-    """All-gather forward; keep this rank's slice of the (replicated) gradient backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, sizes: list[int], group: ProcessGroup) -> torch.Tensor:
-        rank = group.rank()
-        ctx.dim, ctx.offset, ctx.size = dim, sum(sizes[:rank]), sizes[rank]
+        return x.narrow(dim, sum(sizes[:rank]), sizes[rank])
+    if op == "all_gather":
         return all_gather_along(x, dim, sizes, group)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return grad.narrow(ctx.dim, ctx.offset, ctx.size), None, None, None
-
-
-class ReduceScatter(torch.autograd.Function):
-    """Reduce-scatter forward; all-gather of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, sizes: list[int], group: ProcessGroup) -> torch.Tensor:
-        ctx.dim, ctx.sizes, ctx.group = dim, sizes, group
+    if op == "reduce_scatter":
         return reduce_scatter_along(x, dim, sizes, group)
+    return x
+
+
+class Region(torch.autograd.Function):
+    """``forward`` on the input, ``backward`` on its gradient (two ops of :func:`_move`): ``f`` is
+    ``("identity", "all_reduce")``, ``g`` ``("all_reduce", "identity")``, scatter ``("slice", "all_gather")``,
+    gather ``("all_gather", "slice")``, reduce-scatter and all-gather each other's conjugate."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, forward: str, backward: str, dim: int, sizes: list[int],
+                group: ProcessGroup) -> torch.Tensor:
+        ctx.backward_op, ctx.dim, ctx.sizes, ctx.group = backward, dim, sizes, group
+        y = _move(forward, x, dim, sizes, group)
+        return y.clone(memory_format=torch.contiguous_format) if forward == "slice" else y
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return all_gather_along(grad, ctx.dim, ctx.sizes, ctx.group), None, None, None
-
-
-class AllGather(torch.autograd.Function):
-    """All-gather forward; reduce-scatter of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, sizes: list[int], group: ProcessGroup) -> torch.Tensor:
-        ctx.dim, ctx.sizes, ctx.group = dim, sizes, group
-        return all_gather_along(x, dim, sizes, group)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return reduce_scatter_along(grad, ctx.dim, ctx.sizes, ctx.group), None, None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return _move(ctx.backward_op, grad, ctx.dim, ctx.sizes, ctx.group), None, None, None, None, None
 
 
 def tp_group_rank_size(group: ProcessGroup | None) -> tuple[ProcessGroup, int, int]:
@@ -118,79 +66,60 @@ def tp_group_rank_size(group: ProcessGroup | None) -> tuple[ProcessGroup, int, i
     return group, group.rank(), group.size()
 
 
-def _check(op: str, x: object, dim: int | None = None) -> None:
-    """Raise, the same on every rank and before any collective, unless ``x`` is a tensor with a ``dim``."""
+def _region(op: str, forward: str, backward: str, x: torch.Tensor, group: ProcessGroup | None,
+            dim: int | None = None, size: int | None = None, unit: int = 1) -> torch.Tensor:
+    """``x`` through :class:`Region` (``x`` itself at tp = 1) after checks alike on every rank, split along
+    ``dim`` as ``x``'s own size there (in whole units of ``unit``) or, given (a gather), as ``size``."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op} expects a tensor, got {type(x).__name__}")
-    if dim is None:
-        return
-    if isinstance(dim, bool) or not isinstance(dim, int):
+    if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int)):
         raise TypeError(f"{op}: dim must be an integer, got {dim!r}")
-    if not -x.dim() <= dim < x.dim():
+    if dim is not None and not -x.dim() <= dim < x.dim():
         raise ValueError(f"{op}: dim {dim} is out of range for a {x.dim()}-d tensor "
                          f"(expected a dim in [{-x.dim()}, {x.dim()}))")
-
-
-def _split(x: torch.Tensor, dim: int, n: int, unit: int = 1) -> list[int]:
-    """The balanced split over ``n`` ranks of a full (replicated or summed) ``x`` along ``dim``."""
-    return partition_sizes(x.shape[dim], n, unit=unit, name=f"size of dim {dim}")
-
-
-def _gathered(op: str, x: torch.Tensor, dim: int, size: int, n: int) -> list[int]:
-    """The balanced split of the gathered ``size`` over ``n`` ranks; at tp = 1, ``x`` must be all of it."""
-    check_int(size, f"{op}: size")
-    if n == 1 and x.shape[dim] != size:
-        raise ValueError(f"{op}: size {size} does not match dim {dim} of a tensor of shape {tuple(x.shape)} "
-                         "at tp 1")
-    return partition_sizes(size, n, name="gathered size")
+    check_int(unit, f"{op}: unit")
+    group, _, n = tp_group_rank_size(group)
+    sizes: list[int] = []
+    if dim is not None and size is None:  # the balanced split of a full (replicated or summed) x
+        sizes = partition_sizes(x.shape[dim], n, unit=unit, name=f"size of dim {dim}")
+    elif dim is not None and size is not None:  # the balanced split of the gathered size
+        check_int(size, f"{op}: size")
+        if n == 1 and x.shape[dim] != size:
+            raise ValueError(f"{op}: size {size} does not match dim {dim} of a tensor of shape "
+                             f"{tuple(x.shape)} at tp 1")
+        sizes = partition_sizes(size, n, name="gathered size")
+    return x if n == 1 else Region.apply(x, forward, backward, dim or 0, sizes, group)
 
 
 def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """Megatron's ``f``: ``x`` unchanged; backward all-reduces the gradient over the tp group."""
-    _check("copy_to_tp", x)
-    group, _, n = tp_group_rank_size(group)
-    return x if n == 1 else CopyToTP.apply(x, group)
+    return _region("copy_to_tp", "identity", "all_reduce", x, group)
 
 
 def reduce_from_tp(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """Megatron's ``g``: the sum of ``x`` over the tp group; backward passes the gradient through."""
-    _check("reduce_from_tp", x)
-    group, _, n = tp_group_rank_size(group)
-    return x if n == 1 else ReduceFromTP.apply(x, group)
+    return _region("reduce_from_tp", "all_reduce", "identity", x, group)
 
 
 def scatter_to_tp(x: torch.Tensor, dim: int = -1, group: ProcessGroup | None = None, *,
                   unit: int = 1) -> torch.Tensor:
     """This rank's balanced slice (in whole units of ``unit``) of a replicated ``x`` along ``dim``;
     backward all-gathers."""
-    _check("scatter_to_tp", x, dim)
-    check_int(unit, "scatter_to_tp: unit")
-    group, _, n = tp_group_rank_size(group)
-    sizes = _split(x, dim, n, unit)
-    return x if n == 1 else ScatterToTP.apply(x, dim, sizes, group)
+    return _region("scatter_to_tp", "slice", "all_gather", x, group, dim, unit=unit)
 
 
 def gather_from_tp(x: torch.Tensor, dim: int, size: int, group: ProcessGroup | None = None) -> torch.Tensor:
     """Concatenate every rank's balanced shard along ``dim`` into the full ``size``; backward keeps this
     rank's slice. ``size`` is required: shards need not be equal."""
-    _check("gather_from_tp", x, dim)
-    group, _, n = tp_group_rank_size(group)
-    sizes = _gathered("gather_from_tp", x, dim, size, n)
-    return x if n == 1 else GatherFromTP.apply(x, dim, sizes, group)
+    return _region("gather_from_tp", "all_gather", "slice", x, group, dim, size)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int = 0, group: ProcessGroup | None = None) -> torch.Tensor:
     """This rank's balanced slice along ``dim`` of the sum of ``x``; backward all-gathers."""
-    _check("reduce_scatter", x, dim)
-    group, _, n = tp_group_rank_size(group)
-    sizes = _split(x, dim, n)
-    return x if n == 1 else ReduceScatter.apply(x, dim, sizes, group)
+    return _region("reduce_scatter", "reduce_scatter", "all_gather", x, group, dim)
 
 
 def all_gather(x: torch.Tensor, dim: int, size: int, group: ProcessGroup | None = None) -> torch.Tensor:
     """Concatenate every rank's shard along ``dim`` into the full ``size`` (as :func:`gather_from_tp`);
     backward reduce-scatters the gradient."""
-    _check("all_gather", x, dim)
-    group, _, n = tp_group_rank_size(group)
-    sizes = _gathered("all_gather", x, dim, size, n)
-    return x if n == 1 else AllGather.apply(x, dim, sizes, group)
+    return _region("all_gather", "all_gather", "reduce_scatter", x, group, dim, size)

@@ -8,10 +8,9 @@ input gradient reduce-scattered. Gathers are named by their backward as in :mod:
 
 The traffic is Megatron's (a reduce-scatter and an all-gather move what one all-reduce moves). A column
 layer keeps only this rank's tokens for backward and gathers them again there (``save_sequence_shard``
-for a gather shared by several maps). Overlap: the column backward gathers the tokens while computing the
-input gradient and reduce-scatters that while computing the weight gradient. Its forward multiplies
-all the tokens at once, after the gather: multiplying this rank's tokens while the others' arrive, then
-concatenating, measured 3-6% slower at GPT-2 widths on gloo (more, smaller matmuls and a copy of the output).
+for a gather shared by several maps), while computing the input gradient, which it reduce-scatters while
+computing the weight gradient. Its forward multiplies all the tokens after the gather (overlapping the
+gather with this rank's tokens' matmul measured 3-6% slower at GPT-2 widths on gloo).
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from ..sharding import partition_sizes
 from ..world import exchange_ints
 from .collectives import start_all_gather_along, start_reduce_scatter_along
 from .linear import add_bias, autocast_inputs, check_linear_args, weight_grads
-from .regions import AllGather, GatherFromTP, ReduceScatter, ScatterToTP, tp_group_rank_size
+from .regions import Region, tp_group_rank_size
 
 SEQ_DIM = -2  # tokens: (..., T, C)
 
@@ -67,45 +66,46 @@ def check_tokens(op: str, x: object) -> None:
         raise ValueError(f"{op} expects tokens along dim -2, (..., T, C); got shape {tuple(x.shape)}")
 
 
+def _sequence_region(op: str, forward: str, backward: str, x: torch.Tensor, group: ProcessGroup | None,
+                     seq_len: int | None = None, *, gathered: bool = False, cast: bool = False) -> torch.Tensor:
+    """``x`` through :class:`~tensorpar.comm.regions.Region` along the tokens (``x`` itself at tp = 1),
+    split as the gathered ``seq_len`` (see :func:`sequence_length`) or as ``x``'s own tokens; ``cast``:
+    cast first as autocast would."""
+    check_tokens(op, x)
+    group, _, n = tp_group_rank_size(group)
+    seq_len = sequence_length(x, seq_len, group) if gathered else x.shape[SEQ_DIM]
+    if n == 1:
+        return x
+    x = autocast_inputs(x)[0] if cast else x  # the matmuls after a gather would cast it anyway: half the bytes
+    return Region.apply(x, forward, backward, SEQ_DIM, sequence_sizes(seq_len, n), group)
+
+
 def all_gather_sequence(x: torch.Tensor, seq_len: int | None = None, group: ProcessGroup | None = None
                         ) -> torch.Tensor:
     """``f̄``: every rank's tokens ``(..., T_r, C)`` concatenated, ``(..., T, C)``; backward
     reduce-scatters the gradient (the conjugate of :func:`reduce_scatter_sequence`). ``seq_len``: as in
     :func:`sequence_length`. Under autocast the tokens are cast to its dtype first, as the column maps
     after the gather would."""
-    check_tokens("all_gather_sequence", x)
-    group, _, n = tp_group_rank_size(group)
-    seq_len = sequence_length(x, seq_len, group)
-    if n == 1:
-        return x
-    x = autocast_inputs(x)[0]  # the matmuls after it would cast it anyway: gather half the bytes
-    return AllGather.apply(x, SEQ_DIM, sequence_sizes(seq_len, n), group)
+    return _sequence_region("all_gather_sequence", "all_gather", "reduce_scatter", x, group, seq_len,
+                            gathered=True, cast=True)
 
 
 def gather_sequence(x: torch.Tensor, seq_len: int | None = None, group: ProcessGroup | None = None) -> torch.Tensor:
     """Every rank's tokens ``(..., T_r, C)`` concatenated, ``(..., T, C)``; backward keeps this rank's tokens
     of a gradient already summed over the group (by the bitwise mode's column maps), the conjugate of
     :func:`scatter_sequence`. Under autocast the tokens travel in their own dtype."""
-    check_tokens("gather_sequence", x)
-    group, _, n = tp_group_rank_size(group)
-    seq_len = sequence_length(x, seq_len, group)
-    return x if n == 1 else GatherFromTP.apply(x, SEQ_DIM, sequence_sizes(seq_len, n), group)
+    return _sequence_region("gather_sequence", "all_gather", "slice", x, group, seq_len, gathered=True)
 
 
 def reduce_scatter_sequence(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """``ḡ``: this rank's tokens of the sum of ``x`` ``(..., T, C)`` over the group, ``(..., T_r, C)``;
     backward all-gathers the gradient."""
-    check_tokens("reduce_scatter_sequence", x)
-    group, _, n = tp_group_rank_size(group)
-    return x if n == 1 else ReduceScatter.apply(x, SEQ_DIM, sequence_sizes(x.shape[SEQ_DIM], n), group)
+    return _sequence_region("reduce_scatter_sequence", "reduce_scatter", "all_gather", x, group)
 
 
 def scatter_sequence(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """This rank's tokens of a replicated ``x`` ``(..., T, C)``; backward all-gathers the gradient."""
-    check_tokens("scatter_sequence", x)
-    group, _, n = tp_group_rank_size(group)
-    sizes = sequence_sizes(x.shape[SEQ_DIM], n)
-    return x if n == 1 else ScatterToTP.apply(x, SEQ_DIM, sizes, group)
+    return _sequence_region("scatter_sequence", "slice", "all_gather", x, group)
 
 
 class _SequenceParallelColumnLinear(torch.autograd.Function):
@@ -164,12 +164,8 @@ class _SequenceParallelRowLinear(torch.autograd.Function):
 
 def sequence_parallel_column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                                     seq_len: int | None = None, group: ProcessGroup | None = None) -> torch.Tensor:
-    """Column-parallel linear map of sequence shards: ``x`` ``(..., T_r, in)`` this rank's tokens, ``weight``
-    this rank's rows ``(out / tp, in)``; returns ``(..., T, out / tp)``, every token.
-
-    Equal to ``F.linear(all_gather_sequence(x, seq_len), weight, bias)``. ``seq_len`` is the full
-    sequence length (found with one small collective when not given).
-    """
+    """``F.linear(all_gather_sequence(x, seq_len), weight, bias)``: ``x`` ``(..., T_r, in)`` this rank's tokens,
+    ``weight`` this rank's rows ``(out / tp, in)``; returns ``(..., T, out / tp)``, every token."""
     check_linear_args("sequence_parallel_column_linear", x, weight, bias)
     check_tokens("sequence_parallel_column_linear", x)
     group, _, n = tp_group_rank_size(group)
@@ -181,12 +177,8 @@ def sequence_parallel_column_linear(x: torch.Tensor, weight: torch.Tensor, bias:
 
 def sequence_parallel_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                                  group: ProcessGroup | None = None) -> torch.Tensor:
-    """Row-parallel linear map into sequence shards: ``x`` ``(..., T, in / tp)`` every token,
-    ``weight`` this rank's columns ``(out, in / tp)``; returns ``(..., T_r, out)``, this rank's tokens
-    of the sum over the group, the bias added once.
-
-    Equal to ``reduce_scatter(F.linear(x, weight), -2) + bias``.
-    """
+    """``reduce_scatter(F.linear(x, weight), -2) + bias``: ``x`` ``(..., T, in / tp)`` every token, ``weight``
+    this rank's columns ``(out, in / tp)``; returns ``(..., T_r, out)``, this rank's tokens, the bias added once."""
     check_linear_args("sequence_parallel_row_linear", x, weight, bias)
     check_tokens("sequence_parallel_row_linear", x)
     group, _, n = tp_group_rank_size(group)
