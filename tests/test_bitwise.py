@@ -180,9 +180,12 @@ def differing(a, b):
        dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16]), data=st.data())
 @example(kind="attention", tp=4, dtype=torch.float32, data=None)  # 6 heads reading 2 KV heads: uneven readers
 @example(kind="mlp", tp=3, dtype=torch.float32, data=None)  # hidden 13: segments of 1 to 3 features
+@example(kind="attention", tp=2, dtype=torch.float64, data=((2, 2, 1), 1, False))  # one-feature heads, one row
 def test_layers_compute_the_same_bits_at_every_tp(worlds, kind, tp, dtype, data):
     if data is None:
         sizes, b, sp = ((24, 6, 2) if kind == "attention" else (5, 13, 0)), 2, True
+    elif isinstance(data, tuple):  # an example's sizes, batch and sequence parallelism
+        sizes, b, sp = data
     else:
         n_head = data.draw(st.integers(tp, 6))
         sizes = ((n_head * data.draw(st.integers(1, 4)), n_head,

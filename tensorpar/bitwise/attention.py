@@ -21,6 +21,11 @@ from torch.distributed import ProcessGroup
 from ..comm.collectives import all_gather_along
 from .linear import MIN_ROWS, blockwise, lanewise
 
+#: the fewest matrices attention's batched products are computed with: CPU ``bmm`` (torch 2.13) gives each of
+#: ``N >= 2`` matrices the same bits whatever ``N`` is, while ``N = 1`` runs as one ``mm``, which takes BLAS's
+#: matrix-vector path for a product of one column (a head of one feature) and adds in another order
+MIN_MATRICES = 2
+
 
 def attention_dropped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
     """Causal attention whose probabilities are dropped where ``keep`` is False and scaled by ``1 / (1 - p)``:
@@ -39,38 +44,41 @@ def attention_by_key_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
     (``None``: ``0..S-1``), each reading the keys and values ``(B, h, L, d)`` of slots ``0..position``.
 
     The keys are taken in blocks of ``key_block`` slots, in order: each block's scores are one product of
-    fixed shape (queries padded to :data:`~.linear.MIN_ROWS` rows), masked past the query's position; the
+    fixed shape (queries padded to :data:`~.linear.MIN_ROWS` rows, and a zero head added where ``B * h`` is
+    less than :data:`MIN_MATRICES`), masked past the query's position; the
     maximum is exact in any order; each block's exponentials (:func:`~.linear.lanewise`) are summed alone
     and the blocks' sums, and their products with the values, added block after block. Blocks past a
     query's position add exact zeros, so a query alone (decoding), in a batch, or in a whole sequence
     (training) gets the same bits. Computed in float32 for 16-bit inputs."""
-    b, _, s, d = q.shape
+    b, h, s, d = q.shape
     length, dtype = k.shape[2], q.dtype
     if positions is None:
         positions = torch.arange(s, device=q.device).expand(b, s)
     rows = max(s, MIN_ROWS)
+    heads = h if b * h >= MIN_MATRICES else MIN_MATRICES  # one (B, h) matrix alone gets a zero head beside it
     wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     with torch.autocast(q.device.type, enabled=False):
-        q = F.pad(q.to(wide), (0, 0, 0, rows - s))  # (B, h, rows, d): padded queries read slot 0
+        q = F.pad(q.to(wide), (0, 0, 0, rows - s, 0, heads - h))  # (B, heads, rows, d): padded queries read slot 0
         positions = F.pad(positions, (0, rows - s))
         scale = 1 / math.sqrt(d)
         scores, values = [], []
         for lo in range(0, length, key_block):
             n = min(key_block, length - lo)
-            kb, vb = (F.pad(t.narrow(2, lo, n).to(wide), (0, 0, 0, key_block - n)).contiguous() for t in (k, v))
+            kb, vb = (F.pad(t.narrow(2, lo, n).to(wide), (0, 0, 0, key_block - n, 0, heads - h)).contiguous()
+                      for t in (k, v))  # (B, heads, key_block, d)
             slots = torch.arange(lo, lo + key_block, device=q.device)
             keep = (slots <= positions[:, None, :, None]) & (slots < length)  # (B, 1, rows, key_block)
-            scores.append((q @ kb.transpose(-2, -1) * scale).masked_fill(~keep, -math.inf))  # (B, h, rows, kb)
+            scores.append((q @ kb.transpose(-2, -1) * scale).masked_fill(~keep, -math.inf))  # (B, heads, rows, kb)
             values.append(vb)
-        top = functools.reduce(torch.maximum, [sc.amax(-1) for sc in scores]).detach()  # (B, h, rows)
+        top = functools.reduce(torch.maximum, [sc.amax(-1) for sc in scores]).detach()  # (B, heads, rows)
         total = y = None
         for sc, vb in zip(scores, values, strict=True):
-            e = lanewise(torch.exp, sc - top[..., None])  # (B, h, rows, key_block)
+            e = lanewise(torch.exp, sc - top[..., None])  # (B, heads, rows, key_block)
             part, weighted = e.sum(-1), e @ vb
             total = part if total is None else total + part
-            y = weighted if y is None else y + weighted  # (B, h, rows, d)
+            y = weighted if y is None else y + weighted  # (B, heads, rows, d)
         assert y is not None and total is not None
-        return (y / total[..., None])[:, :, :s].to(dtype)
+        return (y / total[..., None])[:, :h, :s].to(dtype)
 
 
 class _ExpandKV(torch.autograd.Function):
