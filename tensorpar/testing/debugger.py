@@ -183,14 +183,7 @@ def _backward(out_s: Any, out_d: Any, forward: list[Item], loss_fn: Callable[...
 
 def group_of_one() -> ProcessGroup:
     """A process group of this rank alone, for a twin built at tp = 1 beside a sharded model (every rank
-    of the world calls it: creating groups is a collective).
-
-    Example::
-
-        twin = GPT(config, group=tensorpar.testing.group_of_one())   # in bitwise mode: tp = 1's bits
-        twin.load_full_state_dict(model.full_state_dict())
-        report = tensorpar.testing.find_divergence(model, twin, idx)  # exact
-    """
+    of the world calls it: creating groups is a collective), e.g. ``GPT(config, group=group_of_one())``."""
     return dist.new_subgroups(group_size=1)[0]  # (this rank's group, every rank's)
 
 
@@ -210,13 +203,8 @@ def find_divergence(sharded: nn.Module, dense: nn.Module, *inputs: Any,
 
     A sharded model built in bitwise mode (its ``numerics``, :mod:`tensorpar.bitwise`) is compared
     exactly (``rtol`` 0 unless given): its twin is the same model built in bitwise mode at tp = 1, on a
-    group of this rank alone (:func:`group_of_one`), and any bit that differs is a divergence.
-
-    Example::
-
-        report = tensorpar.testing.find_divergence(model, dense, x)   # on every rank
-        print(report)                # the first diverging module of each pass, and why
-        assert report.ok, report
+    group of this rank alone (:func:`group_of_one`), and any bit that differs is a divergence. Printed, the
+    report names the first diverging module of each pass, and why: ``assert report.ok, report``.
     """
     if loss_fn is None and target is not None:
         raise ValueError("target= is given to loss_fn(output, target): pass loss_fn= too")
