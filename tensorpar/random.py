@@ -66,16 +66,8 @@ class TrackerState(TypedDict):
 
 
 class RNGStatesTracker:
-    """This rank's random stream for sharded regions, one state per device.
-
-    Example::
-
-        tensorpar.init(tp=2)
-        tensorpar.manual_seed(1234)                 # default stream and the tp streams
-        with tensorpar.random.tracker().fork(x.device):
-            y = F.dropout(scores, 0.1)              # a different mask on each tp rank
-        z = F.dropout(h, 0.1)                       # the same mask on every tp rank
-    """
+    """This rank's random stream for sharded regions, one state per device: inside
+    ``with tracker().fork(x.device):`` ``F.dropout`` draws a different mask on each tp rank."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -159,13 +151,8 @@ def recompute_contexts(*trackers: RNGStatesTracker) -> tuple[AbstractContextMana
     (where torch notes its own generators'); the second context, around the recomputation, puts them
     back (every forked region draws its masks again) and afterwards restores the live states. While
     ``torch.compile`` traces, the compiled graph recomputes and replays its own draws: the contexts are
-    then selective checkpointing's, recomputing every operation.
-
-    Example::
-
-        trackers = (tensorpar.random.tracker(),)
-        y = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False,
-                                              context_fn=functools.partial(recompute_contexts, *trackers))
+    then selective checkpointing's, recomputing every operation. E.g. ``checkpoint(block, x,
+    use_reentrant=False, context_fn=functools.partial(recompute_contexts, tracker()))``.
     """
     if torch.compiler.is_compiling():  # traced: the compiled graph recomputes; no Python runs again
         return create_selective_checkpoint_contexts(lambda *_, **__: CheckpointPolicy.PREFER_RECOMPUTE)
