@@ -31,18 +31,14 @@ from .mesh import Mesh, current_mesh
 _MASK = (1 << 64) - 1
 
 
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
-    return x ^ (x >> 31)
-
-
 def mix_seed(base: int, *keys: int) -> int:
     """A non-negative 63-bit seed derived from ``base`` and ``keys`` (splitmix64 chained)."""
     seed = base & _MASK
-    for key in keys:
-        seed = _splitmix64(seed ^ (key & _MASK))
+    for key in keys:  # seed = splitmix64(seed ^ key)
+        x = ((seed ^ (key & _MASK)) + 0x9E3779B97F4A7C15) & _MASK
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+        seed = x ^ (x >> 31)
     return seed >> 1
 
 
