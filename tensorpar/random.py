@@ -75,18 +75,14 @@ class RNGStatesTracker:
         """Restart the stream from ``base`` (mixed with this rank)."""
         self._base, self._states = int(base), {}
 
-    def _device(self, device: torch.device | str | None) -> torch.device:
+    @contextlib.contextmanager
+    def fork(self, device: torch.device | str | None = None) -> Iterator[None]:
+        """Run the block on this rank's stream for ``device`` (default: CPU)."""
         device = torch.device("cpu" if device is None else device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"no random-stream support for device {device}")
-        return device
-
-    @contextlib.contextmanager
-    def fork(self, device: torch.device | str | None = None) -> Iterator[None]:
-        """Run the block on this rank's stream for ``device`` (default: CPU)."""
-        device = self._device(device)
         key = str(device)
         if key in self._inside:
             raise RuntimeError(f"RNGStatesTracker.fork({key}) is already active: nested forks would draw "
