@@ -8,14 +8,8 @@ import torch
 
 def check_int(value: object, name: str, *, minimum: int = 1, optional: bool = False) -> None:
     """Raise unless ``value`` is an ``int`` of at least ``minimum`` (or ``None`` when ``optional``): a
-    ``TypeError`` for a non-integer (a ``bool`` too), a ``ValueError`` below ``minimum``.
-
-    Example::
-
-        >>> check_int(0, "n_head")
-        Traceback (most recent call last):
-        ValueError: n_head must be a positive integer, got 0
-    """
+    ``TypeError`` for a non-integer (a ``bool`` too), a ``ValueError`` below ``minimum``, e.g.
+    ``ValueError: n_head must be a positive integer, got 0``."""
     if optional and value is None:
         return
     is_int = isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)

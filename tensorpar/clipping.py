@@ -117,13 +117,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, group: ProcessGroup | Non
     No host sync: every gradient is multiplied by ``min(1, max_norm / (norm + 1e-6))`` on the device. As in
     torch, a non-finite norm makes the factor NaN or 0; ``error_if_nonfinite=True`` raises a
     ``RuntimeError`` on every rank instead, before any gradient changes (one host sync). ``max_norm``
-    must be a number >= 0.
-
-    Example::
-
-        loss.backward()
-        norm = tensorpar.clip_grad_norm_(model, 1.0)
-        optimizer.step()
+    must be a number >= 0. Call it between ``loss.backward()`` and ``optimizer.step()``.
     """
     try:
         limit = float(max_norm)

@@ -34,14 +34,8 @@ def fully_shard_dp(model: nn.Module, mesh: Mesh | None = None, *, modules: Itera
     Build the optimizer *after* this call (FSDP2 replaces the parameters). ``reshard_after_forward``,
     ``mp_policy`` (a ``MixedPrecisionPolicy``) and ``offload_policy`` (``CPUOffloadPolicy``: FSDP2's
     ZeRO-Offload) are ``fully_shard``'s. Then :func:`tensorpar.full_state_dict`, :func:`tensorpar.full_grads`
-    and :func:`tensorpar.clip_grad_norm_` are collectives over the whole mesh.
-
-    Example::
-
-        mesh = tensorpar.init(tp=2, dp=2)
-        model = GPT(config)
-        tensorpar.fully_shard_dp(model, mesh, modules=model.transformer.h)
-        optimizer = torch.optim.AdamW(model.parameters())   # its state is sharded over dp too
+    and :func:`tensorpar.clip_grad_norm_` are collectives over the whole mesh. E.g.
+    ``fully_shard_dp(gpt, modules=gpt.transformer.h)``, then ``torch.optim.AdamW(gpt.parameters())``.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 

@@ -37,14 +37,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None =
     raised before any rank starts, as is a ``RuntimeError`` inside a rank of a running job). A rank
     that raises or exits, or a run past ``timeout`` seconds, raises :class:`RankError` naming the
     rank. Collectives time out after ``collective_timeout``. The ranks end when this process ends.
-
-    Example::
-
-        def work():
-            tensorpar.init(tp=2)
-            return ColumnParallelLinear(8, 4).weight.shape
-
-        tensorpar.spawn(work, 2)   # [torch.Size([2, 8]), torch.Size([2, 8])]
+    E.g. ``tensorpar.spawn(work, 2)``, ``work`` calling ``tensorpar.init(tp=2)``: ``[work's result on rank 0, 1]``.
     """
     if (job := _running_job()) is not None:
         raise RuntimeError(f"tensorpar.spawn cannot start {nprocs} ranks here: {job}, so every rank of that job "

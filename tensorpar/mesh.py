@@ -56,12 +56,7 @@ def init(tp: int | None = None, dp: int | None = None, *, pp: int = 1, backend: 
     without one; :func:`tensorpar.world.join`). ``pp`` defaults to 1, ``dp`` to ``world // (pp * tp)``,
     ``tp`` to ``world // (pp * dp)`` (a whole stage when neither is given). Every rank calls it with the
     same arguments (compared: ranks that differ all raise); one that raises leaves no group behind.
-
-    Example::
-
-        mesh = tensorpar.init(tp=2)          # under `torchrun --nproc-per-node 4`: dp = 2
-        layer = ColumnParallelLinear(768, 3072)   # uses mesh.tp_group
-        mesh = tensorpar.init(tp=2, pp=2)    # 8 ranks: 2 stages of tp=2 x dp=2
+    E.g. ``init(tp=2)`` on 4 ranks: dp = 2; ``init(tp=2, pp=2)`` on 8: 2 stages of tp=2 x dp=2.
     """
     for name, value in (("tp", tp), ("dp", dp), ("pp", pp)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):

@@ -31,18 +31,14 @@ from .mesh import Mesh, current_mesh
 _MASK = (1 << 64) - 1
 
 
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
-    return x ^ (x >> 31)
-
-
 def mix_seed(base: int, *keys: int) -> int:
     """A non-negative 63-bit seed derived from ``base`` and ``keys`` (splitmix64 chained)."""
     seed = base & _MASK
-    for key in keys:
-        seed = _splitmix64(seed ^ (key & _MASK))
+    for key in keys:  # seed = splitmix64(seed ^ key)
+        x = ((seed ^ (key & _MASK)) + 0x9E3779B97F4A7C15) & _MASK
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+        seed = x ^ (x >> 31)
     return seed >> 1
 
 
@@ -66,16 +62,8 @@ class TrackerState(TypedDict):
 
 
 class RNGStatesTracker:
-    """This rank's random stream for sharded regions, one state per device.
-
-    Example::
-
-        tensorpar.init(tp=2)
-        tensorpar.manual_seed(1234)                 # default stream and the tp streams
-        with tensorpar.random.tracker().fork(x.device):
-            y = F.dropout(scores, 0.1)              # a different mask on each tp rank
-        z = F.dropout(h, 0.1)                       # the same mask on every tp rank
-    """
+    """This rank's random stream for sharded regions, one state per device: inside
+    ``with tracker().fork(x.device):`` ``F.dropout`` draws a different mask on each tp rank."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -87,18 +75,14 @@ class RNGStatesTracker:
         """Restart the stream from ``base`` (mixed with this rank)."""
         self._base, self._states = int(base), {}
 
-    def _device(self, device: torch.device | str | None) -> torch.device:
+    @contextlib.contextmanager
+    def fork(self, device: torch.device | str | None = None) -> Iterator[None]:
+        """Run the block on this rank's stream for ``device`` (default: CPU)."""
         device = torch.device("cpu" if device is None else device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"no random-stream support for device {device}")
-        return device
-
-    @contextlib.contextmanager
-    def fork(self, device: torch.device | str | None = None) -> Iterator[None]:
-        """Run the block on this rank's stream for ``device`` (default: CPU)."""
-        device = self._device(device)
         key = str(device)
         if key in self._inside:
             raise RuntimeError(f"RNGStatesTracker.fork({key}) is already active: nested forks would draw "
@@ -159,13 +143,8 @@ def recompute_contexts(*trackers: RNGStatesTracker) -> tuple[AbstractContextMana
     (where torch notes its own generators'); the second context, around the recomputation, puts them
     back (every forked region draws its masks again) and afterwards restores the live states. While
     ``torch.compile`` traces, the compiled graph recomputes and replays its own draws: the contexts are
-    then selective checkpointing's, recomputing every operation.
-
-    Example::
-
-        trackers = (tensorpar.random.tracker(),)
-        y = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False,
-                                              context_fn=functools.partial(recompute_contexts, *trackers))
+    then selective checkpointing's, recomputing every operation. E.g. ``checkpoint(block, x,
+    use_reentrant=False, context_fn=functools.partial(recompute_contexts, tracker()))``.
     """
     if torch.compiler.is_compiling():  # traced: the compiled graph recomputes; no Python runs again
         return create_selective_checkpoint_contexts(lambda *_, **__: CheckpointPolicy.PREFER_RECOMPUTE)

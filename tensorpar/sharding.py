@@ -23,10 +23,8 @@ def partition_sizes(size: int, parts: int, *, unit: int = 1, name: str = "size",
     """Sizes of ``parts`` balanced shards of ``size`` elements, in whole units. Fewer units than parts is
     an error, unless ``allow_empty`` (the tokens of sequence parallelism): the last shards are then empty.
 
-    Example::
+    Example (10 features over 4 ranks: see the module's docstring)::
 
-        >>> partition_sizes(10, 4)
-        [3, 3, 2, 2]
         >>> partition_sizes(12 * 64, 5, unit=64)  # 12 heads of 64 over 5 ranks
         [192, 192, 128, 128, 128]
         >>> partition_sizes(2, 4, allow_empty=True)

@@ -46,25 +46,19 @@ def fill_tiled_(tensor: torch.Tensor, sample: Callable[[torch.Tensor, torch.Gene
     if tensor.is_meta:  # nothing to fill, and no draw: from_linear builds on meta first
         return tensor
     base = int(torch.randint(0, 2**62, ()).item())  # the one draw from the global RNG
-    for part, at in boxes:
-        _fill_box_(part, sample, base, full_shape, at)
+    for part, at in boxes:  # every tile overlapping the box ``part`` at ``at`` of the full tensor
+        ranges = [range(o // TILE, (o + s - 1) // TILE + 1) for o, s in zip(at, part.shape, strict=True)]
+        for index in itertools.product(*ranges):
+            lo = [i * TILE for i in index]
+            hi = [min(f, t + TILE) for f, t in zip(full_shape, lo, strict=True)]
+            tile = torch.empty([h - t for h, t in zip(hi, lo, strict=True)], dtype=part.dtype)
+            sample(tile, torch.Generator().manual_seed(mix_seed(base, *index)))
+            # overlap of this tile with the box, in full coordinates
+            start = [max(t, o) for t, o in zip(lo, at, strict=True)]
+            stop = [min(h, o + s) for h, o, s in zip(hi, at, part.shape, strict=True)]
+            src = tile[tuple(slice(a - t, b - t) for a, b, t in zip(start, stop, lo, strict=True))]
+            part[tuple(slice(a - o, b - o) for a, b, o in zip(start, stop, at, strict=True))] = src
     return tensor
-
-
-def _fill_box_(tensor: torch.Tensor, sample: Callable[[torch.Tensor, torch.Generator], object], base: int,
-               full_shape: tuple[int, ...], offset: tuple[int, ...]) -> None:
-    """Fill ``tensor``, the box at ``offset`` of the full tensor, from the tiles of seed ``base``."""
-    ranges = [range(o // TILE, (o + s - 1) // TILE + 1) for o, s in zip(offset, tensor.shape, strict=True)]
-    for index in itertools.product(*ranges):
-        lo = [i * TILE for i in index]
-        hi = [min(f, t + TILE) for f, t in zip(full_shape, lo, strict=True)]
-        tile = torch.empty([h - t for h, t in zip(hi, lo, strict=True)], dtype=tensor.dtype)
-        sample(tile, torch.Generator().manual_seed(mix_seed(base, *index)))
-        # overlap of this tile with the box, in full coordinates
-        start = [max(t, o) for t, o in zip(lo, offset, strict=True)]
-        stop = [min(h, o + s) for h, o, s in zip(hi, offset, tensor.shape, strict=True)]
-        src = tile[tuple(slice(a - t, b - t) for a, b, t in zip(start, stop, lo, strict=True))]
-        tensor[tuple(slice(a - o, b - o) for a, b, o in zip(start, stop, offset, strict=True))] = src
 
 
 def uniform_(tensor: torch.Tensor, a: float, b: float, *, full_shape: Sequence[int] | None = None,

@@ -76,10 +76,8 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     """Load a checkpoint saved at any (tp, dp, pp), with or without FSDP2, into ``model`` (and
     ``optimizer``); return its metadata (a collective). Another dtype than the model's is refused
     unless ``cast=True``. A missing, corrupt, edited or mismatched checkpoint raises
-    :class:`CheckpointError` on every rank, and nothing is modified on any rank. Example::
-
-        meta = tensorpar.checkpoint.load("out", model, optimizer)   # the newest one
-        tensorpar.checkpoint.load("bf16-run", fp32_model, cast=True)  # converts bf16 to float32
+    :class:`CheckpointError` on every rank, and nothing is modified on any rank. E.g.
+    ``load("bf16-run", fp32_model, cast=True)`` converts bf16 to float32.
     """
     mesh, error, optimizer_state = mesh or current_mesh(), None, None
     try:

@@ -92,8 +92,7 @@ class Pipeline:
         mesh = tensorpar.init(tp=2, pp=2)
         pipe = Pipeline([stage_module], [mesh.pp_rank], schedule="1f1b", microbatches=4, loss_fn=loss_fn,
                         stage_shapes=lambda stage, micro: (torch.empty_like(micro), torch.empty_like(micro)))
-        loss = pipe.step(idx, targets)        # forward and backward of the whole batch
-        optimizer.step()
+        loss = pipe.step(idx, targets)        # forward and backward of the whole batch, then optimizer.step()
     """
 
     def __init__(self, modules: Sequence[nn.Module], stages: Sequence[int], mesh: Mesh | None = None, *,

@@ -14,13 +14,10 @@ from .pool import World, Worlds, run_script
 if TYPE_CHECKING:
     from .comm_counts import CollectiveLog, CollectiveRecord, count_collectives
 
-#: loaded on first use: they need torch's CommDebugMode, which loads DTensor
-_COMM_COUNTS = ("CollectiveLog", "CollectiveRecord", "count_collectives")
-
 
 def __getattr__(name: str) -> Any:
-    """:mod:`.comm_counts`'s names, imported when first asked for (PEP 562)."""
-    if name in _COMM_COUNTS:
+    """:mod:`.comm_counts`'s names, imported when first asked for (PEP 562): torch's CommDebugMode loads DTensor."""
+    if name in ("CollectiveLog", "CollectiveRecord", "count_collectives"):
         from . import comm_counts
         return getattr(comm_counts, name)
     raise AttributeError(f"module 'tensorpar.testing' has no attribute {name!r}")

@@ -46,13 +46,10 @@ class CollectiveRecord:
         return self.bytes * (n - 1) / n * (2 if self.op == "all_reduce" else 1)
 
 
-def _size(name: Any) -> int:
-    return _resolve_process_group(name).size()
-
-
-def _pg_size(pg: Any) -> int:
-    """The size of the group c10d's ops receive (a script object)."""
-    return ProcessGroup.unbox(pg).size()
+def _size(group: Any) -> int:
+    """The size of a group as an op receives it: a functional collective's name, c10d's script object."""
+    pg = ProcessGroup.unbox(group) if isinstance(group, torch.ScriptObject) else _resolve_process_group(group)
+    return pg.size()
 
 
 _c10d, _functional = torch.ops.c10d, torch.ops._c10d_functional
@@ -62,10 +59,10 @@ _PAYLOADS: Mapping[Any, tuple[str, Callable[..., tuple[torch.dtype, int, int]]]]
     _functional.all_gather_into_tensor: ("all_gather", lambda x, n, g: (x.dtype, x.numel() * n, n)),
     _functional.reduce_scatter_tensor: ("reduce_scatter", lambda x, op, n, g: (x.dtype, x.numel(), n)),
     _functional.broadcast: ("broadcast", lambda x, src, g: (x.dtype, x.numel(), _size(g))),
-    _c10d.allreduce_: ("all_reduce", lambda xs, pg, *_: (xs[0].dtype, xs[0].numel(), _pg_size(pg))),
-    _c10d._allgather_base_: ("all_gather", lambda out, x, pg, *_: (out.dtype, out.numel(), _pg_size(pg))),
-    _c10d._reduce_scatter_base_: ("reduce_scatter", lambda out, x, pg, *_: (x.dtype, x.numel(), _pg_size(pg))),
-    _c10d.broadcast_: ("broadcast", lambda xs, pg, *_: (xs[0].dtype, xs[0].numel(), _pg_size(pg))),
+    _c10d.allreduce_: ("all_reduce", lambda xs, pg, *_: (xs[0].dtype, xs[0].numel(), _size(pg))),
+    _c10d._allgather_base_: ("all_gather", lambda out, x, pg, *_: (out.dtype, out.numel(), _size(pg))),
+    _c10d._reduce_scatter_base_: ("reduce_scatter", lambda out, x, pg, *_: (x.dtype, x.numel(), _size(pg))),
+    _c10d.broadcast_: ("broadcast", lambda xs, pg, *_: (xs[0].dtype, xs[0].numel(), _size(pg))),
 })
 
 

@@ -159,8 +159,8 @@ def _backward(out_s: Any, out_d: Any, forward: list[Item], loss_fn: Callable[...
     root = next((i for i in forward if i.module == "" and i.call == 0 and i.what == "output"), None)
     shard = full = None
     if isinstance(out_s, torch.Tensor) and root is not None and root.kind == "sharded" and out_s.requires_grad:
-        shard, out_s = out_s, gathered(root, group).requires_grad_()  # the full output
-        full = out_s
+        shard, out_s = out_s, gathered(root, group).requires_grad_()
+        full = out_s  # the full output
     if loss_fn is not None:
         extra = () if target is None else (target,)
         out_d, out_s = loss_fn(out_d, *extra), loss_fn(out_s, *extra)
@@ -170,10 +170,9 @@ def _backward(out_s: Any, out_d: Any, forward: list[Item], loss_fn: Callable[...
     if not (isinstance(out_d, torch.Tensor) and isinstance(out_s, torch.Tensor) and out_d.requires_grad
             and out_s.requires_grad and out_d.shape == out_s.shape):
         return "no backward pass: the outputs differ in shape or do not require a gradient"
-    grad = None
-    if out_d.dim():  # a fixed random projection of the output (a sum would hide what a LayerNorm's gradient does)
-        grad = torch.randn(out_d.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-        grad = grad.to(out_d.dtype).to(out_d.device)
+    # a fixed random projection of the output (a sum would hide what a LayerNorm's gradient does)
+    grad = torch.randn(out_d.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) \
+        .to(out_d.dtype).to(out_d.device) if out_d.dim() else None
     out_d.backward(grad)
     out_s.backward(grad)
     if shard is not None and full is not None and root is not None and full.grad is not None:
@@ -183,14 +182,7 @@ def _backward(out_s: Any, out_d: Any, forward: list[Item], loss_fn: Callable[...
 
 def group_of_one() -> ProcessGroup:
     """A process group of this rank alone, for a twin built at tp = 1 beside a sharded model (every rank
-    of the world calls it: creating groups is a collective).
-
-    Example::
-
-        twin = GPT(config, group=tensorpar.testing.group_of_one())   # in bitwise mode: tp = 1's bits
-        twin.load_full_state_dict(model.full_state_dict())
-        report = tensorpar.testing.find_divergence(model, twin, idx)  # exact
-    """
+    of the world calls it: creating groups is a collective), e.g. ``GPT(config, group=group_of_one())``."""
     return dist.new_subgroups(group_size=1)[0]  # (this rank's group, every rank's)
 
 
@@ -210,13 +202,8 @@ def find_divergence(sharded: nn.Module, dense: nn.Module, *inputs: Any,
 
     A sharded model built in bitwise mode (its ``numerics``, :mod:`tensorpar.bitwise`) is compared
     exactly (``rtol`` 0 unless given): its twin is the same model built in bitwise mode at tp = 1, on a
-    group of this rank alone (:func:`group_of_one`), and any bit that differs is a divergence.
-
-    Example::
-
-        report = tensorpar.testing.find_divergence(model, dense, x)   # on every rank
-        print(report)                # the first diverging module of each pass, and why
-        assert report.ok, report
+    group of this rank alone (:func:`group_of_one`), and any bit that differs is a divergence. Printed, the
+    report names the first diverging module of each pass, and why: ``assert report.ok, report``.
     """
     if loss_fn is None and target is not None:
         raise ValueError("target= is given to loss_fn(output, target): pass loss_fn= too")

@@ -206,10 +206,6 @@ def _tail_summed(item: Item, whole: torch.Tensor, shards: list[torch.Tensor]) ->
     return torch.cat([whole.narrow(dim, 0, whole.shape[dim] - tail), summed], dim)
 
 
-def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
-    return rel_error(a, b) <= tol
-
-
 def diagnose(item: Item, group: ProcessGroup) -> tuple[str | None, bool]:
     """The diagnosis of a diverging item (a collective: every rank's tensor is gathered), and
     whether the item is a partial sum (its ranks' tensors sum to the dense one)."""
@@ -227,22 +223,22 @@ def diagnose(item: Item, group: ProcessGroup) -> tuple[str | None, bool]:
     whole = everyone if item.kind == "sharded" else None
     for expected, says in ((n * d, f"{noun} is tp× too large: {DOUBLED}"),
                            (d / n, f"{noun} is 1/tp of the dense one: {MISSING}")):
-        if all(_close(t, expected, tol) for t in (parts or [everyone])):
+        if all(rel_error(t, expected) <= tol for t in (parts or [everyone])):
             return says, False
     if whole is not None and shards is not None and item.placement is not None and item.placement.replicated \
-            and _close(_tail_summed(item, whole, shards), d, tol):  # e.g. the K/V rows of a c_attn's output gradient
+            and rel_error(_tail_summed(item, whole, shards), d) <= tol:  # e.g. K/V rows of a c_attn's output gradient
         return (f"only this rank's part of the elements every rank holds (the ranks' {noun}s of them sum to the "
                 f"dense one): {MISSING}", True)
     if whole is not None:
         return _misplaced(item, whole), False
     assert parts is not None
     total, zero = everyone.sum(0), [r for r, p in enumerate(parts) if not p.any()]
-    if _close(total, d, tol):
+    if rel_error(total, d) <= tol:
         only = f", zero on rank{'s' * (len(zero) > 1)} {', '.join(map(str, zero))}" if zero else ""
         return f"only this rank's part (the ranks' {noun}s sum to the dense one{only}): {MISSING}", True
     b = item.bias
     if b is not None and b.dim() == 1 and d.dim() >= 1 and b.shape[0] == d.shape[-1] and \
-            _close(total - (n - 1) * b.detach().to(total.dtype), d, tol):
+            rel_error(total - (n - 1) * b.detach().to(total.dtype), d) <= tol:
         return f"only this rank's part (partial sums, each with the bias added): {MISSING}", False
     if zero and d.any():
         return f"{noun} is zero on rank{'s' * (len(zero) > 1)} {', '.join(map(str, zero))}: {MISSING}", False
@@ -267,7 +263,7 @@ def _misplaced(item: Item, whole: torch.Tensor) -> str | None:
         offset, length = item.bounds(r)
         mine = item.take(whole, offset, length)
         for o in sorted({item.bounds(s)[0] for s in range(n)} - {offset}):
-            if o + length <= block and _close(mine, item.take(d, o, length), item.tol):
+            if o + length <= block and rel_error(mine, item.take(d, o, length)) <= item.tol:
                 found.append(f"rank {r} holds the shard for offset {o}:{o + length} "
                              f"but sits at {offset}:{offset + length}")
                 break

@@ -34,8 +34,7 @@ class Finding:
 
     @property
     def name(self) -> str:
-        """``module.what`` for a parameter, else the module's name (``<model>``: the model itself)
-        with the tensor and the call."""
+        """``module.what`` for a parameter, else ``module (what, call k)`` (``<model>``: the model itself)."""
         if self.phase.startswith("parameter"):
             return f"{self.module}.{self.what}" if self.module else self.what
         return f"{self.module or '<model>'} ({self.what}" + (f", call {self.call + 1})" if self.call else ")")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -96,25 +96,16 @@ class World:
             self._ranks = None
 
 
-class Worlds(Mapping[int, World]):
+class Worlds(dict[int, World]):
     """One :class:`World` per size, each started on first use: ``worlds[2].run(fn, ...)``."""
 
     def __init__(self, sizes: Sequence[int] = (1, 2, 3, 4), **options: Any) -> None:
-        self._worlds = {n: World(n, **options) for n in sizes}
-
-    def __getitem__(self, size: int) -> World:
-        return self._worlds[size]
-
-    def __iter__(self) -> Any:
-        return iter(self._worlds)
-
-    def __len__(self) -> int:
-        return len(self._worlds)
+        super().__init__((n, World(n, **options)) for n in sizes)
 
     def close(self) -> None:
-        for world in self._worlds.values():
+        for world in self.values():
             world._stop()  # all worlds stop at once
-        for world in self._worlds.values():
+        for world in self.values():
             world.close()
 
 

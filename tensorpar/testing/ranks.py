@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..checks import check_int
 from ..world import DEFAULT_TIMEOUT, default_backend, shutdown
 
 _LOOPBACK = "127.0.0.1"
@@ -103,8 +104,7 @@ class LocalRanks:
 
     def __init__(self, run: Callable[[Any], Any], nprocs: int, *, backend: str | None = None,
                  collective_timeout: timedelta = DEFAULT_TIMEOUT, threads: int | None = None) -> None:
-        if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
-            raise ValueError(f"nprocs must be a positive integer, got {nprocs!r}")
+        check_int(nprocs, "nprocs")
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(["tensorpar.launch"])  # torch and this module, imported once by the server
         self._listener = socket.create_server((_LOOPBACK, 0))  # loopback only (a store binds every interface)
