@@ -29,7 +29,10 @@ def check_ids(ids: torch.Tensor, limit: int, what: str, detail: str, *, allowed:
     ok = (ids >= 0) & (ids < limit)  # (*)
     if allowed is not None:
         ok |= ids == allowed
+    message = f"a {what} is out of range for {detail}"
     if torch.compiler.is_compiling() or ids.device.type != "cpu":
-        torch._assert_async(ok.all(), f"a {what} is out of range for {detail}")
-    elif not ok.all():  # on the CPU no sync to avoid; only the failing path reads an id back
-        raise ValueError(f"{what} {ids[~ok][0].item()} is out of range for {detail}")
+        return torch._assert_async(ok.all(), message)
+    try:  # the same op as on a GPU (no host sync to count); only the failing path reads an id back
+        torch._assert_async(ok.all(), message)
+    except RuntimeError:
+        raise ValueError(f"{what} {ids[~ok][0].item()} is out of range for {detail}") from None

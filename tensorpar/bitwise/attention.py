@@ -1,9 +1,7 @@
-"""Attention one head at a time (the bitwise mode), and attention with a given dropout mask.
-
-Each head's kernel sees the same shapes at every tp (CPU SDPA with one-feature heads batches its
-backward over the heads); each query head gets its own copy of the KV head it reads, and backward adds
-a KV head's gradients in head order, gathering them from every rank first when every rank holds every
-KV head: the same bits as at tp = 1, where SDPA's grouped kernel would add them in an order of its own.
+"""The bitwise mode's attention: by fixed key blocks (every query the same bits at any tp, batch or cache
+length), or one head at a time with a given dropout mask. Each query head gets its own copy of the KV head it
+reads, and backward adds a KV head's gradients in head order (gathered from every rank first when every rank
+holds every KV head), as at tp = 1.
 """
 
 from __future__ import annotations
