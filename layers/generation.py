@@ -131,7 +131,7 @@ def _sample(model: GPT, logits: torch.Tensor, temperature: float, top_k: int | N
         nxt = broadcast_from_first_(nxt.contiguous(), model.tp_group)
     if not scored:
         return nxt, logits.new_zeros(())  # unused
-    if top_k is not None and temperature != 0:  # renormalised over the top k: the default numerics
+    if top_k is not None and temperature != 0:  # renormalised over the top k (not bit-matched to training)
         return nxt, F.log_softmax(scaled.float(), -1).gather(-1, nxt[:, None])[:, 0]
     # the training path's cross-entropy of the sampled token (the bitwise mode's bits, when on)
     return nxt, -model._loss(logits, nxt, "none", temperature or 1.0)

@@ -1,8 +1,8 @@
 """The (pp, dp, tp) process mesh and the default-mesh context.
 
-Ranks are laid out row-major on a ``(pp, dp, tp)`` grid: tp groups are runs of ``tp`` consecutive
-ranks (one node under torchrun), dp groups stride across them, pipeline stages are the outermost blocks
-of ``dp * tp`` ranks. 4 ranks at ``tp=2``: tp groups [0, 1], [2, 3]; dp groups [0, 2], [1, 3].
+Ranks are laid out row-major on a ``(pp, dp, tp)`` grid: tp groups are runs of ``tp`` consecutive ranks (one node
+under torchrun), dp groups stride across them, pipeline stages are the outermost blocks of ``dp * tp`` ranks;
+4 ranks at ``tp=2``: tp groups [0, 1], [2, 3]; dp groups [0, 2], [1, 3].
 """
 
 from __future__ import annotations

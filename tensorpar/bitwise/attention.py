@@ -19,9 +19,8 @@ from torch.distributed import ProcessGroup
 from ..comm.collectives import all_gather_along
 from .linear import MIN_ROWS, blockwise, lanewise
 
-#: the fewest matrices attention's batched products are computed with: CPU ``bmm`` (torch 2.13) gives each of
-#: ``N >= 2`` matrices the same bits whatever ``N`` is, while ``N = 1`` runs as one ``mm``, which takes BLAS's
-#: matrix-vector path for a product of one column (a head of one feature) and adds in another order
+#: the fewest matrices attention's batched products use: CPU ``bmm`` (torch 2.13) gives each of N >= 2 matrices
+#: the same bits for any N, but runs N = 1 as ``mm``, whose one-column product (a one-feature head) adds otherwise
 MIN_MATRICES = 2
 
 

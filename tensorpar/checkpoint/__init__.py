@@ -1,7 +1,6 @@
-"""Distributed checkpoints on ``torch.distributed.checkpoint`` (DCP), loadable at any (tp, dp, pp),
-with or without FSDP2. A checkpoint is a ``FileSystemWriter`` directory ``step-NNNNNN`` plus
-``meta.json`` (step, layout, config, optimizer groups, ``extra``, every file's SHA-256); the README's
-"Checkpoints" says what it holds and what it guarantees.
+"""Distributed checkpoints on ``torch.distributed.checkpoint`` (DCP), loadable at any (tp, dp, pp), with or without
+FSDP2: a ``FileSystemWriter`` directory ``step-NNNNNN`` plus ``meta.json`` (step, layout, config, optimizer groups,
+``extra``, every file's SHA-256); the README's "Checkpoints" says what it holds and what it guarantees.
 
 Example::
 

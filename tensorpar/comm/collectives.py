@@ -1,21 +1,17 @@
 """Collectives along any dim over balanced (uneven) shards: one function each, on torch.
 
-Eagerly each is c10d's own op (``dist.all_reduce`` and the like, ``async_op=True``), the all-reduce in
-place on a buffer the caller owns (a product it just computed); inside ``torch.compile`` the same function
-issues the functional collective (``torch.ops._c10d_functional``), which the graph can schedule. That is
+Eagerly each is c10d's own op (``async_op=True``; the all-reduce in place on a buffer the caller owns);
+inside ``torch.compile`` the same function issues the functional collective, which the graph can schedule:
 the one branch. ``wait()`` returns the result where it is needed, so the caller computes meanwhile. Nothing
 here reads the environment, looks up a mesh or counts: ``CommDebugMode`` and ``torch.profiler`` see c10d's
 ops and functional collectives alike, and nothing changes while they watch.
 
 Agreement across ranks is torch's: byte sizes that differ abort gloo ("Is there a distributed collective
-mismatch in your code?"), ending every rank; the same bytes in another dtype return garbage unless
-``TORCH_DISTRIBUTED_DEBUG=DETAIL`` was set before the group was made (c10d then compares each all-reduce's
-and broadcast's op, dtype and shape, and every rank raises). An all-gather against a reduce-scatter of the
-same bytes, or a stopped peer, ends at the group's timeout. CUDA tensors on gloo travel through host memory.
-
-gloo cannot all-gather unequal sizes, so uneven shards travel padded to the largest and are trimmed after:
-a tensor is viewed as ``(pre, n, post)`` around the split dim, shard ``r`` being one contiguous block of a
-``(world, pre, n_max, post)`` buffer (the layout of ``all_gather_into_tensor`` and ``reduce_scatter_tensor``).
+mismatch in your code?"); the same bytes in another dtype return garbage unless ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
+was set before the group was made (every rank then raises). Other mismatches, and a stopped peer, end at the
+group's timeout. gloo cannot all-gather unequal sizes, so uneven shards travel padded to the largest: a
+tensor is viewed as ``(pre, n, post)`` around the split dim, shard ``r`` one block of ``(world, pre, n_max,
+post)`` (the layout of ``all_gather_into_tensor``); CUDA tensors on gloo travel through host memory.
 """
 
 from __future__ import annotations

@@ -4,8 +4,7 @@ A rank runs one stage (GPipe, 1F1B) or several (interleaved 1F1B). The batch is 
 equal micro-batches along dim 0, each loss divided by their number: the gradients are the whole batch's
 mean loss's, accumulating over calls. The step's loss comes back on every rank of the pipeline.
 
-Stages are built with their inputs' and outputs' shapes (``stage_shapes``), so torch's pipelining never
-infers them at run time, which would unpickle what a peer sent (``send_object_list``).
+Stages are built with their inputs' and outputs' shapes (``stage_shapes``), so torch never infers them by unpickling.
 
 Each stage measures itself (:class:`StageTimes`); with ``timed=True`` the stages start each step together
 (a barrier), so that every stage's wall time spans the whole step.
