@@ -54,8 +54,15 @@ A run never destroys its own work:
 - A last line of metrics.jsonl cut short by a crash is dropped on --resume,
   with a warning; any other unreadable line is refused before a rank starts.
 - Every numeric option must be finite; the seed, the output directory and the
-  memory the model needs (weights, gradients and AdamW state against this
-  host's memory, or each GPU's) are checked before any rank starts.
+  memory are checked before any rank starts: a layout whose plan (layers.plan:
+  parameters, gradients, optimizer state, activations and the largest transient
+  of the fullest rank) exceeds each rank's memory (each GPU's, or this host's
+  available memory over its ranks; --memory) is refused, naming the nearest
+  layouts that fit (--force launches anyway).
+
+Plan before you launch: --dry-run prints the plan (--json: as one JSON object)
+and --suggest the layouts of the world that fit, fastest first, and why each
+other one does not; neither starts a rank nor looks at OUT.
 """
 
 from __future__ import annotations
@@ -78,7 +85,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 import tensorpar
-from layers import GPT, GPTConfig, PipelinedGPT
+from layers import GPT, PipelinedGPT
 from layers.hf import export_gpt2
 from tensorpar import checkpoint
 from tensorpar.random import mix_seed
@@ -99,6 +106,7 @@ from train import (
     device_name,
     hardware_summary,
     hold,
+    model_config,
     open_log,
     open_logger,
     open_splits,
@@ -112,8 +120,12 @@ from train import (
 )
 from train import parse_args as parse_training_args
 from train.hardware import model_flops_per_token, peak_tflops
+from train.planning import dry_run, suggestions
 
 EPILOG = """examples:
+  python examples/train_gpt.py --tp 2 --dp 2 --fsdp --dry-run   # the plan: each rank's memory, FLOPs; no rank starts
+  python examples/train_gpt.py --n-layer 12 --n-embd 768 --n-head 12 --block-size 1024 --vocab-size 50304 \
+      --world 8 --device-name H100 --suggest                # the layouts of 8 H100s that fit, fastest first
   python examples/train_gpt.py                          # tp=2 on 2 local CPU processes, the built-in corpus
   python examples/train_gpt.py --tp 2 --dp 2 --zero     # 4 processes, optimizer state sharded over dp
   python examples/train_gpt.py --tp 2 --dp 2 --fsdp     # parameters, gradients and optimizer state too
@@ -132,15 +144,7 @@ EPILOG = """examples:
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     """The run's options, checked before any rank starts (a bad one exits with code 2)."""
-    return parse_training_args(argv, prog=Path(__file__).name, description=__doc__, epilog=EPILOG,
-                               parameters=lambda cfg: model_config(cfg).parameter_count(non_embedding=False))
-
-
-def model_config(cfg: TrainConfig) -> GPTConfig:
-    """The GPT the options describe."""
-    return GPTConfig(vocab_size=cfg.vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                     n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
-                     activation_checkpointing=cfg.activation_checkpointing, sequence_parallel=cfg.sequence_parallel)
+    return parse_training_args(argv, prog=Path(__file__).name, description=__doc__, epilog=EPILOG)
 
 
 def build(cfg: TrainConfig, mesh: tensorpar.Mesh) -> tuple[GPT | PipelinedGPT, torch.optim.Optimizer]:
@@ -353,6 +357,10 @@ def spawned(cfg: TrainConfig) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
+    if cfg.dry_run or cfg.suggest:  # a plan, printed once (under torchrun by rank 0); no rank starts
+        if os.environ.get("RANK", "0") == "0":
+            print(dry_run(cfg) if cfg.dry_run else suggestions(cfg))
+        return
     warn_if_gpus_unused(tp=cfg.tp, dp=cfg.dp, pp=cfg.pp)
     began = time.perf_counter()
     held = functools.partial(hold, cfg.out, resume=cfg.resume, overwrite=cfg.overwrite, prog=Path(__file__).name)

@@ -1,7 +1,7 @@
 """The training script's command line: every option with its help and default, and every check that
 can be made before a rank starts (sizes, finite numbers, the seed's range, world, data files, the output
-directory, the checkpoint and metrics log to resume, the memory the model needs, the logger's package),
-each failing as an argument error (exit code 2, one line naming the numbers)."""
+directory, the checkpoint and metrics log to resume, the plan's memory against each rank's, the logger's
+package), each failing as an argument error (exit code 2, one line naming the numbers)."""
 
 from __future__ import annotations
 
@@ -10,30 +10,25 @@ import dataclasses
 import importlib.util
 import math
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from tensorpar.bitwise import DEFAULT_TP_SIZES
 from tensorpar.checkpoint import CheckpointError
 from tensorpar.checkpoint import files as checkpoint_files
-from tensorpar.world import default_backend
 
 from .data import SCANNED_TOKENS, VOCAB_SIZE, open_splits
-from .device import DTYPES, local_ranks
+from .device import DTYPES
 from .output import read_log
+from .planning import check_fits
 from .rundir import check_out
 
-GROUPS = ("model", "parallelism", "optimisation", "data and validation", "checkpoints and output")
+GROUPS = ("model", "parallelism", "optimisation", "data and validation", "checkpoints and output", "planning")
 RESUME = ("never", "auto", "must")
 ON_NONFINITE = ("stop", "skip")
 #: the seeds torch.manual_seed accepts
 SEEDS = (-2**63, 2**64 - 1)
-#: bytes of training state per parameter: float32 weight and gradient, AdamW's two float32 moments
-WEIGHT_BYTES, GRAD_BYTES, ADAMW_BYTES = 4, 4, 8
 LOGGERS = ("none", "tensorboard", "wandb")
 #: the package each logger needs, and how to install it
 LOGGER_PACKAGES = (("tensorboard", "tensorboard", "pip install -e \".[tensorboard]\""),
@@ -120,8 +115,8 @@ class TrainConfig:
     sample_tokens: int = _opt(200, "checkpoints and output", "tokens to sample at the end; 0: none")
     progress: bool = _opt(True, "checkpoints and output", "progress bar (needs tqdm)")
     peak_tflops: float | None = _opt(None, "checkpoints and output", "one device's dense peak TFLOP/s in --dtype, "
-                                     "for the MFU shown and logged", shown="known for H100, H200 and A100; "
-                                     "otherwise no MFU", metavar="TFLOPS")
+                                     "for the MFU shown and logged and the plan's step-time bound",
+                                     shown="known for H100, H200 and A100; otherwise no MFU", metavar="TFLOPS")
     export_hf: str | None = _opt(None, "checkpoints and output", "at the end, save the model as a Hugging Face "
                                  "GPT-2 directory (GPT2LMHeadModel.from_pretrained loads it; needs --pp 1)",
                                  shown="none", metavar="DIR")
@@ -130,6 +125,26 @@ class TrainConfig:
                              "--export-hf (implies --resume)")
     logger: str = _opt("none", "checkpoints and output", "also log to TensorBoard (OUT/tensorboard) or Weights & "
                        "Biases (offline unless WANDB_MODE says otherwise)", choices=LOGGERS)
+    dry_run: bool = _opt(False, "planning", "print the plan (each rank's parameters, gradients, optimizer state, "
+                         "activations and peak, the step's FLOPs and a bound on its time; layers.plan) and exit: "
+                         "no rank starts, --out is not looked at")
+    json: bool = _opt(False, "planning", "with --dry-run: the plan as one JSON object (the largest rank's bytes, "
+                      "the step's FLOPs and time bound, the layout, each rank's memory and whether it fits)")
+    suggest: bool = _opt(False, "planning", "list the layouts of the world (tp x dp x pp, sharding, sequence "
+                         "parallelism, activation checkpointing) that fit each rank's memory, fastest first, and "
+                         "why each other one does not; then exit, as --dry-run")
+    world: int | None = _opt(None, "planning", "with --dry-run or --suggest: plan for N ranks (dp = N / (tp x pp))",
+                             shown="tp x dp x pp, or torchrun's world", metavar="N")
+    memory: float | None = _opt(None, "planning", "GiB of memory each rank has: the plan is checked against it "
+                                "before a run, and --dry-run and --suggest plan for it",
+                                shown="each GPU's total memory, or this host's available memory over its ranks",
+                                metavar="GIB")
+    device_name: str | None = _opt(None, "planning", "with --dry-run or --suggest: plan for this GPU (H100, H200, "
+                                   "A100: its peak bounds the step time; --peak-tflops for another; bf16 by "
+                                   "default, as on a GPU)", shown="this host's GPU when the run uses it",
+                                   metavar="NAME")
+    force: bool = _opt(False, "planning", "launch even when the plan's largest rank needs more than each rank's "
+                       "memory (refused without it)")
 
     def __post_init__(self) -> None:
         """Checks of the options among themselves (the environment is checked by :func:`resolve`)."""
@@ -204,6 +219,18 @@ class TrainConfig:
             raise ValueError(f"--export-hf needs --pp 1 (each of the {self.pp} pipeline ranks holds part of the "
                              "model): train at --pp 1, or load the checkpoint into a GPT at --pp 1 and call "
                              "export_gpt2")
+        if self.json and not self.dry_run:
+            raise ValueError("--json prints the plan of --dry-run: give --dry-run")
+        if self.dry_run and self.suggest:
+            raise ValueError("--dry-run and --suggest exclude each other: --dry-run plans this layout, --suggest "
+                             "lists the layouts that fit")
+        for name in ("world", "device_name"):
+            if getattr(self, name) is not None and not (self.dry_run or self.suggest):
+                raise ValueError(f"--{_flag(name)} is for planning: give --dry-run or --suggest")
+        if self.world is not None and self.world < 1:
+            raise ValueError(f"--world must be at least 1, got {self.world}")
+        if self.memory is not None and not self.memory > 0:
+            raise ValueError(f"--memory must be above 0 GiB, got {self.memory}")
         if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
             raise ValueError(f"--stop-at {self.stop_at} is not a step of the run (1 to --steps {self.steps})")
 
@@ -233,9 +260,9 @@ def build_parser(prog: str | None = None, *, description: str = "", epilog: str 
 
 
 def parse_args(argv: list[str] | None = None, *, prog: str | None = None, description: str = "",
-               epilog: str = "", parameters: Callable[[TrainConfig], int] | None = None) -> TrainConfig:
-    """The run's options from the command line, checked and resolved (:func:`resolve`, which is given
-    ``parameters``); a bad one exits as an argument error (code 2) before any rank starts.
+               epilog: str = "") -> TrainConfig:
+    """The run's options from the command line, checked and resolved (:func:`resolve`); a bad one
+    exits as an argument error (code 2) before any rank starts.
 
     Example::
 
@@ -246,16 +273,17 @@ def parse_args(argv: list[str] | None = None, *, prog: str | None = None, descri
     if options["out"] in ("", "none"):
         options["out"] = None
     try:
-        return resolve(TrainConfig(**options), parameters=parameters)
+        return resolve(TrainConfig(**options))
     except ValueError as e:
         parser.error(str(e))
 
 
-def resolve(cfg: TrainConfig, *, parameters: Callable[[TrainConfig], int] | None = None) -> TrainConfig:
-    """``cfg`` with ``dp`` and ``vocab_size`` filled in, after checking it against the world (torchrun's
-    ``WORLD_SIZE``), the data, the output directory (:func:`~.rundir.check_out`), the checkpoint and the
-    metrics log to resume, the memory of this host or its GPUs (when ``parameters`` gives the model's
-    parameter count for a config) and the logger's package (``ValueError``)."""
+def resolve(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with ``dp`` and ``vocab_size`` filled in, after checking it against the world (--world or
+    torchrun's ``WORLD_SIZE``), the data, the output directory (:func:`~.rundir.check_out`), the
+    checkpoint and the metrics log to resume, each rank's memory (the plan's largest rank must fit it,
+    :func:`~.planning.check_fits`, unless --force) and the logger's package (``ValueError``). With
+    --dry-run or --suggest, --out and the checkpoint are not looked at and the memory is not checked."""
     dp = _world_dp(cfg)
     assert cfg.microbatches is not None  # __post_init__ fills it in
     if cfg.vocab_size is not None and cfg.vocab_size < cfg.tp:
@@ -265,12 +293,14 @@ def resolve(cfg: TrainConfig, *, parameters: Callable[[TrainConfig], int] | None
         raise ValueError(f"--batch-size {cfg.batch_size} is not divisible by dp ({dp}) x --grad-accum "
                          f"({cfg.grad_accum}){pipelined}")
     cfg = dataclasses.replace(cfg, dp=dp, vocab_size=_check_data(cfg))
-    if cfg.out is not None:
+    planning = cfg.dry_run or cfg.suggest
+    if cfg.out is not None and not planning:
         # another job's lock: not on torchrun's other ranks (their rank 0 may hold it for them already)
         check_out(Path(cfg.out), resume=cfg.resume, overwrite=cfg.overwrite, held=os.environ.get("RANK", "0") == "0")
-    cfg = _check_resume(cfg)
-    if parameters is not None:
-        _check_memory(cfg, parameters(cfg))
+    if not planning:
+        cfg = _check_resume(cfg)
+    if not (planning or cfg.force or cfg.export_only):  # --export-only trains nothing
+        check_fits(cfg)
     for name, package, install in LOGGER_PACKAGES:
         if cfg.logger == name and importlib.util.find_spec(package) is None:
             raise ValueError(f"--logger {name} needs the {package} package: {install}")
@@ -280,10 +310,12 @@ def resolve(cfg: TrainConfig, *, parameters: Callable[[TrainConfig], int] | None
 
 
 def _world_dp(cfg: TrainConfig) -> int:
-    """dp: as given, or the world over tp x pp under torchrun (checked against it), else 1."""
-    if "WORLD_SIZE" not in os.environ:
+    """dp: as given, or the world (--world, or torchrun's) over tp x pp (checked against it), else 1."""
+    if "WORLD_SIZE" in os.environ and cfg.world is not None and cfg.world != int(os.environ["WORLD_SIZE"]):
+        raise ValueError(f"--world {cfg.world}, but torchrun's world has {os.environ['WORLD_SIZE']} ranks")
+    if cfg.world is None and "WORLD_SIZE" not in os.environ:
         return cfg.dp or 1
-    world, stage = int(os.environ["WORLD_SIZE"]), cfg.tp * cfg.pp
+    world, stage = cfg.world or int(os.environ["WORLD_SIZE"]), cfg.tp * cfg.pp
     shown = f"--tp {cfg.tp} x --pp {cfg.pp}" if cfg.pp > 1 else f"--tp {cfg.tp}"
     if world % stage:
         raise ValueError(f"{shown} does not divide the world of {world} ranks")
@@ -349,27 +381,3 @@ def _check_resume(cfg: TrainConfig) -> TrainConfig:
         raise ValueError(f"--resume: the checkpoint in {cfg.out} is at step {meta['step']}, nothing left to run "
                          f"up to step {last} (raise {'--stop-at' if cfg.stop_at else '--steps'} to train further)")
     return cfg
-
-
-def _check_memory(cfg: TrainConfig, parameters: int) -> None:
-    """The model's weights, gradients and AdamW state fit where the ranks keep them: each rank's share
-    (split over tp and pp; over dp too with --fsdp, the AdamW state with --zero) on its GPU when each
-    local rank has one, else all local ranks' shares in this host's memory."""
-    assert cfg.dp is not None  # resolve() fills it in
-    world = cfg.tp * cfg.dp * cfg.pp
-    split = cfg.tp * cfg.pp * (cfg.dp if cfg.fsdp else 1)
-    state_split = split * (cfg.dp if cfg.zero and not cfg.fsdp else 1)
-    weights = (WEIGHT_BYTES + GRAD_BYTES) * parameters / split
-    state = ADAMW_BYTES * parameters / state_split
-    local = local_ranks(world)
-    if default_backend(local) == "nccl":  # a GPU for each rank
-        need = weights + (0 if cfg.offload_optimizer else state)
-        capacity, where = torch.cuda.get_device_properties(0).total_memory, "on each rank's GPU"
-    else:
-        need = (weights + state) * local
-        capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        where = f"for this host's {local} rank{'s' if local > 1 else ''}"
-    if need > capacity:
-        raise ValueError(f"the model (--vocab-size {cfg.vocab_size}, --n-layer {cfg.n_layer}, --n-embd {cfg.n_embd}) "
-                         f"has {parameters:,} parameters: their weights, gradients and AdamW state take "
-                         f"{need / 2**30:,.1f} GiB {where}, more than its {capacity / 2**30:,.1f} GiB of memory")

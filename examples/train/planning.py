@@ -1,0 +1,233 @@
+"""Plan before you launch: the run's options as a :class:`layers.plan.Layout`, the memory each rank
+has, the check that the plan's largest rank fits it (refused with the numbers and the nearest layouts
+that fit), and what ``--dry-run`` and ``--suggest`` print. Every count is :mod:`layers.plan`'s."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from layers import GPTConfig
+from layers.plan import Layout, Plan, RankPlan, Suggestions, plan, suggest
+from tensorpar.world import default_backend
+
+from .device import local_ranks
+
+if TYPE_CHECKING:
+    from .cli import TrainConfig
+
+#: --dp's sharding of the training state: DDP (none), ZeroRedundancyOptimizer, FSDP2
+SHARDING_FLAGS = {"ddp": (), "zero": ("--zero",), "fsdp": ("--fsdp",)}
+#: the nearest layouts that fit, named when a layout is refused
+NEAREST = 3
+
+
+def model_config(cfg: TrainConfig) -> GPTConfig:
+    """The GPT the options describe."""
+    assert cfg.vocab_size is not None  # resolve() fills it in
+    return GPTConfig(vocab_size=cfg.vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                     n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
+                     activation_checkpointing=cfg.activation_checkpointing, sequence_parallel=cfg.sequence_parallel)
+
+
+def _world(cfg: TrainConfig) -> int:
+    assert cfg.dp is not None  # resolve() fills it in
+    return cfg.tp * cfg.dp * cfg.pp
+
+
+def on_gpu(cfg: TrainConfig) -> bool:
+    """Whether the run computes on GPUs: one for each local rank (NCCL), or a GPU named by --device-name."""
+    return cfg.device_name is not None or default_backend(local_ranks(_world(cfg))) == "nccl"
+
+
+def layout_of(cfg: TrainConfig) -> Layout:
+    """The layout the options describe. A rank's micro-batch is ``--batch-size / (dp x --grad-accum)``
+    sequences at ``--pp 1`` (``--grad-accum`` of them a step), and that over ``--microbatches`` with
+    pipeline stages (the schedule's micro-batches; ``--grad-accum`` repeats the whole schedule)."""
+    assert cfg.dp is not None and cfg.microbatches is not None  # resolve() fills them in
+    pipelined = cfg.pp > 1
+    microbatches = cfg.microbatches if pipelined else cfg.grad_accum
+    micro_batch = cfg.batch_size // (cfg.dp * cfg.grad_accum * (cfg.microbatches if pipelined else 1))
+    compute = cfg.dtype or ("bf16" if on_gpu(cfg) else "fp32")  # the run's default (device.compute_dtype)
+    return Layout(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp,
+                  dp_sharding="fsdp" if cfg.fsdp else "zero" if cfg.zero else "ddp",
+                  offload_optimizer=cfg.offload_optimizer, sequence_parallel=cfg.sequence_parallel,
+                  activation_checkpointing=cfg.activation_checkpointing, micro_batch=micro_batch,
+                  microbatches=microbatches, seq_len=cfg.block_size, schedule=cfg.schedule, dtype="float32",
+                  autocast="bfloat16" if compute == "bf16" else None, optimizer="adamw")
+
+
+def device_memory(cfg: TrainConfig) -> tuple[int, str]:
+    """The bytes each rank may hold, and where they are: ``--memory``, else each GPU's total memory
+    (a GPU for each local rank), else this host's available memory shared by its local ranks."""
+    if cfg.memory is not None:
+        return int(cfg.memory * 2**30), f"--memory {cfg.memory:g} GiB"
+    local = local_ranks(_world(cfg))
+    if default_backend(local) == "nccl":
+        return torch.cuda.get_device_properties(0).total_memory, f"each rank's GPU, {torch.cuda.get_device_name(0)}"
+    host = available_memory()
+    return host // local, f"this host's {size(host)} of available memory over its {local} rank{'s' * (local > 1)}"
+
+
+def available_memory() -> int:
+    """This host's memory available to new processes (Linux's MemAvailable; else its physical memory)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def device_of(cfg: TrainConfig) -> str | None:
+    """The device whose peak bounds the step time: --device-name, else this host's GPU when the run uses it."""
+    if cfg.device_name is not None:
+        return cfg.device_name
+    return torch.cuda.get_device_name(0) if on_gpu(cfg) else None
+
+
+def plan_of(cfg: TrainConfig, *, timed: bool = True) -> Plan:
+    """The plan of the run; ``timed``: with the device's peak (--peak-tflops, or the device's known
+    one), for the step-time bound. A GPU of this host that the planner does not know gets no bound."""
+    config, layout = model_config(cfg), layout_of(cfg)
+    peak = cfg.peak_tflops * 1e12 if cfg.peak_tflops is not None else None
+    device = device_of(cfg) if timed else None
+    try:
+        return plan(config, layout, device=device, peak_flops=peak)
+    except ValueError:
+        if device is None or cfg.device_name is not None:
+            raise
+        return plan(config, layout, peak_flops=peak)  # this host's GPU, not one the planner knows
+
+
+def check_fits(cfg: TrainConfig) -> None:
+    """``ValueError`` when the plan's largest rank needs more than each rank's memory, naming the
+    numbers and the nearest layouts of the same world that fit."""
+    big = plan_of(cfg, timed=False).largest
+    memory, where = device_memory(cfg)
+    if big.peak_bytes <= memory:
+        return
+    world = _world(cfg)
+    fits = nearest(suggest(model_config(cfg), world, memory, base=layout_of(cfg)), cfg)
+    fitting = (f"layouts of {world} rank{'s' * (world > 1)} that fit: "
+               + "; ".join(f"{flags(p.layout, cfg, changed=True)} (peak {size(p.largest.peak_bytes)})" for p in fits)
+               if fits else f"no layout of {world} rank{'s' * (world > 1)} fits (--suggest says why)")
+    raise ValueError(f"the plan's largest rank (tp rank {big.tp_rank}, stage {big.pp_stage}, dp rank {big.dp_rank}) "
+                     f"peaks at {size(big.peak_bytes)} ({breakdown(big)}), more than the {size(memory)} each rank "
+                     f"has ({where}); {fitting}; --force launches anyway, --dry-run shows the plan")
+
+
+def nearest(suggestions: Suggestions, cfg: TrainConfig, count: int = NEAREST) -> list[Plan]:
+    """The fitting layouts that change the fewest options of ``cfg``, the faster first among equals."""
+    order = sorted(range(len(suggestions.fits)), key=lambda i: (len(options(suggestions.fits[i].layout, cfg,
+                                                                                   changed=True)), i))
+    return [suggestions.fits[i] for i in order[:count]]
+
+
+def flags(layout: Layout, cfg: TrainConfig, *, changed: bool = False) -> str:
+    """:func:`options` as a command line's words."""
+    return " ".join(options(layout, cfg, changed=changed)) or "(as given)"
+
+
+def options(layout: Layout, cfg: TrainConfig, *, changed: bool = False) -> list[str]:
+    """The options that run ``layout`` on top of ``cfg``'s (``changed``: only those that differ; else
+    the mesh and every option that is on). A layout of another dp keeps the micro-batch per rank: its
+    ``--batch-size`` is scaled with it."""
+    assert cfg.microbatches is not None  # resolve() fills it in
+    pipelined = layout.pp > 1
+    accum = cfg.grad_accum if pipelined else layout.microbatches
+    microbatches = layout.microbatches if pipelined else 1
+    batch = layout.micro_batch * layout.dp * accum * microbatches
+    numbers = {"tp": (layout.tp, cfg.tp), "dp": (layout.dp, cfg.dp), "pp": (layout.pp, cfg.pp),
+               "microbatches": (microbatches, cfg.microbatches if cfg.pp > 1 else 1),
+               "grad-accum": (accum, cfg.grad_accum), "batch-size": (batch, cfg.batch_size)}
+    offload = layout.offload_optimizer
+    switches = {"offload-optimizer": (offload, cfg.offload_optimizer),
+                "fsdp": (layout.dp_sharding == "fsdp" and not offload, cfg.fsdp and not cfg.offload_optimizer),
+                "zero": (layout.dp_sharding == "zero", cfg.zero),
+                "sequence-parallel": (layout.sequence_parallel, cfg.sequence_parallel),
+                "activation-checkpointing": (layout.activation_checkpointing, cfg.activation_checkpointing)}
+    shown = [f"--{name} {new}" for name, (new, old) in numbers.items()
+             if (new != old if changed else name in ("tp", "dp", "pp") or (name == "microbatches" and pipelined))]
+    shown += [f"--{'' if new else 'no-'}{name}" for name, (new, old) in switches.items()
+              if (new != old if changed else new)]
+    return shown
+
+
+def breakdown(rank: RankPlan) -> str:
+    """A rank's bytes by kind: ``parameters 1.2 GiB, gradients ...``."""
+    kinds = (("parameters", "params_bytes"), ("gradients", "grads_bytes"), ("optimizer state", "optimizer_bytes"),
+             ("activations", "activation_bytes"), ("largest transient", "transient_bytes"))
+    return ", ".join(f"{name} {size(getattr(rank, attr))}" for name, attr in kinds)
+
+
+def size(n: float) -> str:
+    """Bytes for people: ``1.25 GiB``, ``310.4 MiB``, ``12.0 KiB``, ``512 B``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{int(n)} B"
+
+
+def seconds(s: float | None) -> str:
+    """A step-time bound for people (``-`` without a device peak)."""
+    if s is None:
+        return "-"
+    return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms"
+
+
+def describe(cfg: TrainConfig, layout: Layout) -> str:
+    """One line: the mesh, the dp sharding, the batch and the dtype of a layout."""
+    sharding = layout.dp_sharding + (" + offloaded optimizer" if layout.offload_optimizer else "")
+    extras = [name for name, on in (("sequence parallel", layout.sequence_parallel),
+                                     ("activation checkpointing", layout.activation_checkpointing)) if on]
+    pipeline = f", {layout.schedule}" if layout.pp > 1 else ""
+    return (f"tp={layout.tp} dp={layout.dp} pp={layout.pp} ({layout.world} ranks{pipeline}), {sharding}"
+            + "".join(f", {e}" for e in extras)
+            + f"; {layout.microbatches} micro-batch{'es' * (layout.microbatches > 1)} of {layout.micro_batch} x "
+            f"{layout.seq_len} tokens per rank and step; {layout.autocast or 'float32'} compute, AdamW")
+
+
+def dry_run(cfg: TrainConfig) -> str:
+    """What ``--dry-run`` prints: the plan as a table (with ``--json``: one JSON object, the plan's
+    largest rank and step, the layout, the memory and whether it fits)."""
+    p = plan_of(cfg)
+    memory, where = device_memory(cfg)
+    fits = p.largest.peak_bytes <= memory
+    if cfg.json:
+        return json.dumps({"layout": dataclasses.asdict(p.layout), "device": device_of(cfg), "memory_bytes": memory,
+                           "fits": fits, **p.as_dict()})
+    device = device_of(cfg) or "cpu"
+    lines = [f"plan: {describe(cfg, p.layout)}; device {device}", p.table()]
+    if cfg.pp > 1 and cfg.grad_accum > 1:
+        lines.append(f"(--grad-accum {cfg.grad_accum} runs the schedule {cfg.grad_accum} times a step: its FLOPs and "
+                     "time are that many times those above; its memory is the same)")
+    verdict = "fits" if fits else "does not fit: a run would be refused (--force launches anyway; --suggest lists " \
+                                  "the layouts that fit)"
+    lines.append(f"memory: the largest rank peaks at {size(p.largest.peak_bytes)} of the {size(memory)} each rank has "
+                 f"({where}): {verdict}")
+    return "\n".join(lines)
+
+
+def suggestions(cfg: TrainConfig) -> str:
+    """What ``--suggest`` prints: the layouts of the run's world that fit each rank's memory, fastest
+    first, then every one rejected with its reason."""
+    world, (memory, where) = _world(cfg), device_memory(cfg)
+    peak = cfg.peak_tflops * 1e12 if cfg.peak_tflops is not None else None
+    found = suggest(model_config(cfg), world, memory, base=layout_of(cfg), device=device_of(cfg), peak_flops=peak)
+    shown = [flags(p.layout, cfg) for p in found.fits] + [flags(layout, cfg) for layout, _ in found.rejected]
+    width = max(map(len, shown), default=0)
+    lines = [f"layouts of {world} rank{'s' * (world > 1)} with {size(memory)} each ({where}), the micro-batch per "
+             f"rank and the rest as given; device {device_of(cfg) or 'cpu'}",
+             f"fit ({len(found.fits)}, fastest first):"]
+    lines += [f"  {flags(p.layout, cfg):<{width}}  peak {size(p.largest.peak_bytes):>10}  step >= "
+              f"{seconds(p.step_time_s)}" for p in found.fits]
+    lines.append(f"rejected ({len(found.rejected)}):")
+    lines += [f"  {flags(layout, cfg):<{width}}  {reason}" for layout, reason in found.rejected]
+    return "\n".join(lines)
