@@ -68,7 +68,7 @@ def device_memory(cfg: TrainConfig) -> tuple[int, str]:
         return int(cfg.memory * 2**30), f"--memory {cfg.memory:g} GiB"
     local = local_ranks(_world(cfg))
     if default_backend(local) == "nccl":
-        return torch.cuda.get_device_properties(0).total_memory, f"each rank's GPU, {torch.cuda.get_device_name(0)}"
+        return torch.cuda.get_device_properties(0).total_memory, "the total memory of each rank's GPU"
     host = available_memory()
     return host // local, f"this host's {size(host)} of available memory over its {local} rank{'s' * (local > 1)}"
 
