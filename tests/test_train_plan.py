@@ -14,6 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 import tensorpar
 from examples.train import parse_args, planning
@@ -230,9 +232,11 @@ def test_suggest_lists_the_planners_fits_fastest_first_and_every_rejection(monke
     assert asked == [(4, 8 << 30, {"base": base, "device": None, "peak_flops": 1e12})]
     lines = [" ".join(line.split()) for line in text.splitlines()]  # the columns' padding aside
     assert lines[1] == "fit (2, fastest first):" and lines[4] == "rejected (2):"
-    assert lines[2:4] == [f"--tp {p.layout.tp} --dp {p.layout.dp} --pp 1 peak {planning.size(p.largest.peak_bytes)} "
-                          f"step >= {planning.seconds(p.step_time_s)}" for p in (fast, slow)]
-    assert lines[5:] == ["--tp 1 --dp 1 --pp 4 --microbatches 1 --n-layer 4 over 4 stages: no room",
+    # 8 sequences per rank as given: dp 4 takes --batch-size 32, dp 1 takes 8
+    assert lines[2:4] == [f"--tp {p.layout.tp} --dp {p.layout.dp} --pp 1 --batch-size {8 * p.layout.dp} peak "
+                          f"{planning.size(p.largest.peak_bytes)} step >= {planning.seconds(p.step_time_s)}"
+                          for p in (fast, slow)]
+    assert lines[5:] == ["--tp 1 --dp 1 --pp 4 --microbatches 1 --batch-size 8 --n-layer 4 over 4 stages: no room",
                          "--tp 2 --dp 2 --pp 1 --zero --sequence-parallel needs 9.0 GiB, 8.0 GiB"]
     # the world: tp x dp x pp, --world, or torchrun's
     planning.suggestions(parse_args(["--tp=2", "--world=8", "--batch-size=16", "--memory=8", "--suggest"]))
@@ -272,3 +276,28 @@ def test_planning_options_are_checked(capsys, monkeypatch):
     assert parse_args(["--world=8", "--dry-run"]).dp == 4
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert refusal(capsys, "--world=8", "--dry-run") == "--world 8, but torchrun's world has 4 ranks"
+
+
+USERS = [["--tp=2", "--dp=2"], ["--tp=1", "--dp=4", "--offload-optimizer", "--sequence-parallel"],
+         ["--tp=1", "--pp=2", "--dp=2", "--microbatches=2", "--zero", "--activation-checkpointing"]]
+
+
+@settings(max_examples=25, deadline=None)
+@given(user=st.sampled_from(USERS), tp=st.sampled_from((1, 2, 4)), pp=st.sampled_from((1, 2)),
+       sharding=st.sampled_from(("ddp", "zero", "fsdp", "offload")), sequence_parallel=st.booleans(),
+       activation_checkpointing=st.booleans(), microbatches=st.sampled_from((1, 2)), changed=st.booleans())
+def test_a_suggested_layouts_options_run_that_layout(user, tp, pp, sharding, sequence_parallel,
+                                                     activation_checkpointing, microbatches, changed):
+    """The options printed for a layout of the same world, added to the user's command line, describe
+    exactly that layout (the micro-batch per rank kept), whether only the changed ones or all are shown."""
+    assume(tp * pp <= 4)
+    argv = ["--n-layer=4", "--schedule=gpipe", "--memory=64", *user]
+    cfg = parse_args(argv)
+    base = planning.layout_of(cfg)
+    target = dataclasses.replace(base, tp=tp, pp=pp, dp=4 // (tp * pp), dp_sharding="fsdp" if sharding == "offload"
+                                 else sharding, offload_optimizer=sharding == "offload",
+                                 sequence_parallel=sequence_parallel, activation_checkpointing=activation_checkpointing,
+                                 microbatches=microbatches if pp > 1 else base.microbatches)
+    added = planning.options(target, cfg, changed=changed)
+    assert planning.layout_of(parse_args([*argv, *" ".join(added).split()])) == target, added
+    assert (added == []) == (changed and target == base)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -20,10 +21,9 @@ from .device import local_ranks
 if TYPE_CHECKING:
     from .cli import TrainConfig
 
-#: --dp's sharding of the training state: DDP (none), ZeroRedundancyOptimizer, FSDP2
-SHARDING_FLAGS = {"ddp": (), "zero": ("--zero",), "fsdp": ("--fsdp",)}
 #: the nearest layouts that fit, named when a layout is refused
 NEAREST = 3
+T = TypeVar("T")
 
 
 def model_config(cfg: TrainConfig) -> GPTConfig:
@@ -93,17 +93,23 @@ def device_of(cfg: TrainConfig) -> str | None:
 
 
 def plan_of(cfg: TrainConfig, *, timed: bool = True) -> Plan:
-    """The plan of the run; ``timed``: with the device's peak (--peak-tflops, or the device's known
-    one), for the step-time bound. A GPU of this host that the planner does not know gets no bound."""
+    """The plan of the run; ``timed``: with the device's peak (:func:`timed_by`) for the step-time bound."""
     config, layout = model_config(cfg), layout_of(cfg)
-    peak = cfg.peak_tflops * 1e12 if cfg.peak_tflops is not None else None
-    device = device_of(cfg) if timed else None
+    if not timed:
+        return plan(config, layout)
+    return timed_by(cfg, lambda device, peak: plan(config, layout, device=device, peak_flops=peak))
+
+
+def timed_by(cfg: TrainConfig, call: Callable[[str | None, float | None], T]) -> T:
+    """``call(device, peak_flops)`` with the run's device (:func:`device_of`) and --peak-tflops; again
+    without the device when the planner does not know this host's GPU (no bound rather than no plan)."""
+    peak, device = cfg.peak_tflops * 1e12 if cfg.peak_tflops is not None else None, device_of(cfg)
     try:
-        return plan(config, layout, device=device, peak_flops=peak)
+        return call(device, peak)
     except ValueError:
         if device is None or cfg.device_name is not None:
             raise
-        return plan(config, layout, peak_flops=peak)  # this host's GPU, not one the planner knows
+        return call(None, peak)
 
 
 def check_fits(cfg: TrainConfig) -> None:
@@ -114,7 +120,10 @@ def check_fits(cfg: TrainConfig) -> None:
     if big.peak_bytes <= memory:
         return
     world = _world(cfg)
-    fits = nearest(suggest(model_config(cfg), world, memory, base=layout_of(cfg)), cfg)
+    config, layout = model_config(cfg), layout_of(cfg)
+    found = timed_by(cfg, lambda device, peak: suggest(config, world, memory, base=layout, device=device,
+                                                       peak_flops=peak))
+    fits = nearest(found, cfg)
     fitting = (f"layouts of {world} rank{'s' * (world > 1)} that fit: "
                + "; ".join(f"{flags(p.layout, cfg, changed=True)} (peak {size(p.largest.peak_bytes)})" for p in fits)
                if fits else f"no layout of {world} rank{'s' * (world > 1)} fits (--suggest says why)")
@@ -136,9 +145,9 @@ def flags(layout: Layout, cfg: TrainConfig, *, changed: bool = False) -> str:
 
 
 def options(layout: Layout, cfg: TrainConfig, *, changed: bool = False) -> list[str]:
-    """The options that run ``layout`` on top of ``cfg``'s (``changed``: only those that differ; else
-    the mesh and every option that is on). A layout of another dp keeps the micro-batch per rank: its
-    ``--batch-size`` is scaled with it."""
+    """The options that run ``layout`` on top of ``cfg``'s: those that differ (``changed``), or those
+    and the mesh and every switch that is on. A layout of another dp keeps the micro-batch per rank:
+    its ``--batch-size`` is scaled with it."""
     assert cfg.microbatches is not None  # resolve() fills it in
     pipelined = layout.pp > 1
     accum = cfg.grad_accum if pipelined else layout.microbatches
@@ -153,10 +162,12 @@ def options(layout: Layout, cfg: TrainConfig, *, changed: bool = False) -> list[
                 "zero": (layout.dp_sharding == "zero", cfg.zero),
                 "sequence-parallel": (layout.sequence_parallel, cfg.sequence_parallel),
                 "activation-checkpointing": (layout.activation_checkpointing, cfg.activation_checkpointing)}
-    shown = [f"--{name} {new}" for name, (new, old) in numbers.items()
-             if (new != old if changed else name in ("tp", "dp", "pp") or (name == "microbatches" and pipelined))]
+    mesh = ("tp", "dp", "pp", "microbatches") if pipelined else ("tp", "dp", "pp")
+    if pipelined and layout.pp != cfg.pp:  # --microbatches defaults to --pp: said whenever --pp changes
+        numbers["microbatches"] = (microbatches, None)
+    shown = [f"--{name} {new}" for name, (new, old) in numbers.items() if new != old or (not changed and name in mesh)]
     shown += [f"--{'' if new else 'no-'}{name}" for name, (new, old) in switches.items()
-              if (new != old if changed else new)]
+              if new != old or (not changed and new)]
     return shown
 
 
@@ -182,7 +193,7 @@ def seconds(s: float | None) -> str:
     return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms"
 
 
-def describe(cfg: TrainConfig, layout: Layout) -> str:
+def describe(layout: Layout) -> str:
     """One line: the mesh, the dp sharding, the batch and the dtype of a layout."""
     sharding = layout.dp_sharding + (" + offloaded optimizer" if layout.offload_optimizer else "")
     extras = [name for name, on in (("sequence parallel", layout.sequence_parallel),
@@ -204,7 +215,7 @@ def dry_run(cfg: TrainConfig) -> str:
         return json.dumps({"layout": dataclasses.asdict(p.layout), "device": device_of(cfg), "memory_bytes": memory,
                            "fits": fits, **p.as_dict()})
     device = device_of(cfg) or "cpu"
-    lines = [f"plan: {describe(cfg, p.layout)}; device {device}", p.table()]
+    lines = [f"plan: {describe(p.layout)}; device {device}", p.table()]
     if cfg.pp > 1 and cfg.grad_accum > 1:
         lines.append(f"(--grad-accum {cfg.grad_accum} runs the schedule {cfg.grad_accum} times a step: its FLOPs and "
                      "time are that many times those above; its memory is the same)")
@@ -219,8 +230,9 @@ def suggestions(cfg: TrainConfig) -> str:
     """What ``--suggest`` prints: the layouts of the run's world that fit each rank's memory, fastest
     first, then every one rejected with its reason."""
     world, (memory, where) = _world(cfg), device_memory(cfg)
-    peak = cfg.peak_tflops * 1e12 if cfg.peak_tflops is not None else None
-    found = suggest(model_config(cfg), world, memory, base=layout_of(cfg), device=device_of(cfg), peak_flops=peak)
+    config, base = model_config(cfg), layout_of(cfg)
+    found = timed_by(cfg, lambda device, peak: suggest(config, world, memory, base=base, device=device,
+                                                       peak_flops=peak))
     shown = [flags(p.layout, cfg) for p in found.fits] + [flags(layout, cfg) for layout, _ in found.rejected]
     width = max(map(len, shown), default=0)
     lines = [f"layouts of {world} rank{'s' * (world > 1)} with {size(memory)} each ({where}), the micro-batch per "
