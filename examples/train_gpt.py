@@ -123,9 +123,6 @@ from train.hardware import model_flops_per_token, peak_tflops
 from train.planning import dry_run, suggestions
 
 EPILOG = """examples:
-  python examples/train_gpt.py --tp 2 --dp 2 --fsdp --dry-run   # the plan: each rank's memory, FLOPs; no rank starts
-  python examples/train_gpt.py --n-layer 12 --n-embd 768 --n-head 12 --block-size 1024 --vocab-size 50304 \
-      --world 8 --device-name H100 --suggest                # the layouts of 8 H100s that fit, fastest first
   python examples/train_gpt.py                          # tp=2 on 2 local CPU processes, the built-in corpus
   python examples/train_gpt.py --tp 2 --dp 2 --zero     # 4 processes, optimizer state sharded over dp
   python examples/train_gpt.py --tp 2 --dp 2 --fsdp     # parameters, gradients and optimizer state too
@@ -138,6 +135,8 @@ EPILOG = """examples:
   python examples/train_gpt.py --tp 1 --export-hf run1/hf   # one GPU, bf16; then GPT2LMHeadModel.from_pretrained
   python examples/train_gpt.py --out run1 --export-only --export-hf run1/hf   # run1's newest checkpoint, no training
   python examples/train_gpt.py --data data/shakespeare --vocab-size 50257 --eval-every 50 --logger tensorboard
+  python examples/train_gpt.py --tp 2 --dp 2 --fsdp --dry-run   # each rank's bytes, the step's FLOPs; no rank starts
+  python examples/train_gpt.py --n-layer 12 --n-embd 768 --n-head 12 --world 8 --device-name H100 --memory 80 --suggest
   torchrun --nproc-per-node 8 examples/train_gpt.py --tp 4 --n-layer 12 --n-embd 768 --n-head 12
 """
 

@@ -140,11 +140,16 @@ def test_the_device_is_this_hosts_gpu_or_the_one_named(monkeypatch, capsys):
     want = json.loads(json.dumps(plan(DEFAULT_GPT, layout, device="NVIDIA H100 80GB HBM3").as_dict()))
     assert {k: printed[k] for k in want} == want
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    main(["--tp=4", "--dp=2", "--device-name=A100", "--peak-tflops=300", "--dry-run", "--json"])
+    main(["--tp=4", "--dp=2", "--device-name=A100", "--memory=40", "--peak-tflops=300", "--dry-run", "--json"])
     printed = json.loads(capsys.readouterr().out)
     layout = Layout(tp=4, dp=2, micro_batch=8, seq_len=64, autocast="bfloat16")
     want = json.loads(json.dumps(plan(DEFAULT_GPT, layout, device="A100", peak_flops=300e12).as_dict()))
-    assert printed["device"] == "A100" and {k: printed[k] for k in want} == want
+    assert (printed["device"], printed["memory_bytes"]) == ("A100", 40 << 30) and {k: printed[k] for k in want} == want
+    with pytest.raises(SystemExit) as exit_:  # an A100 elsewhere: its memory is not this host's to read
+        main(["--tp=4", "--dp=2", "--device-name=A100", "--dry-run"])
+    assert exit_.value.code == 2 and capsys.readouterr().err.strip().endswith(
+        "error: --device-name A100 plans for GPUs this host does not run the ranks on: give their memory, --memory "
+        "GIB (80 for an H100 80GB)")
 
 
 def test_a_layout_over_the_memory_is_refused_naming_the_nearest_that_fit(monkeypatch, capsys):

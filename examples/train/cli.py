@@ -21,7 +21,7 @@ from tensorpar.checkpoint import files as checkpoint_files
 from .data import SCANNED_TOKENS, VOCAB_SIZE, open_splits
 from .device import DTYPES
 from .output import read_log
-from .planning import check_fits
+from .planning import check as check_plan
 from .rundir import check_out
 
 GROUPS = ("model", "parallelism", "optimisation", "data and validation", "checkpoints and output", "planning")
@@ -141,8 +141,8 @@ class TrainConfig:
                                 metavar="GIB")
     device_name: str | None = _opt(None, "planning", "with --dry-run or --suggest: plan for this GPU (H100, H200, "
                                    "A100: its peak bounds the step time; --peak-tflops for another; bf16 by "
-                                   "default, as on a GPU)", shown="this host's GPU when the run uses it",
-                                   metavar="NAME")
+                                   "default, as on a GPU; with --memory unless the ranks run on this host's GPUs)",
+                                   shown="this host's GPU when the run uses it", metavar="NAME")
     force: bool = _opt(False, "planning", "launch even when the plan's largest rank needs more than each rank's "
                        "memory (refused without it)")
 
@@ -282,8 +282,9 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` with ``dp`` and ``vocab_size`` filled in, after checking it against the world (--world or
     torchrun's ``WORLD_SIZE``), the data, the output directory (:func:`~.rundir.check_out`), the
     checkpoint and the metrics log to resume, each rank's memory (the plan's largest rank must fit it,
-    :func:`~.planning.check_fits`, unless --force) and the logger's package (``ValueError``). With
-    --dry-run or --suggest, --out and the checkpoint are not looked at and the memory is not checked."""
+    :func:`~.planning.check`, unless --force) and the logger's package (``ValueError``). With
+    --dry-run or --suggest, --out and the checkpoint are not looked at, and a plan over the memory is
+    printed, not refused."""
     dp = _world_dp(cfg)
     assert cfg.microbatches is not None  # __post_init__ fills it in
     if cfg.vocab_size is not None and cfg.vocab_size < cfg.tp:
@@ -299,8 +300,8 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
         check_out(Path(cfg.out), resume=cfg.resume, overwrite=cfg.overwrite, held=os.environ.get("RANK", "0") == "0")
     if not planning:
         cfg = _check_resume(cfg)
-    if not (planning or cfg.force or cfg.export_only):  # --export-only trains nothing
-        check_fits(cfg)
+    if not cfg.export_only:  # which trains nothing
+        check_plan(cfg)
     for name, package, install in LOGGER_PACKAGES:
         if cfg.logger == name and importlib.util.find_spec(package) is None:
             raise ValueError(f"--logger {name} needs the {package} package: {install}")

@@ -67,6 +67,9 @@ def device_memory(cfg: TrainConfig) -> tuple[int, str]:
     if cfg.memory is not None:
         return int(cfg.memory * 2**30), f"--memory {cfg.memory:g} GiB"
     local = local_ranks(_world(cfg))
+    if cfg.device_name is not None and default_backend(local) != "nccl":
+        raise ValueError(f"--device-name {cfg.device_name} plans for GPUs this host does not run the ranks on: give "
+                         "their memory, --memory GIB (80 for an H100 80GB)")
     if default_backend(local) == "nccl":
         return torch.cuda.get_device_properties(0).total_memory, "the total memory of each rank's GPU"
     host = available_memory()
@@ -110,6 +113,16 @@ def timed_by(cfg: TrainConfig, call: Callable[[str | None, float | None], T]) ->
         if device is None or cfg.device_name is not None:
             raise
         return call(None, peak)
+
+
+def check(cfg: TrainConfig) -> None:
+    """The plan's checks before a run (:func:`check_fits`) or before it is printed (--dry-run and
+    --suggest: each rank's memory is known and the planner takes the layout and the device)."""
+    if cfg.dry_run or cfg.suggest:
+        device_memory(cfg)
+        plan_of(cfg)
+    elif not cfg.force:
+        check_fits(cfg)
 
 
 def check_fits(cfg: TrainConfig) -> None:
@@ -202,7 +215,7 @@ def describe(layout: Layout) -> str:
     return (f"tp={layout.tp} dp={layout.dp} pp={layout.pp} ({layout.world} ranks{pipeline}), {sharding}"
             + "".join(f", {e}" for e in extras)
             + f"; {layout.microbatches} micro-batch{'es' * (layout.microbatches > 1)} of {layout.micro_batch} x "
-            f"{layout.seq_len} tokens per rank and step; {layout.autocast or 'float32'} compute, AdamW")
+            f"{layout.seq_len} tokens per rank and step; {layout.autocast or 'float32'} compute, {layout.optimizer}")
 
 
 def dry_run(cfg: TrainConfig) -> str:
