@@ -283,8 +283,11 @@ def test_planning_options_are_checked(capsys, monkeypatch):
     assert refusal(capsys, "--world=8", "--dry-run") == "--world 8, but torchrun's world has 4 ranks"
 
 
-USERS = [["--tp=2", "--dp=2"], ["--tp=1", "--dp=4", "--offload-optimizer", "--sequence-parallel"],
-         ["--tp=1", "--pp=2", "--dp=2", "--microbatches=2", "--zero", "--activation-checkpointing"]]
+USERS = [["--tp=2", "--dp=2", "--schedule=gpipe"],
+         ["--tp=1", "--dp=4", "--offload-optimizer", "--sequence-parallel", "--schedule=gpipe"],
+         ["--tp=1", "--pp=2", "--dp=2", "--microbatches=2", "--zero", "--activation-checkpointing",
+          "--schedule=gpipe"],
+         ["--tp=1", "--pp=2", "--dp=2", "--microbatches=2", "--schedule=interleaved"]]
 
 
 @settings(max_examples=25, deadline=None)
@@ -296,13 +299,18 @@ def test_a_suggested_layouts_options_run_that_layout(user, tp, pp, sharding, seq
     """The options printed for a layout of the same world, added to the user's command line, describe
     exactly that layout (the micro-batch per rank kept), whether only the changed ones or all are shown."""
     assume(tp * pp <= 4)
-    argv = ["--n-layer=4", "--schedule=gpipe", "--memory=64", *user]
+    argv = ["--n-layer=4", "--memory=64", *user]
     cfg = parse_args(argv)
     base = planning.layout_of(cfg)
     target = dataclasses.replace(base, tp=tp, pp=pp, dp=4 // (tp * pp), dp_sharding="fsdp" if sharding == "offload"
                                  else sharding, offload_optimizer=sharding == "offload",
                                  sequence_parallel=sequence_parallel, activation_checkpointing=activation_checkpointing,
                                  microbatches=microbatches if pp > 1 else base.microbatches)
+    if pp == 1 and base.schedule == "interleaved":  # no loops without a pipeline: 1f1b, as the planner's suggest
+        target = dataclasses.replace(target, schedule="1f1b", **({"stages_per_rank": 1}
+                                                                 if hasattr(target, "stages_per_rank") else {}))
+    if target.schedule == "1f1b":
+        assume(target.microbatches >= target.pp)  # fewer are refused, and suggest's reasons say so
     added = planning.options(target, cfg, changed=changed)
     assert planning.layout_of(parse_args([*argv, *" ".join(added).split()])) == target, added
     assert (added == []) == (changed and target == base)

@@ -53,12 +53,15 @@ def layout_of(cfg: TrainConfig) -> Layout:
     microbatches = cfg.microbatches if pipelined else cfg.grad_accum
     micro_batch = cfg.batch_size // (cfg.dp * cfg.grad_accum * (cfg.microbatches if pipelined else 1))
     compute = cfg.dtype or ("bf16" if on_gpu(cfg) else "fp32")  # the run's default (device.compute_dtype)
-    return Layout(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp,
+    layout = Layout(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp,
                   dp_sharding="fsdp" if cfg.fsdp else "zero" if cfg.zero else "ddp",
                   offload_optimizer=cfg.offload_optimizer, sequence_parallel=cfg.sequence_parallel,
                   activation_checkpointing=cfg.activation_checkpointing, micro_batch=micro_batch,
                   microbatches=microbatches, seq_len=cfg.block_size, schedule=cfg.schedule, dtype="float32",
                   autocast="bfloat16" if compute == "bf16" else None, optimizer="adamw")
+    if hasattr(layout, "stages_per_rank"):  # the interleaved schedule's loops, where the planner's Layout has them
+        layout = dataclasses.replace(layout, stages_per_rank=cfg.stages_per_rank)
+    return layout
 
 
 def device_memory(cfg: TrainConfig) -> tuple[int, str]:
@@ -166,9 +169,12 @@ def options(layout: Layout, cfg: TrainConfig, *, changed: bool = False) -> list[
     accum = cfg.grad_accum if pipelined else layout.microbatches
     microbatches = layout.microbatches if pipelined else 1
     batch = layout.micro_batch * layout.dp * accum * microbatches
-    numbers = {"tp": (layout.tp, cfg.tp), "dp": (layout.dp, cfg.dp), "pp": (layout.pp, cfg.pp),
-               "microbatches": (microbatches, cfg.microbatches if cfg.pp > 1 else 1),
-               "grad-accum": (accum, cfg.grad_accum), "batch-size": (batch, cfg.batch_size)}
+    numbers: dict[str, tuple[object, object]] = {
+        "tp": (layout.tp, cfg.tp), "dp": (layout.dp, cfg.dp), "pp": (layout.pp, cfg.pp),
+        "schedule": (layout.schedule, cfg.schedule),
+        "stages-per-rank": (getattr(layout, "stages_per_rank", cfg.stages_per_rank), cfg.stages_per_rank),
+        "microbatches": (microbatches, cfg.microbatches if cfg.pp > 1 else 1),
+        "grad-accum": (accum, cfg.grad_accum), "batch-size": (batch, cfg.batch_size)}
     offload = layout.offload_optimizer
     switches = {"offload-optimizer": (offload, cfg.offload_optimizer),
                 "fsdp": (layout.dp_sharding == "fsdp" and not offload, cfg.fsdp and not cfg.offload_optimizer),
