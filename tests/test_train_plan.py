@@ -113,8 +113,7 @@ def test_dry_run_prints_the_plans_table_and_leaves_out_alone(monkeypatch, capsys
     assert main(["--tp=2", "--dp=2", "--zero", "--memory=40", "--dry-run", f"--out={out}"]) is None
     printed = capsys.readouterr().out
     p = plan(DEFAULT_GPT, Layout(tp=2, dp=2, dp_sharding="zero", micro_batch=8, seq_len=64))
-    assert p.table() in printed
-    assert printed.startswith("plan: tp=2 dp=2 pp=1 (4 ranks), zero; 1 micro-batch of 8 x 64 tokens per rank")
+    assert printed.startswith(p.table() + "\n")
     assert printed.rstrip().endswith(f"the largest rank peaks at {planning.size(p.largest.peak_bytes)} of the "
                                      "40.00 GiB each rank has (--memory 40 GiB): fits")
     assert sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir()) == before
@@ -239,8 +238,8 @@ def test_suggest_lists_the_planners_fits_fastest_first_and_every_rejection(monke
     assert lines[1] == "fit (2, fastest first):" and lines[4] == "rejected (2):"
     # 8 sequences per rank as given: dp 4 takes --batch-size 32, dp 1 takes 8
     assert lines[2:4] == [f"--tp {p.layout.tp} --dp {p.layout.dp} --pp 1 --batch-size {8 * p.layout.dp} peak "
-                          f"{planning.size(p.largest.peak_bytes)} step >= {planning.seconds(p.step_time_s)}"
-                          for p in (fast, slow)]
+                          f"{planning.size(p.largest.peak_bytes)} step >= {planning.seconds(p.step_time_s)} for "
+                          f"{8 * 64 * p.layout.dp:,} tokens" for p in (fast, slow)]
     assert lines[5:] == ["--tp 1 --dp 1 --pp 4 --microbatches 1 --batch-size 8 --n-layer 4 over 4 stages: no room",
                          "--tp 2 --dp 2 --pp 1 --zero --sequence-parallel needs 9.0 GiB, 8.0 GiB"]
     # the world: tp x dp x pp, --world, or torchrun's
@@ -259,11 +258,13 @@ def test_suggest_prints_layers_plans_suggestions(monkeypatch, capsys):
                     peak_flops=1e12)
     assert lines[1] == f"fit ({len(found.fits)}, fastest first):" and lines[2 + len(found.fits)] == \
         f"rejected ({len(found.rejected)}):"
-    times = [p.step_time_s for p in found.fits]
-    assert None not in times and times == sorted(times)  # fastest first: a peak gives every layout its bound
+    # fastest first: a peak gives every layout its bound, per token (each layout keeps the micro-batch per rank)
+    times = [p.step_time_s / planning.tokens(DEFAULT_GPT, p.layout) for p in found.fits]
+    assert times == sorted(times)
     for line, p in zip(lines[2:2 + len(found.fits)], found.fits, strict=True):
         assert f"--tp {p.layout.tp} --dp {p.layout.dp} --pp {p.layout.pp}" in line
-        assert f"peak {planning.size(p.largest.peak_bytes):>10}" in line
+        assert line.endswith(f"peak {planning.size(p.largest.peak_bytes):>10}  step >= "
+                             f"{planning.seconds(p.step_time_s)} for {planning.tokens(DEFAULT_GPT, p.layout):,} tokens")
     for line, (layout, reason) in zip(lines[3 + len(found.fits):], found.rejected, strict=True):
         assert line.startswith(f"  --tp {layout.tp} --dp {layout.dp} --pp {layout.pp}") and line.endswith(reason)
 

@@ -205,23 +205,16 @@ def size(n: float) -> str:
     return f"{int(n)} B"
 
 
+def tokens(config: GPTConfig, layout: Layout) -> int:
+    """The tokens of one optimizer step of ``layout``, over every dp rank."""
+    return layout.dp * layout.micro_batch * layout.microbatches * (layout.seq_len or config.block_size)
+
+
 def seconds(s: float | None) -> str:
     """A step-time bound for people (``-`` without a device peak)."""
     if s is None:
         return "-"
     return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms"
-
-
-def describe(layout: Layout) -> str:
-    """One line: the mesh, the dp sharding, the batch and the dtype of a layout."""
-    sharding = layout.dp_sharding + (" + offloaded optimizer" if layout.offload_optimizer else "")
-    extras = [name for name, on in (("sequence parallel", layout.sequence_parallel),
-                                     ("activation checkpointing", layout.activation_checkpointing)) if on]
-    pipeline = f", {layout.schedule}" if layout.pp > 1 else ""
-    return (f"tp={layout.tp} dp={layout.dp} pp={layout.pp} ({layout.world} ranks{pipeline}), {sharding}"
-            + "".join(f", {e}" for e in extras)
-            + f"; {layout.microbatches} micro-batch{'es' * (layout.microbatches > 1)} of {layout.micro_batch} x "
-            f"{layout.seq_len} tokens per rank and step; {layout.autocast or 'float32'} compute, {layout.optimizer}")
 
 
 def dry_run(cfg: TrainConfig) -> str:
@@ -233,8 +226,7 @@ def dry_run(cfg: TrainConfig) -> str:
     if cfg.json:
         return json.dumps({"layout": dataclasses.asdict(p.layout), "device": device_of(cfg), "memory_bytes": memory,
                            "fits": fits, **p.as_dict()})
-    device = device_of(cfg) or "cpu"
-    lines = [f"plan: {describe(p.layout)}; device {device}", p.table()]
+    lines = [p.table()]
     if cfg.pp > 1 and cfg.grad_accum > 1:
         lines.append(f"(--grad-accum {cfg.grad_accum} runs the schedule {cfg.grad_accum} times a step: its FLOPs and "
                      "time are that many times those above; its memory is the same)")
@@ -247,7 +239,7 @@ def dry_run(cfg: TrainConfig) -> str:
 
 def suggestions(cfg: TrainConfig) -> str:
     """What ``--suggest`` prints: the layouts of the run's world that fit each rank's memory, fastest
-    first, then every one rejected with its reason."""
+    first (per token: a layout of another dp runs another batch), then every one rejected with its reason."""
     world, (memory, where) = _world(cfg), device_memory(cfg)
     config, base = model_config(cfg), layout_of(cfg)
     found = timed_by(cfg, lambda device, peak: suggest(config, world, memory, base=base, device=device,
@@ -258,7 +250,7 @@ def suggestions(cfg: TrainConfig) -> str:
              f"rank and the rest as given; device {device_of(cfg) or 'cpu'}",
              f"fit ({len(found.fits)}, fastest first):"]
     lines += [f"  {flags(p.layout, cfg):<{width}}  peak {size(p.largest.peak_bytes):>10}  step >= "
-              f"{seconds(p.step_time_s)}" for p in found.fits]
+              f"{seconds(p.step_time_s)} for {tokens(config, p.layout):,} tokens" for p in found.fits]
     lines.append(f"rejected ({len(found.rejected)}):")
     lines += [f"  {flags(layout, cfg):<{width}}  {reason}" for layout, reason in found.rejected]
     return "\n".join(lines)
