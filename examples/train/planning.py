@@ -118,6 +118,12 @@ def timed_by(cfg: TrainConfig, call: Callable[[str | None, float | None], T]) ->
         return call(None, peak)
 
 
+def need_bytes(cfg: TrainConfig, rank: RankPlan) -> int:
+    """The bytes of ``rank`` that its memory must hold: its peak, and on the CPU also what it offloads
+    to host memory (the same memory there; ``host_bytes``, where the planner counts it apart)."""
+    return rank.peak_bytes + (0 if on_gpu(cfg) else getattr(rank, "host_bytes", 0))
+
+
 def check(cfg: TrainConfig) -> None:
     """The plan's checks before a run (:func:`check_fits`) or before it is printed (--dry-run and
     --suggest: each rank's memory is known and the planner takes the layout and the device)."""
@@ -133,19 +139,21 @@ def check_fits(cfg: TrainConfig) -> None:
     numbers and the nearest layouts of the same world that fit."""
     big = plan_of(cfg, timed=False).largest
     memory, where = device_memory(cfg)
-    if big.peak_bytes <= memory:
+    need = need_bytes(cfg, big)
+    if need <= memory:
         return
     world = _world(cfg)
     config, layout = model_config(cfg), layout_of(cfg)
     found = timed_by(cfg, lambda device, peak: suggest(config, world, memory, base=layout, device=device,
                                                        peak_flops=peak))
-    fits = nearest(found, cfg)
+    fits = nearest(Suggestions(tuple(p for p in found.fits if need_bytes(cfg, p.largest) <= memory), ()), cfg)
     fitting = (f"layouts of {world} rank{'s' * (world > 1)} that fit: "
                + "; ".join(f"{flags(p.layout, cfg, changed=True)} (peak {size(p.largest.peak_bytes)})" for p in fits)
                if fits else f"no layout of {world} rank{'s' * (world > 1)} fits (--suggest says why)")
+    offloaded = f"; {size(need - big.peak_bytes)} offloaded to the same memory" if need > big.peak_bytes else ""
     raise ValueError(f"the plan's largest rank (tp rank {big.tp_rank}, stage {big.pp_stage}, dp rank {big.dp_rank}) "
-                     f"peaks at {size(big.peak_bytes)} ({breakdown(big)}), more than the {size(memory)} each rank "
-                     f"has ({where}); {fitting}; --force launches anyway, --dry-run shows the plan")
+                     f"peaks at {size(big.peak_bytes)} ({breakdown(big)}{offloaded}), more than the {size(memory)} "
+                     f"each rank has ({where}); {fitting}; --force launches anyway, --dry-run shows the plan")
 
 
 def nearest(suggestions: Suggestions, cfg: TrainConfig, count: int = NEAREST) -> list[Plan]:
@@ -222,7 +230,7 @@ def dry_run(cfg: TrainConfig) -> str:
     largest rank and step, the layout, the memory and whether it fits)."""
     p = plan_of(cfg)
     memory, where = device_memory(cfg)
-    fits = p.largest.peak_bytes <= memory
+    fits = need_bytes(cfg, p.largest) <= memory
     if cfg.json:
         return json.dumps({"layout": dataclasses.asdict(p.layout), "device": device_of(cfg), "memory_bytes": memory,
                            "fits": fits, **p.as_dict()})
