@@ -151,6 +151,12 @@ def test_the_device_is_this_hosts_gpu_or_the_one_named(monkeypatch, capsys):
         "GIB (80 for an H100 80GB)")
 
 
+def within(p, memory):
+    """``p`` with every rank's peak at most ``memory`` (a layout the planner found to fit)."""
+    return dataclasses.replace(p, ranks=tuple(dataclasses.replace(r, peak_bytes=min(r.peak_bytes, memory))
+                                              for r in p.ranks))
+
+
 def test_a_layout_over_the_memory_is_refused_naming_the_nearest_that_fit(monkeypatch, capsys):
     """A memory below the plan's peak: an argument error with the plan's numbers and the layouts that fit
     that change the fewest options (the faster first among equals), each with what to add to the command."""
@@ -158,10 +164,11 @@ def test_a_layout_over_the_memory_is_refused_naming_the_nearest_that_fit(monkeyp
     p = plan(DEFAULT_GPT, layout)
     memory = p.largest.peak_bytes * 3 // 4
     gib = memory / 2**30
-    fits = (plan(DEFAULT_GPT, Layout(tp=1, dp=2, dp_sharding="zero", micro_batch=16, seq_len=64)),
-            plan(DEFAULT_GPT, dataclasses.replace(layout, sequence_parallel=True, activation_checkpointing=True)),
-            plan(DEFAULT_GPT, dataclasses.replace(layout, activation_checkpointing=True)),
-            plan(DEFAULT_GPT, dataclasses.replace(layout, dp_sharding="fsdp")))
+    # the planner's answer: these layouts fit (their plans with every rank's peak within the memory)
+    fits = tuple(within(plan(DEFAULT_GPT, other), memory) for other in (
+        Layout(tp=1, dp=2, dp_sharding="zero", micro_batch=16, seq_len=64),
+        dataclasses.replace(layout, sequence_parallel=True, activation_checkpointing=True),
+        dataclasses.replace(layout, activation_checkpointing=True), dataclasses.replace(layout, dp_sharding="fsdp")))
     asked = []
 
     def fake_suggest(config, world, memory_bytes, *, base, **kwargs):
