@@ -322,3 +322,13 @@ def test_a_suggested_layouts_options_run_that_layout(user, tp, pp, sharding, seq
     added = planning.options(target, cfg, changed=changed)
     assert planning.layout_of(parse_args([*argv, *" ".join(added).split()])) == target, added
     assert (added == []) == (changed and target == base)
+
+
+def test_on_the_cpu_what_a_rank_offloads_counts_against_the_same_memory(monkeypatch):
+    """--offload-optimizer moves state to host memory: apart from a GPU's, the same memory as a CPU rank's."""
+    rank = SimpleNamespace(peak_bytes=3 << 20, host_bytes=2 << 20)  # a rank as the planner counts it
+    cfg = parse_args(["--tp=1", "--dp=2", "--offload-optimizer", "--memory=1"])
+    assert planning.need_bytes(cfg, rank) == 5 << 20
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert planning.need_bytes(cfg, rank) == 3 << 20
