@@ -1,19 +1,46 @@
 """What each rank of a GPT run will hold, and how long a step must take, before a rank starts.
 
-(Skeleton: the public API; the counts are filled in by the modules that own them.)
+:func:`plan` counts, for a :class:`GPTConfig` laid out as a :class:`Layout`, every rank's bytes of
+parameters, gradients and optimizer state (exactly: :mod:`layers.plan_state`), saved activations, the
+largest transient and the peak (:mod:`layers.plan_activations`), the FLOPs of a step and, given a device,
+a lower bound on the step's time (:mod:`layers.plan_flops`). :func:`plan_rank` counts this rank's from a
+model already built; :func:`suggest` lists the layouts of a world that fit a memory, fastest first.
+
+Example::
+
+    p = plan(GPTConfig(n_layer=24, n_embd=1024, n_head=16), Layout(tp=2, dp=4, dp_sharding="zero"),
+             device="H100")
+    print(p.table())            # every distinct rank: GiB of parameters, gradients, state, activations
+    p.largest.peak_bytes        # the rank that holds the most
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import tensorpar
+from tensorpar.pipeline import stage_blocks
+from tensorpar.sharding import partition_sizes
+
 from .config import GPTConfig
+from .heads import head_layout
 from .plan_activations import activation_bytes, peak_bytes, transient_bytes
+from .plan_flops import PEAKS, model_flops_per_token, peak_tflops_by_name, pipeline_bubble, rank_flops_per_token
+from .plan_state import DTYPE_BYTES, HeldParameter, held_parameters, state_bytes
+from .plan_table import format_table
 
 DP_SHARDINGS = ("ddp", "zero", "fsdp")
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+DTYPES = ("float32", "bfloat16")
+#: the fields :func:`suggest` varies, in the order :func:`nearest_fits` counts changes by
+VARIED = ("tp", "pp", "dp", "dp_sharding", "sequence_parallel", "activation_checkpointing")
 
 
 @dataclass(frozen=True)
@@ -23,7 +50,8 @@ class Layout:
     ``micro_batch`` sequences of ``seq_len`` tokens (default: the config's ``block_size``) per
     micro-batch on one dp rank, ``microbatches`` of them per optimizer step (pipeline micro-batches,
     or gradient accumulation at ``pp=1``). ``dtype`` is the parameters' dtype, ``autocast`` the
-    matmuls' (``None`` or ``"bfloat16"``).
+    matmuls' (``None`` or ``"bfloat16"``). ``stages_per_rank`` > 1: the interleaved schedule's loops.
+    ``offload_optimizer``: FSDP2's ``CPUOffloadPolicy`` (needs ``dp_sharding="fsdp"``).
     """
 
     tp: int = 1
@@ -40,18 +68,24 @@ class Layout:
     dtype: str = "float32"
     autocast: str | None = None
     optimizer: str = "adamw"
+    stages_per_rank: int = 1
 
     @property
     def world(self) -> int:
         return self.tp * self.pp * self.dp
 
+    def tokens(self, config: GPTConfig) -> int:
+        """Tokens one dp rank runs per optimizer step."""
+        return self.micro_batch * self.microbatches * (self.seq_len or config.block_size)
+
 
 @dataclass(frozen=True)
 class RankPlan:
-    """The bytes one rank holds during a training step (its device memory)."""
+    """The bytes one rank holds during a training step (its device memory; ``host_*``: in host memory,
+    under ``offload_optimizer``) and the FLOPs it runs per step (recomputation included)."""
 
     tp_rank: int
-    pp_stage: int
+    pp_stage: int  # the pipeline rank (its stages: ``tensorpar.pipeline.rank_stages``)
     dp_rank: int
     params_bytes: int
     grads_bytes: int
@@ -59,11 +93,27 @@ class RankPlan:
     activation_bytes: int
     transient_bytes: int
     peak_bytes: int
+    host_params_bytes: int = 0
+    host_grads_bytes: int = 0
+    host_optimizer_bytes: int = 0
+    flops: float = 0.0
+
+    @property
+    def host_bytes(self) -> int:
+        return self.host_params_bytes + self.host_grads_bytes + self.host_optimizer_bytes
+
+    @property
+    def where(self) -> str:
+        return f"rank (tp {self.tp_rank}, pp {self.pp_stage}, dp {self.dp_rank})"
 
 
 @dataclass(frozen=True)
 class Plan:
-    """A run's plan: every rank's :class:`RankPlan`, the largest, FLOPs and a step-time bound."""
+    """A run's plan: every rank's :class:`RankPlan`, the largest, FLOPs and a step-time bound.
+
+    ``flops_per_step``: the model FLOPs of one optimizer step over the whole world
+    (:func:`~layers.plan_flops.model_flops_per_token` times its tokens); ``hardware_flops_per_step``: what
+    the ranks run, replicated parameters on every rank and recomputation included."""
 
     config: GPTConfig
     layout: Layout
@@ -71,42 +121,186 @@ class Plan:
     flops_per_step: float
     peak_flops: float | None = None  # per device, FLOP/s
     notes: tuple[str, ...] = field(default=())
+    hardware_flops_per_step: float = 0.0
+    device: str | None = None
 
     @property
     def largest(self) -> RankPlan:
+        """The rank with the highest peak (the first such)."""
         return max(self.ranks, key=lambda r: r.peak_bytes)
 
     @property
+    def bubble(self) -> float:
+        """The pipeline's idle fraction (0 without a pipeline)."""
+        lay = self.layout
+        return pipeline_bubble(lay.pp, lay.microbatches, lay.stages_per_rank)
+
+    @property
+    def critical_flops(self) -> float:
+        """FLOPs the busiest rank runs per step, stretched by the pipeline bubble: the step-time bound in
+        FLOPs at 1 FLOP/s."""
+        return max(r.flops for r in self.ranks) / (1 - self.bubble)
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of one optimizer step over every dp rank."""
+        return self.layout.tokens(self.config) * self.layout.dp
+
+    @property
     def step_time_s(self) -> float | None:
-        """A lower bound on one optimizer step: every device busy at its peak, nothing else."""
-        return None if self.peak_flops is None else self.flops_per_step / (self.layout.world * self.peak_flops)
+        """A lower bound on one optimizer step: the busiest rank at its device's peak, nothing but the
+        pipeline's bubble idle; ``None`` without a peak."""
+        return None if self.peak_flops is None else self.critical_flops / self.peak_flops
+
+    @property
+    def mfu(self) -> float | None:
+        """The model FLOPs utilisation a step at :attr:`step_time_s` would reach (its upper bound)."""
+        t = self.step_time_s
+        return None if t is None or self.peak_flops is None else \
+            self.flops_per_step / (t * self.layout.world * self.peak_flops)
 
     def as_dict(self) -> dict[str, Any]:
+        """The plan as JSON-able values: the largest rank's bytes at the top, then every rank's."""
         big = self.largest
         return {"params_bytes": big.params_bytes, "grads_bytes": big.grads_bytes,
                 "optimizer_bytes": big.optimizer_bytes, "activation_bytes": big.activation_bytes,
-                "transient_bytes": big.transient_bytes, "peak_bytes": big.peak_bytes,
-                "flops_per_step": self.flops_per_step, "step_time_s": self.step_time_s}
+                "transient_bytes": big.transient_bytes, "peak_bytes": big.peak_bytes, "host_bytes": big.host_bytes,
+                "largest_rank": {"tp_rank": big.tp_rank, "pp_stage": big.pp_stage, "dp_rank": big.dp_rank},
+                "flops_per_step": self.flops_per_step, "hardware_flops_per_step": self.hardware_flops_per_step,
+                "step_time_s": self.step_time_s, "mfu": self.mfu, "peak_flops": self.peak_flops,
+                "device": self.device, "bubble": self.bubble, "notes": list(self.notes),
+                "config": dataclasses.asdict(self.config), "layout": dataclasses.asdict(self.layout),
+                "ranks": [dataclasses.asdict(r) for r in self.ranks]}
 
     def table(self) -> str:
-        return "\n".join(f"{k}: {v}" for k, v in self.as_dict().items())
+        """A readable table: one row per distinct rank, then FLOPs, the step-time bound and its MFU."""
+        return format_table(self)
+
+
+def check_layout(config: GPTConfig, layout: Layout) -> None:
+    """Raise a ``ValueError`` (``TypeError`` for a wrong type) naming the numbers unless the layers can build
+    ``config`` laid out as ``layout``."""
+    if not isinstance(config, GPTConfig):
+        raise TypeError(f"expected a GPTConfig, got {type(config).__name__}")
+    if not isinstance(layout, Layout):
+        raise TypeError(f"expected a Layout, got {type(layout).__name__}")
+    for name in ("tp", "pp", "dp", "micro_batch", "microbatches", "stages_per_rank"):
+        value = getattr(layout, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"Layout.{name} must be a positive integer, got {value!r}")
+    for name, allowed in (("dp_sharding", DP_SHARDINGS), ("optimizer", OPTIMIZERS), ("schedule", SCHEDULES),
+                          ("dtype", DTYPES), ("autocast", (None, "bfloat16"))):
+        if getattr(layout, name) not in allowed:
+            raise ValueError(f"Layout.{name} must be one of {allowed}, got {getattr(layout, name)!r}")
+    if layout.offload_optimizer and layout.dp_sharding != "fsdp":
+        raise ValueError(f"offload_optimizer is FSDP2's CPUOffloadPolicy: it needs dp_sharding='fsdp', "
+                         f"got {layout.dp_sharding!r}")
+    if layout.seq_len is not None and not 1 <= layout.seq_len <= config.block_size:
+        raise ValueError(f"seq_len ({layout.seq_len}) must be in 1..block_size ({config.block_size})")
+    if layout.stages_per_rank > 1 and layout.pp == 1:
+        raise ValueError(f"stages_per_rank ({layout.stages_per_rank}) > 1 needs pipeline ranks to loop over: pp is 1")
+    head_layout(config.n_head, config.kv_heads, layout.tp, 0)  # "n_head (2) is smaller than tp (4)"
+    for name, size in (("vocab_size", config.vocab_size), ("block_size", config.block_size),
+                       ("mlp hidden features", config.mlp_hidden)):
+        partition_sizes(size, layout.tp, name=name)
+    stage_blocks(config.n_layer, layout.pp * layout.stages_per_rank)
+
+
+def _peak(device: str | None, peak_flops: float | None, layout: Layout) -> float | None:
+    if peak_flops is not None:
+        if isinstance(peak_flops, bool) or not isinstance(peak_flops, (int, float)) or not peak_flops > 0:
+            raise ValueError(f"peak_flops must be a number above 0 (FLOP/s per device), got {peak_flops!r}")
+        return float(peak_flops)
+    if device is None:
+        return None
+    half = layout.dtype == "bfloat16" or layout.autocast == "bfloat16"
+    tflops = peak_tflops_by_name(device, half)
+    if tflops is None:
+        raise ValueError(f"no peak is known for device {device!r} (known: {', '.join(n for n, _, _ in PEAKS)}): "
+                         "give peak_flops=")
+    return tflops * 1e12
+
+
+def _rank(config: GPTConfig, layout: Layout, held: list[HeldParameter], tp_rank: int, stage: int, dp_rank: int,
+          ) -> RankPlan:
+    state = state_bytes(held, DTYPE_BYTES[layout.dtype], dp=layout.dp, dp_rank=dp_rank,
+                        dp_sharding=layout.dp_sharding, optimizer=layout.optimizer, offload=layout.offload_optimizer)
+    heads = len(head_layout(config.n_head, config.kv_heads, layout.tp, tp_rank).query)
+    flops = rank_flops_per_token(config, held, heads, layout.seq_len or config.block_size,
+                                 recompute=layout.activation_checkpointing) * layout.tokens(config)
+    where = dict(tp_rank=tp_rank, stage=stage)
+    peak = peak_bytes(config, layout, params=state.params, grads=state.grads, optimizer=state.optimizer, **where)
+    return RankPlan(tp_rank, stage, dp_rank, state.params, state.grads, state.optimizer,
+                    activation_bytes(config, layout, **where), transient_bytes(config, layout, **where), peak,
+                    state.host_params, state.host_grads, state.host_optimizer, flops)
+
+
+def _notes(layout: Layout) -> tuple[str, ...]:
+    notes = []
+    if layout.dp > 1 and layout.dp_sharding == "ddp" and layout.pp == 1:
+        notes.append("DistributedDataParallel's reducer also keeps flat gradient buckets (25 MiB each, as many "
+                     "bytes as the gradients in all): not in grads_bytes")
+    if layout.optimizer == "adamw":
+        notes.append("AdamW's step counters (one float32 scalar per parameter) are counted in optimizer_bytes; "
+                     "they stay on the host unless the optimizer is fused or capturable")
+    return tuple(notes)
 
 
 def plan(config: GPTConfig, layout: Layout, *, device: str | None = None,
          peak_flops: float | None = None) -> Plan:
-    """The plan of training ``config`` laid out as ``layout`` (placeholder counts)."""
-    params = config.parameter_count(non_embedding=False) * 4 // layout.tp
+    """The plan of training ``config`` laid out as ``layout``: every rank's bytes and FLOPs, and with
+    ``device`` (``"H100"``, ``"H200"``, ``"A100"``, ``"H100 PCIe"``: their dense peak in the layout's
+    dtype) or ``peak_flops`` (FLOP/s per device) a lower bound on the step's time.
+
+    Example::
+
+        plan(GPTConfig(vocab_size=50257), Layout(tp=2, dp=2, dp_sharding="fsdp"), device="A100").table()
+    """
+    check_layout(config, layout)
+    peak = _peak(device, peak_flops, layout)
     ranks = []
     for stage in range(layout.pp):
-        for dp_rank in range(layout.dp):
-            for tp_rank in range(layout.tp):
-                act = activation_bytes(config, layout, tp_rank=tp_rank, stage=stage)
-                tr = transient_bytes(config, layout, tp_rank=tp_rank, stage=stage)
-                peak = peak_bytes(config, layout, params=params, grads=params, optimizer=2 * params,
-                                  tp_rank=tp_rank, stage=stage)
-                ranks.append(RankPlan(tp_rank, stage, dp_rank, params, params, 2 * params, act, tr, peak))
-    tokens = layout.dp * layout.micro_batch * layout.microbatches * (layout.seq_len or config.block_size)
-    return Plan(config, layout, tuple(ranks), 6.0 * config.parameter_count() * tokens, peak_flops)
+        for tp_rank in range(layout.tp):
+            held = held_parameters(config, tp=layout.tp, tp_rank=tp_rank, pp=layout.pp, pp_rank=stage,
+                                   stages_per_rank=layout.stages_per_rank)
+            if layout.dp_sharding == "ddp":  # every dp rank alike
+                alike = _rank(config, layout, held, tp_rank, stage, 0)
+                ranks += [dataclasses.replace(alike, dp_rank=d) for d in range(layout.dp)]
+            else:
+                ranks += [_rank(config, layout, held, tp_rank, stage, d) for d in range(layout.dp)]
+    ranks.sort(key=lambda r: (r.pp_stage, r.dp_rank, r.tp_rank))  # global rank order: (pp, dp, tp) row-major
+    seq = layout.seq_len or config.block_size
+    model = model_flops_per_token(config.parameter_count(), config.n_layer, config.n_head,
+                                  config.n_embd // config.n_head, seq) * layout.tokens(config) * layout.dp
+    hardware = sum(r.flops for r in ranks)
+    return Plan(config, layout, tuple(ranks), model, peak, _notes(layout), hardware, device)
+
+
+def plan_rank(model: nn.Module, layout: Layout, *, mesh: tensorpar.Mesh | None = None) -> RankPlan:
+    """This rank's :class:`RankPlan`, its parameters counted from ``model``'s modules as built (a
+    :class:`~layers.GPT` or :class:`~layers.PipelinedGPT`, under FSDP2 or not) rather than from its
+    config; the dp rules, activations and FLOPs as :func:`plan`'s. ``mesh``: the model's (default: the
+    current one), whose sizes must be the layout's."""
+    mesh = mesh or tensorpar.current_mesh()
+    config = getattr(model, "config", None)
+    if not isinstance(config, GPTConfig):
+        raise TypeError(f"plan_rank expects a GPT or PipelinedGPT (with a GPTConfig), got {type(model).__name__}")
+    check_layout(config, layout)
+    if (mesh.tp, mesh.pp, mesh.dp) != (layout.tp, layout.pp, layout.dp):
+        raise ValueError(f"the mesh is tp={mesh.tp}, pp={mesh.pp}, dp={mesh.dp}; the layout tp={layout.tp}, "
+                         f"pp={layout.pp}, dp={layout.dp}")
+    params = dict(model.named_parameters())  # tied parameters once
+    fsdp = any(isinstance(p, DTensor) for p in params.values())
+    if fsdp != (layout.dp_sharding == "fsdp"):
+        raise ValueError(f"the model's parameters are {'' if fsdp else 'not '}FSDP2's dp shards, the layout's "
+                         f"dp_sharding is {layout.dp_sharding!r}")
+    itemsizes = {p.element_size() for p in params.values()}
+    if itemsizes != {DTYPE_BYTES[layout.dtype]}:
+        raise ValueError(f"the model's parameters have {sorted(itemsizes)} bytes an element, the layout's dtype "
+                         f"{layout.dtype!r} {DTYPE_BYTES[layout.dtype]}")
+    # a DTensor's shape is the tp shard FSDP2 splits over dp; a plain parameter is the tp shard itself
+    held = [HeldParameter(name, tuple(p.shape)) for name, p in params.items()]
+    return _rank(config, layout, held, mesh.tp_rank, mesh.pp_rank, mesh.dp_rank)
 
 
 @dataclass(frozen=True)
@@ -117,8 +311,77 @@ class Suggestions:
     rejected: tuple[tuple[Layout, str], ...]
 
 
+def _layouts(world: int, base: Layout) -> list[Layout]:
+    """Every layout of ``world`` ranks: tp x pp x dp, the dp sharding, sequence parallelism, activation
+    checkpointing; the rest as in ``base``."""
+    found = []
+    for tp in (t for t in range(1, world + 1) if world % t == 0):
+        for pp in (p for p in range(1, world // tp + 1) if world // tp % p == 0):
+            dp = world // (tp * pp)
+            shardings = ("fsdp",) if base.offload_optimizer else DP_SHARDINGS if dp > 1 else ("ddp",)
+            for sharding, sp, ac in itertools.product(shardings, (False, True) if tp > 1 else (False,),
+                                                      (False, True)):
+                loops = base.stages_per_rank if pp > 1 else 1
+                found.append(dataclasses.replace(base, tp=tp, pp=pp, dp=dp, dp_sharding=sharding, sequence_parallel=sp,
+                                                 activation_checkpointing=ac, stages_per_rank=loops,
+                                                 schedule=base.schedule if loops > 1 or base.schedule != "interleaved"
+                                                 else "1f1b"))
+    return found
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
 def suggest(config: GPTConfig, world: int, memory_bytes: int, *, base: Layout = Layout(),
-            device: str | None = None, peak_flops: float | None = None) -> Suggestions:
+            global_batch: int | None = None, device: str | None = None,
+            peak_flops: float | None = None) -> Suggestions:
     """Every layout of ``world`` ranks (tp x pp x dp, dp sharding, sequence parallelism, activation
-    checkpointing; the rest as in ``base``) whose plan fits ``memory_bytes`` per rank (placeholder)."""
-    return Suggestions((), ())
+    checkpointing; the rest as in ``base``) whose every rank's peak fits ``memory_bytes``, fastest first, and
+    each other layout with the reason it was rejected.
+
+    Each dp rank runs ``base``'s micro-batches, or with ``global_batch`` (sequences per optimizer step) its
+    share of them, ``global_batch / (dp * microbatches)`` a micro-batch. Either way they are ordered by the
+    step-time bound per token (the step time at an equal global batch), then by the peak."""
+    for name, value in (("world", world), ("memory_bytes", memory_bytes), ("global_batch", global_batch or 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    check_layout(config, base)
+    fits, rejected = [], []
+    for layout in _layouts(world, base):
+        if global_batch is not None:
+            per_micro = layout.dp * layout.microbatches
+            if global_batch % per_micro:
+                rejected.append((layout, f"a batch of {global_batch} sequences does not split into dp ({layout.dp}) "
+                                         f"x microbatches ({layout.microbatches}) equal micro-batches"))
+                continue
+            layout = dataclasses.replace(layout, micro_batch=global_batch // per_micro)
+        try:
+            p = plan(config, layout, device=device, peak_flops=peak_flops)
+        except ValueError as e:
+            rejected.append((layout, str(e)))
+            continue
+        big = p.largest
+        if big.peak_bytes > memory_bytes:
+            rejected.append((layout, f"needs {_gib(big.peak_bytes)} on {big.where}, more than {_gib(memory_bytes)}"))
+        else:
+            fits.append(p)
+    fits.sort(key=lambda p: (p.critical_flops / p.tokens_per_step, p.largest.peak_bytes))
+    return Suggestions(tuple(fits), tuple(rejected))
+
+
+def changes(a: Layout, b: Layout) -> list[str]:
+    """The fields :func:`suggest` varies that differ between ``a`` and ``b``."""
+    return [name for name in VARIED if getattr(a, name) != getattr(b, name)]
+
+
+def nearest_fits(config: GPTConfig, layout: Layout, memory_bytes: int, *, limit: int = 3,
+                 global_batch: int | None = None, device: str | None = None,
+                 peak_flops: float | None = None) -> tuple[Plan, ...]:
+    """Up to ``limit`` layouts of the same world that fit ``memory_bytes`` (see :func:`suggest`), those that
+    change the fewest of ``layout``'s fields (:data:`VARIED`) first, then the fastest."""
+    found = suggest(config, layout.world, memory_bytes, base=layout, global_batch=global_batch, device=device,
+                    peak_flops=peak_flops).fits
+    order = {id(p): i for i, p in enumerate(found)}
+    return tuple(sorted(found, key=lambda p: (len(changes(layout, p.layout)), order[id(p)]))[:limit])
+
