@@ -227,7 +227,7 @@ def _rank(config: GPTConfig, layout: Layout, held: list[HeldParameter], tp_rank:
                         dp_sharding=layout.dp_sharding, optimizer=layout.optimizer, offload=layout.offload_optimizer)
     heads = len(head_layout(config.n_head, config.kv_heads, layout.tp, tp_rank).query)
     flops = rank_flops_per_token(config, held, heads, layout.seq_len or config.block_size,
-                                 recompute=layout.activation_checkpointing) * layout.tokens(config)
+                                 recompute=layout.activation_checkpointing, tp=layout.tp) * layout.tokens(config)
     where = dict(tp_rank=tp_rank, stage=stage)
     peak = peak_bytes(config, layout, params=state.params, grads=state.grads, optimizer=state.optimizer, **where)
     return RankPlan(tp_rank, stage, dp_rank, state.params, state.grads, state.optimizer,

@@ -47,12 +47,15 @@ def model_flops_per_token(n_params: int, n_layer: int, n_head: int, head_dim: in
 
 
 def rank_flops_per_token(config: GPTConfig, held: Sequence[HeldParameter], query_heads: int, seq_len: int, *,
-                         recompute: bool) -> float:
+                         recompute: bool, tp: int) -> float:
     """FLOPs one rank runs per token of its micro-batches, counted as :func:`model_flops_per_token` counts
     them but over what the rank holds: 6 per held parameter (the position table and a token table that is
     not also the head excluded: lookups), ``12 Q T`` per layer and local query head; with ``recompute``
     (activation checkpointing) each block's forward once more, 2 per block parameter and ``4 Q T`` per
-    layer and head. Replicated parameters (LayerNorms, row-parallel biases, K and V held whole when there
+    layer and head, but for the MLP's output matmul at ``tp=1``: torch's non-reentrant checkpoint stops
+    recomputing once the last tensor saved for backward is back, the input of that plain ``F.linear``
+    (at tp > 1 the fused row-parallel autograd function saves its input after its forward has run, so
+    it runs). Replicated parameters (LayerNorms, row-parallel biases, K and V held whole when there
     are fewer KV heads than ranks) count on every rank that holds them: each computes with them."""
     head = any(p.name == "transformer.ln_f.weight" for p in held)  # the last stage: the head's matmul is here
     dense = sum(p.numel for p in held if p.name != "transformer.wpe.weight"
@@ -62,7 +65,8 @@ def rank_flops_per_token(config: GPTConfig, held: Sequence[HeldParameter], query
     attention = layers * query_heads * (config.n_embd // config.n_head) * seq_len
     flops = 6 * dense + 12 * attention
     if recompute:
-        flops += 2 * blocks + 4 * attention
+        skipped = sum(p.numel for p in held if p.name.endswith(".mlp.c_proj.weight")) if tp == 1 else 0
+        flops += 2 * (blocks - skipped) + 4 * attention
     return float(flops)
 
 
