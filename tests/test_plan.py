@@ -19,7 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import tensorpar
 from gpt_cases import batch, gpt_configs
-from layers import GPT, GPTConfig, Layout, PipelinedGPT, nearest_fits, plan, plan_rank, suggest
+from layers import GPT, GPTConfig, Layout, PipelinedGPT, nearest_fits, plan, plan_flops, plan_rank, suggest
 from layers.plan import VARIED, check_layout
 from layers.plan_state import held_parameters, zero_owners
 
@@ -78,7 +78,7 @@ def measure_step(cfg, layout_fields, seed):
     model, optimizer = build(config, layout, mesh)
     idx, targets = batch(cfg, 2, cfg["block_size"], seed + mesh.dp_rank)
     if layout.pp > 1:
-        model.pipeline("1f1b", microbatches=2).step(idx, targets)
+        model.pipeline("1f1b", microbatches=layout.microbatches).step(idx, targets)
         model.finish_gradients()
     else:
         ddp = DistributedDataParallel(model, process_group=mesh.dp_group) \
@@ -114,7 +114,7 @@ def layouts(draw):
     tp, pp, dp = draw(st.sampled_from(MESHES))
     sharding = draw(st.sampled_from(["ddp", "zero", "fsdp"]))
     offload = sharding == "fsdp" and draw(st.booleans())
-    return dict(tp=tp, pp=pp, dp=dp, dp_sharding=sharding, offload_optimizer=offload,
+    return dict(tp=tp, pp=pp, dp=dp, microbatches=pp, dp_sharding=sharding, offload_optimizer=offload,
                 dtype=draw(st.sampled_from(["float32", "bfloat16"])), optimizer=draw(st.sampled_from(["adamw", "sgd"])))
 
 
@@ -162,30 +162,33 @@ def meta_shapes(cfg, pp, sharding):
 def test_gpt2_shapes_on_the_meta_device_are_the_planned_ones(worlds, tp, pp, dp, sharding):
     """GPT-2 124M: the names and shapes each rank holds, FSDP2's chunks and ZeRO's owners, as planned."""
     config = GPTConfig(**GPT2)
-    layout = Layout(tp=tp, pp=pp, dp=dp, dp_sharding=sharding or "ddp")
-    full = plan(config, layout)
+    layout = Layout(tp=tp, pp=pp, dp=dp, dp_sharding=sharding or "ddp", microbatches=pp)
+    full = {(r.tp_rank, r.pp_stage, r.dp_rank): r for r in plan(config, layout).ranks}
     for tp_rank, pp_rank, dp_rank, shapes, extra in worlds[tp * pp * dp].run(meta_shapes, GPT2, pp, sharding,
                                                                              tp=tp, dp=dp, pp=pp):
         held = held_parameters(config, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank)
         assert shapes == [(p.name, p.shape) for p in held]
-        (planned,) = [r for r in full.ranks if (r.tp_rank, r.pp_stage, r.dp_rank) == (tp_rank, pp_rank, dp_rank)]
-        assert planned.params_bytes == sum(math.prod(s) for _, s in shapes) * 4 if sharding != "fsdp" else True
-        if sharding == "fsdp":  # (rows held, rows of the padded buffer) per parameter
-            padded = -(-torch.tensor([s[0] for _, s in shapes]) // dp)
-            assert [p for _, p in extra] == padded.tolist()
-            assert [r for r, _ in extra] == [max(0, min(p, s[0] - dp_rank * p)) for (_, s), p in zip(shapes, padded)]
-            assert planned.params_bytes == sum(p * math.prod(s[1:]) for (_, s), p in zip(shapes, padded.tolist())) * 4
-        if sharding == "zero":
+        planned = full[tp_rank, pp_rank, dp_rank]
+        rows = [s[0] for _, s in shapes]
+        row_bytes = [math.prod(s[1:]) * 4 for _, s in shapes]
+        if sharding == "fsdp":  # (rows held, rows of the padded buffer) per parameter, as FSDP2 holds them
+            padded = [-(-n // dp) for n in rows]
+            assert extra == [(max(0, min(p, n - dp_rank * p)), p) for n, p in zip(rows, padded, strict=True)]
+            assert planned.params_bytes == sum(p * b for p, b in zip(padded, row_bytes, strict=True))
+        else:
+            assert planned.params_bytes == sum(n * b for n, b in zip(rows, row_bytes, strict=True))
+        if sharding == "zero":  # torch's owners are the planned ones; this rank's AdamW state is theirs
             sizes = [[math.prod(s) for _, s in shapes if len(s) >= 2], [math.prod(s) for _, s in shapes if len(s) < 2]]
             assert zero_owners(sizes, dp) == extra
-            mine = sum(n for g, o in zip(sizes, extra) for n, r in zip(g, o) if r == dp_rank)
-            assert planned.optimizer_bytes == 2 * 4 * mine + 4 * sum(r == dp_rank for o in extra for r in o)
+            mine = [n for g, o in zip(sizes, extra, strict=True) for n, r in zip(g, o, strict=True) if r == dp_rank]
+            assert planned.optimizer_bytes == sum(2 * 4 * n + 4 for n in mine)
 
 
 def count_flops(cfg, recompute):
     """FLOPs ``FlopCounterMode`` counts on this rank for a forward and backward of 2 sequences (SDPA's math
-    kernel: its matmuls counted; with activation checkpointing, what torch recomputes), and the element count of the rank's vector parameters (LayerNorms,
-    biases: 6 FLOPs a token each in the 6N count, none in torch's) and of those inside blocks."""
+    kernel: its matmuls counted; with activation checkpointing, what torch recomputes), and the element
+    count of the rank's vector parameters (LayerNorms, biases: 6 FLOPs a token each in the 6N count, none
+    in torch's) and of those inside blocks."""
     config = GPTConfig(**cfg, activation_checkpointing=recompute)
     tensorpar.manual_seed(0)
     model = GPT(config)
@@ -228,6 +231,12 @@ def test_model_flops_bubble_and_mfu_of_gpt2():
     assert plan(config, Layout()).step_time_s is None
 
 
+def test_the_training_scripts_figures_are_the_planners():
+    from examples.train import hardware
+
+    assert hardware.PEAKS is plan_flops.PEAKS and hardware.model_flops_per_token is plan_flops.model_flops_per_token
+
+
 def test_table_and_dict():
     p = plan(GPTConfig(**GPT2), Layout(tp=3, dp=2, dp_sharding="fsdp"), device="H200")
     text = p.table()
@@ -246,15 +255,17 @@ SMALL = dict(vocab_size=1000, block_size=64, n_layer=4, n_head=6, n_embd=96)
 
 
 def test_suggest_orders_fits_and_names_every_rejection():
-    config = GPTConfig(**SMALL, n_kv_head=2)
-    everything = suggest(config, 8, 2**40, device="H100")
+    config, base = GPTConfig(**SMALL, n_kv_head=2), Layout(microbatches=8)
+    everything = suggest(config, 8, 2**40, base=base, device="H100")
     budget = sorted(p.largest.peak_bytes for p in everything.fits)[len(everything.fits) // 2]
-    s = suggest(config, 8, budget, device="H100")
+    s = suggest(config, 8, budget, base=base, device="H100")
     assert s.fits and s.rejected
     keys = [(p.critical_flops / p.tokens_per_step, p.largest.peak_bytes) for p in s.fits]
     assert keys == sorted(keys)
     assert all(p.largest.peak_bytes <= budget for p in s.fits)
-    assert len(s.fits) + len(s.rejected) == len(everything.fits) + len(everything.rejected)
+    meshes = [(t, q, 8 // (t * q)) for t in (1, 2, 4, 8) for q in (1, 2, 4, 8) if 8 % (t * q) == 0]
+    # each mesh: ddp, zero, fsdp where dp > 1; sequence parallelism where tp > 1; checkpointing or not
+    assert len(s.fits) + len(s.rejected) == sum((3 if d > 1 else 1) * (2 if t > 1 else 1) * 2 for t, _, d in meshes)
     for layout, reason in s.rejected:
         if layout.tp == 8:  # 6 heads
             assert reason == "n_head (6) is smaller than tp (8)"
@@ -267,10 +278,7 @@ def test_suggest_orders_fits_and_names_every_rejection():
                               f"dp {big.dp_rank}), more than {budget / 2**30:.1f} GiB")
             assert big.peak_bytes > budget
     assert {(p.layout.tp, p.layout.pp, p.layout.dp) for p in everything.fits} == {
-        (t, q, 8 // (t * q)) for t in (1, 2, 4) for q in (1, 2, 4) if 8 % (t * q) == 0}
-    assert len(everything.rejected) == sum(1 + (t > 1) for t in (1, 2, 4, 8) for q in (1, 2, 4, 8)
-                                           if 8 % (t * q) == 0 and (t == 8 or q == 8)
-                                           for _ in range(2 * (3 if 8 // (t * q) > 1 else 1)))
+        (t, q, d) for t, q, d in meshes if t < 8 and q < 8}
 
 
 def test_suggest_with_a_global_batch_and_the_nearest_fits():
@@ -295,6 +303,10 @@ def test_suggest_with_a_global_batch_and_the_nearest_fits():
     (Layout(pp=5), "n_layer (4) is smaller than the number of pipeline stages (5)"),
     (Layout(stages_per_rank=2), "stages_per_rank (2) > 1 needs pipeline ranks to loop over: pp is 1"),
     (Layout(dtype="float16"), "Layout.dtype must be one of ('float32', 'bfloat16'), got 'float16'"),
+    (Layout(pp=2), "the 1f1b schedule needs at least as many micro-batches as stages: microbatches (1) is smaller "
+                   "than pp (2)"),
+    (Layout(pp=2, microbatches=2, stages_per_rank=2), "the 1f1b schedule runs one stage per rank, got "
+                                                      "stages_per_rank 2: use schedule='interleaved' for several"),
 ])
 def test_bad_layouts_are_refused_with_the_numbers(layout, message):
     with pytest.raises(ValueError) as e:
