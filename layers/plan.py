@@ -21,7 +21,6 @@ import itertools
 from dataclasses import dataclass
 
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 import tensorpar
 
@@ -74,7 +73,7 @@ def _notes(layout: Layout) -> tuple[str, ...]:
         notes.append("DistributedDataParallel's reducer also keeps flat gradient buckets (25 MiB each, as many "
                      "bytes as the gradients in all): not in grads_bytes")
     if layout.optimizer == "adamw":
-        notes.append("AdamW's step counters (one float32 scalar per parameter) are counted in optimizer_bytes; "
+        notes.append("AdamW's step counters (one float32 scalar per parameter) are counted with its state; "
                      "they stay on the host unless the optimizer is fused or capturable")
     return tuple(notes)
 
@@ -111,10 +110,14 @@ def plan(config: GPTConfig, layout: Layout, *, device: str | None = None,
 
 def plan_rank(model: nn.Module, layout: Layout, *, mesh: tensorpar.Mesh | None = None) -> RankPlan:
     """This rank's :class:`RankPlan`, its parameters counted from ``model``'s modules as built (a
-    :class:`~layers.GPT` or :class:`~layers.PipelinedGPT`, under FSDP2 or not) rather than from its
+    :class:`~layers.GPT` or :class:`~layers.PipelinedGPT`, under FSDP2 or DDP or neither) rather than from its
     config; the dp rules, activations and FLOPs as :func:`plan`'s. ``mesh``: the model's (default: the
     current one), whose sizes must be the layout's."""
+    from torch.distributed.tensor import DTensor  # FSDP2's parameters (loaded only when asked, as FSDP2 is)
+
     mesh = mesh or tensorpar.current_mesh()
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        model = model.module
     config = getattr(model, "config", None)
     if not isinstance(config, GPTConfig):
         raise TypeError(f"plan_rank expects a GPT or PipelinedGPT (with a GPTConfig), got {type(model).__name__}")

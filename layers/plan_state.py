@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -34,7 +35,8 @@ from tensorpar.sharding import Shard, partition_sizes
 
 from .config import GPTConfig
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+#: bytes of an element of each parameter dtype a layout names
+DTYPE_BYTES = MappingProxyType({"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8})
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,9 @@ HOST = ("host", "host_bytes")
 
 
 def format_bytes(n: float) -> str:
-    """``n`` bytes in GiB from 1 GiB up, else MiB from 1 MiB up, else KiB."""
+    """``n`` bytes in GiB from 1 GiB up, else MiB from 1 MiB up, else KiB (``0`` for none)."""
+    if n == 0:
+        return "0"
     for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
         if n >= size:
             return f"{n / size:.2f} {unit}"

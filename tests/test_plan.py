@@ -77,6 +77,7 @@ def measure_step(cfg, layout_fields, seed):
     tensorpar.manual_seed(seed)
     model, optimizer = build(config, layout, mesh)
     idx, targets = batch(cfg, 2, cfg["block_size"], seed + mesh.dp_rank)
+    ddp = model
     if layout.pp > 1:
         model.pipeline("1f1b", microbatches=layout.microbatches).step(idx, targets)
         model.finish_gradients()
@@ -100,7 +101,7 @@ def measure_step(cfg, layout_fields, seed):
                         host_params=0, host_grads=0, host_optimizer=0)
     (planned,) = [r for r in plan(config, layout).ranks
                   if (r.tp_rank, r.pp_stage, r.dp_rank) == (mesh.tp_rank, mesh.pp_rank, mesh.dp_rank)]
-    return measured, dataclasses.asdict(planned), dataclasses.asdict(plan_rank(model, layout))
+    return measured, dataclasses.asdict(planned), dataclasses.asdict(plan_rank(ddp, layout))  # DDP: unwrapped
 
 
 def state_of(rank):
