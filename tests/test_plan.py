@@ -134,12 +134,13 @@ def test_state_bytes_are_exact_on_every_rank_after_a_step(worlds, layout, data):
         assert state_of(from_model) == state_of(planned), f"rank {rank}: plan_rank differs from plan"
 
 
-def meta_shapes(cfg, pp, sharding):
+def meta_shapes(cfg, pp, sharding, loops=1):
     """GPT-2 124M on the meta device: this rank's parameter names and local shapes, and where FSDP2 or
     ZeRO put them (FSDP2's padded and unpadded chunks; ZeRO's owner of each param group's parameters)."""
     mesh = tensorpar.current_mesh()
     config = GPTConfig(**cfg)
-    model = PipelinedGPT(config, mesh=mesh, device="meta") if pp > 1 else GPT(config, device="meta")
+    model = PipelinedGPT(config, mesh=mesh, device="meta", stages_per_rank=loops) if pp > 1 \
+        else GPT(config, device="meta")
     shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
     extra = None
     if sharding == "fsdp":
@@ -157,17 +158,19 @@ def meta_shapes(cfg, pp, sharding):
     return mesh.tp_rank, mesh.pp_rank, mesh.dp_rank, shapes, extra
 
 
-@pytest.mark.parametrize("tp, pp, dp, sharding", [(1, 1, 1, None), (2, 1, 1, None), (3, 1, 1, None),
-                                                   (4, 1, 1, None), (1, 2, 1, None), (2, 2, 1, None),
-                                                   (1, 1, 4, "zero"), (1, 1, 3, "fsdp"), (2, 1, 2, "fsdp")])
-def test_gpt2_shapes_on_the_meta_device_are_the_planned_ones(worlds, tp, pp, dp, sharding):
-    """GPT-2 124M: the names and shapes each rank holds, FSDP2's chunks and ZeRO's owners, as planned."""
+@pytest.mark.parametrize("tp, pp, dp, sharding, loops", [
+    (1, 1, 1, None, 1), (2, 1, 1, None, 1), (3, 1, 1, None, 1), (4, 1, 1, None, 1), (1, 2, 1, None, 1),
+    (2, 2, 1, None, 1), (1, 2, 1, None, 3), (1, 1, 4, "zero", 1), (1, 1, 3, "fsdp", 1), (2, 1, 2, "fsdp", 1)])
+def test_gpt2_shapes_on_the_meta_device_are_the_planned_ones(worlds, tp, pp, dp, sharding, loops):
+    """GPT-2 124M: the names and shapes each rank holds (``loops`` stages per pipeline rank), FSDP2's chunks
+    and ZeRO's owners, as planned."""
     config = GPTConfig(**GPT2)
-    layout = Layout(tp=tp, pp=pp, dp=dp, dp_sharding=sharding or "ddp", microbatches=pp)
+    layout = Layout(tp=tp, pp=pp, dp=dp, dp_sharding=sharding or "ddp", microbatches=pp, stages_per_rank=loops,
+                    schedule="interleaved" if loops > 1 else "1f1b")
     full = {(r.tp_rank, r.pp_stage, r.dp_rank): r for r in plan(config, layout).ranks}
-    for tp_rank, pp_rank, dp_rank, shapes, extra in worlds[tp * pp * dp].run(meta_shapes, GPT2, pp, sharding,
+    for tp_rank, pp_rank, dp_rank, shapes, extra in worlds[tp * pp * dp].run(meta_shapes, GPT2, pp, sharding, loops,
                                                                              tp=tp, dp=dp, pp=pp):
-        held = held_parameters(config, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank)
+        held = held_parameters(config, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank, stages_per_rank=loops)
         assert shapes == [(p.name, p.shape) for p in held]
         planned = full[tp_rank, pp_rank, dp_rank]
         rows = [s[0] for _, s in shapes]
