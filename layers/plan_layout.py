@@ -108,6 +108,15 @@ class Plan:
         """The rank with the highest peak (the first such)."""
         return max(self.ranks, key=lambda r: r.peak_bytes)
 
+    def rank(self, tp_rank: int, pp_stage: int, dp_rank: int) -> RankPlan:
+        """The plan of rank (``tp_rank``, ``pp_stage``, ``dp_rank``)."""
+        for r in self.ranks:
+            if (r.tp_rank, r.pp_stage, r.dp_rank) == (tp_rank, pp_stage, dp_rank):
+                return r
+        lay = self.layout
+        raise ValueError(f"no rank (tp {tp_rank}, pp {pp_stage}, dp {dp_rank}) in a layout of tp={lay.tp}, "
+                         f"pp={lay.pp}, dp={lay.dp}")
+
     @property
     def bubble(self) -> float:
         """The pipeline's idle fraction (0 without a pipeline)."""
