@@ -61,17 +61,21 @@ def _rank(config: GPTConfig, layout: Layout, held: list[HeldParameter], tp_rank:
     flops = rank_flops_per_token(config, held, heads, layout.seq_len or config.block_size,
                                  recompute=layout.activation_checkpointing, tp=layout.tp) * layout.tokens(config)
     where = dict(tp_rank=tp_rank, stage=stage)
-    peak = peak_bytes(config, layout, params=state.params, grads=state.grads, optimizer=state.optimizer, **where)
+    # examples/train_gpt.py wraps a GPT (pp=1) in DDP at dp > 1 unless FSDP2 shards it: its reducer's buckets
+    # (gradient_as_bucket_view=False) hold every gradient once more, for as long as the model lives
+    buckets = state.grads if layout.pp == 1 and layout.dp > 1 and layout.dp_sharding != "fsdp" else 0
+    peak = buckets + peak_bytes(config, layout, params=state.params, grads=state.grads, optimizer=state.optimizer,
+                                **where)
     return RankPlan(tp_rank, stage, dp_rank, state.params, state.grads, state.optimizer,
                     activation_bytes(config, layout, **where), transient_bytes(config, layout, **where), peak,
-                    state.host_params, state.host_grads, state.host_optimizer, flops)
+                    state.host_params, state.host_grads, state.host_optimizer, flops, buckets)
 
 
 def _notes(layout: Layout) -> tuple[str, ...]:
     notes = []
-    if layout.dp > 1 and layout.dp_sharding == "ddp" and layout.pp == 1:
-        notes.append("DistributedDataParallel's reducer also keeps flat gradient buckets (25 MiB each, as many "
-                     "bytes as the gradients in all): not in grads_bytes")
+    if layout.dp > 1 and layout.dp_sharding != "fsdp" and layout.pp == 1:
+        notes.append("DistributedDataParallel's reducer keeps flat gradient buckets as large as the gradients: "
+                     "ddp_bucket_bytes, in the peak")
     if layout.optimizer == "adamw":
         notes.append("AdamW's step counters (one float32 scalar per parameter) are counted with its state; "
                      "they stay on the host unless the optimizer is fused or capturable")

@@ -61,7 +61,8 @@ class Layout:
 @dataclass(frozen=True)
 class RankPlan:
     """The bytes one rank holds during a training step (its device memory; ``host_*``: in host memory,
-    under ``offload_optimizer``) and the FLOPs it runs per step (recomputation included)."""
+    under ``offload_optimizer``) and the FLOPs it runs per step (recomputation included).
+    ``ddp_bucket_bytes``: ``DistributedDataParallel``'s flat gradient buckets (counted in the peak)."""
 
     tp_rank: int
     pp_stage: int  # the pipeline rank (its stages: ``tensorpar.pipeline.rank_stages``)
@@ -76,6 +77,7 @@ class RankPlan:
     host_grads_bytes: int = 0
     host_optimizer_bytes: int = 0
     flops: float = 0.0
+    ddp_bucket_bytes: int = 0
 
     @property
     def host_bytes(self) -> int:

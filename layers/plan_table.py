@@ -11,6 +11,7 @@ if TYPE_CHECKING:
 COLUMNS = (("params", "params_bytes"), ("grads", "grads_bytes"), ("optimizer", "optimizer_bytes"),
            ("activations", "activation_bytes"), ("transient", "transient_bytes"), ("peak", "peak_bytes"))
 HOST = ("host", "host_bytes")
+BUCKETS = ("DDP buckets", "ddp_bucket_bytes")
 
 
 def format_bytes(n: float) -> str:
@@ -48,7 +49,8 @@ def _label(ranks: list[RankPlan]) -> str:
 
 def format_table(plan: Plan) -> str:
     """The table of ``plan`` (see the module's docstring)."""
-    columns = COLUMNS + ((HOST,) if any(r.host_bytes for r in plan.ranks) else ()) + (("FLOPs", "flops"),)
+    columns = COLUMNS[:3] + ((BUCKETS,) if any(r.ddp_bucket_bytes for r in plan.ranks) else ()) + COLUMNS[3:] \
+        + ((HOST,) if any(r.host_bytes for r in plan.ranks) else ()) + (("FLOPs", "flops"),)
     groups: dict[tuple[float, ...], list[RankPlan]] = {}
     for r in plan.ranks:
         groups.setdefault(tuple(getattr(r, key) for _, key in columns), []).append(r)

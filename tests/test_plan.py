@@ -91,14 +91,16 @@ def measure_step(cfg, layout_fields, seed):
     states = [v for s in local.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     grads = [p.grad for p in params]
     assert all(g is not None for g in grads)
+    buckets = sum(int(n) for n in ddp._get_ddp_logging_data()["bucket_sizes"].split(",")) \
+        if isinstance(ddp, DistributedDataParallel) else 0  # the reducer's flat gradient buckets
     if layout.offload_optimizer:
         # A GPU run copies each gradient chunk to the host (unpadded, its own tensor); on a CPU that copy is
         # a no-op and the chunks stay views of the reduce-scatter's padded output: count their elements.
         measured = dict(params=0, grads=0, optimizer=0, host_params=storage_bytes(params),
-                        host_grads=tensor_bytes(grads), host_optimizer=storage_bytes(states))
+                        host_grads=tensor_bytes(grads), host_optimizer=storage_bytes(states), ddp_buckets=0)
     else:
         measured = dict(params=storage_bytes(params), grads=storage_bytes(grads), optimizer=storage_bytes(states),
-                        host_params=0, host_grads=0, host_optimizer=0)
+                        host_params=0, host_grads=0, host_optimizer=0, ddp_buckets=buckets)
     planned = plan(config, layout).rank(mesh.tp_rank, mesh.pp_rank, mesh.dp_rank)
     return measured, dataclasses.asdict(planned), dataclasses.asdict(plan_rank(ddp, layout))  # DDP: unwrapped
 
@@ -106,7 +108,7 @@ def measure_step(cfg, layout_fields, seed):
 def state_of(rank):
     return dict(params=rank["params_bytes"], grads=rank["grads_bytes"], optimizer=rank["optimizer_bytes"],
                 host_params=rank["host_params_bytes"], host_grads=rank["host_grads_bytes"],
-                host_optimizer=rank["host_optimizer_bytes"])
+                host_optimizer=rank["host_optimizer_bytes"], ddp_buckets=rank["ddp_bucket_bytes"])
 
 
 @st.composite
