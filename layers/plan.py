@@ -29,7 +29,7 @@ from .heads import head_layout
 from .plan_activations import activation_bytes, peak_bytes, transient_bytes
 from .plan_flops import PEAKS, model_flops_per_token, peak_tflops_by_name, rank_flops_per_token
 from .plan_layout import DP_SHARDINGS, OPTIMIZERS, SCHEDULES, Layout, Plan, RankPlan, check_layout
-from .plan_state import DTYPE_BYTES, HeldParameter, held_parameters, state_bytes
+from .plan_state import DTYPE_BYTES, HeldParameter, StateBytes, dp_state_bytes, held_parameters
 
 #: the fields :func:`suggest` varies, in the order :func:`nearest_fits` counts changes by
 VARIED = ("tp", "pp", "dp", "dp_sharding", "sequence_parallel", "activation_checkpointing")
@@ -53,22 +53,31 @@ def _peak(device: str | None, peak_flops: float | None, layout: Layout) -> float
     return tflops * 1e12
 
 
-def _rank(config: GPTConfig, layout: Layout, held: list[HeldParameter], tp_rank: int, stage: int, dp_rank: int,
-          ) -> RankPlan:
-    state = state_bytes(held, DTYPE_BYTES[layout.dtype], dp=layout.dp, dp_rank=dp_rank,
-                        dp_sharding=layout.dp_sharding, optimizer=layout.optimizer, offload=layout.offload_optimizer)
+def _ranks(config: GPTConfig, layout: Layout, held: list[HeldParameter], tp_rank: int, stage: int,
+           dp_ranks: range | None = None) -> list[RankPlan]:
+    """The plans of the ranks (``tp_rank``, ``stage``, each of ``dp_ranks``, default all) holding ``held``."""
+    states = dp_state_bytes(held, DTYPE_BYTES[layout.dtype], dp=layout.dp, dp_sharding=layout.dp_sharding,
+                            optimizer=layout.optimizer, offload=layout.offload_optimizer)
     heads = len(head_layout(config.n_head, config.kv_heads, layout.tp, tp_rank).query)
     flops = rank_flops_per_token(config, held, heads, layout.seq_len or config.block_size,
                                  recompute=layout.activation_checkpointing, tp=layout.tp) * layout.tokens(config)
     where = dict(tp_rank=tp_rank, stage=stage)
+    activations, transient = activation_bytes(config, layout, **where), transient_bytes(config, layout, **where)
     # examples/train_gpt.py wraps a GPT (pp=1) in DDP at dp > 1 unless FSDP2 shards it: its reducer's buckets
     # (gradient_as_bucket_view=False) hold every gradient once more, for as long as the model lives
-    buckets = state.grads if layout.pp == 1 and layout.dp > 1 and layout.dp_sharding != "fsdp" else 0
-    peak = buckets + peak_bytes(config, layout, params=state.params, grads=state.grads, optimizer=state.optimizer,
-                                **where)
-    return RankPlan(tp_rank, stage, dp_rank, state.params, state.grads, state.optimizer,
-                    activation_bytes(config, layout, **where), transient_bytes(config, layout, **where), peak,
-                    state.host_params, state.host_grads, state.host_optimizer, flops, buckets)
+    ddp = layout.pp == 1 and layout.dp > 1 and layout.dp_sharding != "fsdp"
+    peaks: dict[StateBytes, int] = {}
+    found = []
+    for dp_rank in range(layout.dp) if dp_ranks is None else dp_ranks:
+        state = states[dp_rank]
+        buckets = state.grads if ddp else 0
+        if state not in peaks:
+            peaks[state] = buckets + peak_bytes(config, layout, params=state.params, grads=state.grads,
+                                                optimizer=state.optimizer, **where)
+        found.append(RankPlan(tp_rank, stage, dp_rank, state.params, state.grads, state.optimizer, activations,
+                              transient, peaks[state], state.host_params, state.host_grads, state.host_optimizer,
+                              flops, buckets))
+    return found
 
 
 def _notes(layout: Layout) -> tuple[str, ...]:
@@ -99,11 +108,7 @@ def plan(config: GPTConfig, layout: Layout, *, device: str | None = None,
         for tp_rank in range(layout.tp):
             held = held_parameters(config, tp=layout.tp, tp_rank=tp_rank, pp=layout.pp, pp_rank=stage,
                                    stages_per_rank=layout.stages_per_rank)
-            if layout.dp_sharding == "ddp":  # every dp rank alike
-                alike = _rank(config, layout, held, tp_rank, stage, 0)
-                ranks += [dataclasses.replace(alike, dp_rank=d) for d in range(layout.dp)]
-            else:
-                ranks += [_rank(config, layout, held, tp_rank, stage, d) for d in range(layout.dp)]
+            ranks += _ranks(config, layout, held, tp_rank, stage)
     ranks.sort(key=lambda r: (r.pp_stage, r.dp_rank, r.tp_rank))  # global rank order: (pp, dp, tp) row-major
     seq = layout.seq_len or config.block_size
     model = model_flops_per_token(config.parameter_count(), config.n_layer, config.n_head,
@@ -140,7 +145,8 @@ def plan_rank(model: nn.Module, layout: Layout, *, mesh: tensorpar.Mesh | None =
                          f"{layout.dtype!r} {DTYPE_BYTES[layout.dtype]}")
     # a DTensor's shape is the tp shard FSDP2 splits over dp; a plain parameter is the tp shard itself
     held = [HeldParameter(name, tuple(p.shape)) for name, p in params.items()]
-    return _rank(config, layout, held, mesh.tp_rank, mesh.pp_rank, mesh.dp_rank)
+    (rank,) = _ranks(config, layout, held, mesh.tp_rank, mesh.pp_rank, range(mesh.dp_rank, mesh.dp_rank + 1))
+    return rank
 
 
 @dataclass(frozen=True)

@@ -166,31 +166,39 @@ def optimizer_slots(optimizer: str) -> int:
     return {"adamw": 2, "sgd": 0}[optimizer]
 
 
-def state_bytes(held: Iterable[HeldParameter], itemsize: int, *, dp: int, dp_rank: int, dp_sharding: str,
-                optimizer: str, offload: bool = False) -> StateBytes:
+def dp_state_bytes(held: Iterable[HeldParameter], itemsize: int, *, dp: int, dp_sharding: str, optimizer: str,
+                   offload: bool = False) -> list[StateBytes]:
     """The bytes of ``held`` parameters (each ``itemsize`` bytes an element), their gradients and
-    optimizer state on dp rank ``dp_rank`` of ``dp`` (see the module's docstring for the rules)."""
+    optimizer state on each dp rank of ``dp`` (see the module's docstring for the rules)."""
     held = list(held)
     slots, step = optimizer_slots(optimizer), (step_bytes() if optimizer_slots(optimizer) else 0)
     if dp_sharding == "fsdp":
-        params = opt = unpadded = 0
-        for p in held:
-            rows, padded = fsdp_rows(p.shape[0], dp, dp_rank)
-            row = p.numel // p.shape[0] * itemsize
-            params += padded * row
-            unpadded += rows * row
-            opt += slots * rows * row + step
-        if offload:  # the gradients copied to the host unpadded
-            return StateBytes(host_params=params, host_grads=unpadded, host_optimizer=opt)
-        return StateBytes(params=params, grads=params, optimizer=opt)  # grads: the padded reduce-scatter output
+        found = []
+        for dp_rank in range(dp):
+            params = opt = unpadded = 0
+            for p in held:
+                rows, padded = fsdp_rows(p.shape[0], dp, dp_rank)
+                row = p.numel // p.shape[0] * itemsize
+                params += padded * row
+                unpadded += rows * row
+                opt += slots * rows * row + step
+            found.append(StateBytes(host_params=params, host_grads=unpadded, host_optimizer=opt) if offload
+                         else StateBytes(params=params, grads=params, optimizer=opt))  # grads: the padded output
+        return found
     params = sum(p.numel for p in held) * itemsize
     if dp_sharding == "zero" and dp > 1 and slots:
-        matrices = [p.numel for p in held if len(p.shape) >= 2]
-        vectors = [p.numel for p in held if len(p.shape) < 2]
-        owners = zero_owners([matrices, vectors], dp)
-        mine = [n for group, owner in zip([matrices, vectors], owners, strict=True)
-                for n, rank in zip(group, owner, strict=True) if rank == dp_rank]
-        opt = sum(slots * n * itemsize + step for n in mine)
-    else:
-        opt = sum(slots * p.numel * itemsize + step for p in held) if slots else 0
-    return StateBytes(params=params, grads=params, optimizer=opt)
+        groups = [[p.numel for p in held if len(p.shape) >= 2], [p.numel for p in held if len(p.shape) < 2]]
+        owned = [0] * dp  # each dp rank's optimizer bytes
+        for group, owners in zip(groups, zero_owners(groups, dp), strict=True):
+            for n, rank in zip(group, owners, strict=True):
+                owned[rank] += slots * n * itemsize + step
+        return [StateBytes(params=params, grads=params, optimizer=o) for o in owned]
+    opt_all = sum(slots * p.numel * itemsize + step for p in held) if slots else 0
+    return [StateBytes(params=params, grads=params, optimizer=opt_all)] * dp
+
+
+def state_bytes(held: Iterable[HeldParameter], itemsize: int, *, dp: int, dp_rank: int, dp_sharding: str,
+                optimizer: str, offload: bool = False) -> StateBytes:
+    """:func:`dp_state_bytes` of dp rank ``dp_rank``."""
+    return dp_state_bytes(held, itemsize, dp=dp, dp_sharding=dp_sharding, optimizer=optimizer,
+                          offload=offload)[dp_rank]
