@@ -5,8 +5,8 @@ Shapes come from the rules the layers split by (:mod:`tensorpar.sharding`'s bala
 :func:`~layers.heads.head_layout`, :func:`tensorpar.pipeline.stage_blocks`); how dp holds them follows torch:
 
 * ``"ddp"``: every dp rank holds the whole of its (tp, pp) shard; the gradients are separate tensors
-  (``DistributedDataParallel``'s reducer keeps flat buckets besides them, ``gradient_as_bucket_view=False``:
-  not counted here);
+  (``DistributedDataParallel``'s reducer keeps flat buckets as large besides them,
+  ``gradient_as_bucket_view=False``: :func:`layers.plan.plan` adds those);
 * ``"zero"``: ``ZeroRedundancyOptimizer`` keeps the optimizer state of the parameters its greedy rule gives
   each dp rank (per param group, largest first, to the rank with the fewest elements so far; the groups as
   ``examples/train_gpt.py`` builds them: matrices, then vectors);
@@ -196,9 +196,3 @@ def dp_state_bytes(held: Iterable[HeldParameter], itemsize: int, *, dp: int, dp_
     opt_all = sum(slots * p.numel * itemsize + step for p in held) if slots else 0
     return [StateBytes(params=params, grads=params, optimizer=opt_all)] * dp
 
-
-def state_bytes(held: Iterable[HeldParameter], itemsize: int, *, dp: int, dp_rank: int, dp_sharding: str,
-                optimizer: str, offload: bool = False) -> StateBytes:
-    """:func:`dp_state_bytes` of dp rank ``dp_rank``."""
-    return dp_state_bytes(held, itemsize, dp=dp, dp_sharding=dp_sharding, optimizer=optimizer,
-                          offload=offload)[dp_rank]
