@@ -11,11 +11,12 @@ from .mlp import ParallelMLP
 from .numerics import SegmentwiseActivation
 from .parallelize import STYLES, HeadRow, QKVColumn, Segmentwise, parallelize
 from .pipeline import GPTStage, PipelinedGPT
+from .plan import Layout, Plan, RankPlan, Suggestions, nearest_fits, plan, plan_rank, suggest
 from .regions import AllGatherSequence, CopyToTP, ReduceFromTP, ReduceScatterSequence
 from .sequence import ParallelLayerNorm, SequenceParallelLayerNorm, ShardedDropout
 
 __all__ = ["GPT", "STYLES", "AllGatherSequence", "Block", "ColumnParallelLinear", "CopyToTP", "GPTConfig", "GPTStage",
-           "HeadRow", "ParallelLayerNorm", "ParallelMLP", "ParallelSelfAttention", "PipelinedGPT", "QKVColumn",
-           "ReduceFromTP", "ReduceScatterSequence", "ReplicatedLinear", "RowParallelLinear",
-           "Segmentwise", "SegmentwiseActivation", "SequenceParallelLayerNorm", "ShardedDropout",
-           "VocabParallelEmbedding", "parallelize", "parallelize_hf"]
+           "HeadRow", "Layout", "ParallelLayerNorm", "ParallelMLP", "ParallelSelfAttention", "PipelinedGPT", "Plan",
+           "QKVColumn", "RankPlan", "ReduceFromTP", "ReduceScatterSequence", "ReplicatedLinear", "RowParallelLinear",
+           "Segmentwise", "SegmentwiseActivation", "SequenceParallelLayerNorm", "ShardedDropout", "Suggestions",
+           "VocabParallelEmbedding", "nearest_fits", "parallelize", "parallelize_hf", "plan", "plan_rank", "suggest"]
