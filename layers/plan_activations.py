@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from .config import GPTConfig
 
 if TYPE_CHECKING:
-    from .plan import Layout
+    from .plan_layout import Layout
 
 
 def activation_bytes(config: GPTConfig, layout: Layout, *, tp_rank: int = 0, stage: int = 0) -> int:
