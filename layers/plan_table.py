@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .plan import Plan, RankPlan
+    from .plan_layout import Plan, RankPlan
 
 COLUMNS = (("params", "params_bytes"), ("grads", "grads_bytes"), ("optimizer", "optimizer_bytes"),
            ("activations", "activation_bytes"), ("transient", "transient_bytes"), ("peak", "peak_bytes"))
