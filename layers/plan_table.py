@@ -3,10 +3,7 @@ then the step's FLOPs, its time bound and the MFU that bound implies."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .plan_layout import Plan, RankPlan
+from typing import Any
 
 COLUMNS = (("params", "params_bytes"), ("grads", "grads_bytes"), ("optimizer", "optimizer_bytes"),
            ("activations", "activation_bytes"), ("transient", "transient_bytes"), ("peak", "peak_bytes"))
@@ -42,16 +39,16 @@ def _span(values: set[int]) -> str:
     return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
 
 
-def _label(ranks: list[RankPlan]) -> str:
+def _label(ranks: list[Any]) -> str:
     return (f"tp {_span({r.tp_rank for r in ranks})} pp {_span({r.pp_stage for r in ranks})} "
             f"dp {_span({r.dp_rank for r in ranks})}" + (f" ({len(ranks)})" if len(ranks) > 1 else ""))
 
 
-def format_table(plan: Plan) -> str:
+def format_table(plan: Any) -> str:
     """The table of ``plan`` (see the module's docstring)."""
     columns = COLUMNS[:3] + ((BUCKETS,) if any(r.ddp_bucket_bytes for r in plan.ranks) else ()) + COLUMNS[3:] \
         + ((HOST,) if any(r.host_bytes for r in plan.ranks) else ()) + (("FLOPs", "flops"),)
-    groups: dict[tuple[float, ...], list[RankPlan]] = {}
+    groups: dict[tuple[float, ...], list[Any]] = {}
     for r in plan.ranks:
         groups.setdefault(tuple(getattr(r, key) for _, key in columns), []).append(r)
     header = ["ranks", *(name for name, _ in columns)]
