@@ -58,9 +58,8 @@ def layout_of(cfg: TrainConfig) -> Layout:
                   offload_optimizer=cfg.offload_optimizer, sequence_parallel=cfg.sequence_parallel,
                   activation_checkpointing=cfg.activation_checkpointing, micro_batch=micro_batch,
                   microbatches=microbatches, seq_len=cfg.block_size, schedule=cfg.schedule, dtype="float32",
-                  autocast="bfloat16" if compute == "bf16" else None, optimizer="adamw")
-    if hasattr(layout, "stages_per_rank"):  # the interleaved schedule's loops, where the planner's Layout has them
-        layout = dataclasses.replace(layout, stages_per_rank=cfg.stages_per_rank)
+                  autocast="bfloat16" if compute == "bf16" else None, optimizer="adamw",
+                  stages_per_rank=cfg.stages_per_rank)
     return layout
 
 
@@ -121,7 +120,7 @@ def timed_by(cfg: TrainConfig, call: Callable[[str | None, float | None], T]) ->
 def need_bytes(cfg: TrainConfig, rank: RankPlan) -> int:
     """The bytes of ``rank`` that its memory must hold: its peak, and on the CPU also what it offloads
     to host memory (the same memory there; ``host_bytes``, where the planner counts it apart)."""
-    return rank.peak_bytes + (0 if on_gpu(cfg) else getattr(rank, "host_bytes", 0))
+    return rank.peak_bytes + (0 if on_gpu(cfg) else rank.host_bytes)
 
 
 def check(cfg: TrainConfig) -> None:
@@ -180,7 +179,7 @@ def options(layout: Layout, cfg: TrainConfig, *, changed: bool = False) -> list[
     numbers: dict[str, tuple[object, object]] = {
         "tp": (layout.tp, cfg.tp), "dp": (layout.dp, cfg.dp), "pp": (layout.pp, cfg.pp),
         "schedule": (layout.schedule, cfg.schedule),
-        "stages-per-rank": (getattr(layout, "stages_per_rank", cfg.stages_per_rank), cfg.stages_per_rank),
+        "stages-per-rank": (layout.stages_per_rank, cfg.stages_per_rank),
         "microbatches": (microbatches, cfg.microbatches if cfg.pp > 1 else 1),
         "grad-accum": (accum, cfg.grad_accum), "batch-size": (batch, cfg.batch_size)}
     offload = layout.offload_optimizer
