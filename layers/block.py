@@ -28,8 +28,8 @@ from .sequence import layer_norm
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block (LayerNorm or RMSNorm): ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``. ``(B, T, C)``,
-    or with ``config.sequence_parallel`` this rank's tokens ``(B, T_r, C)`` of ``seq_len`` (found with
+    """Pre-norm transformer block (LayerNorm or RMSNorm): ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``.
+    ``(B, T, C)``, or with ``config.sequence_parallel`` this rank's tokens ``(B, T_r, C)`` of ``seq_len`` (found with
     one small collective when not given)."""
 
     def __init__(self, config: GPTConfig, *, group: ProcessGroup | None = None,
