@@ -62,8 +62,8 @@ class _TokenwiseLayerNorm(torch.autograd.Function):
 class TokenwiseNorm:
     """``F.layer_norm`` (``F.rms_norm`` with ``rms``) of ``shape`` and ``eps``, a callable ``(x, weight, bias,
     seq_len)`` of ``x`` ``(..., T_r, C)`` whose weight and bias gradients add the tokens by their canonical
-    segments: this rank's share of them with ``sequence_parallel`` (then summed over the group; ``seq_len`` names the full length,
-    else one small collective finds it), else every token."""
+    segments: this rank's share of them with ``sequence_parallel`` (then summed over the group; ``seq_len``
+    names the full length, else one small collective finds it), else every token."""
 
     def __init__(self, shape: Sequence[int], eps: float, group: ProcessGroup, sequence_parallel: bool,
                  tp_sizes: Sequence[int], *, rms: bool = False) -> None:
