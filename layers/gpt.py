@@ -30,7 +30,7 @@ from torch.distributed import ProcessGroup
 import tensorpar
 from tensorpar.checks import check_int
 
-from . import generation, hf
+from . import generation, hf, hf_llama
 from .block import Block, run_blocks
 from .config import GPTConfig
 from .embedding import VocabParallelEmbedding
@@ -257,7 +257,8 @@ class GPT(nn.Module):
 
     @classmethod
     def from_hf(cls, model: nn.Module, *, group: ProcessGroup | None = None) -> GPT:
-        """A sharded GPT with the weights of a Hugging Face ``GPT2LMHeadModel`` (extra ``hf``),
+        """A sharded GPT with the weights of a Hugging Face ``GPT2LMHeadModel``, or of a ``LlamaForCausalLM``
+        with tied embeddings (a GPT with ``norm="rmsnorm", positions="rope", mlp="swiglu"``; extra ``hf``),
         on its device and in its dtype. Every rank must hold the same model.
 
         Example::
@@ -265,11 +266,15 @@ class GPT(nn.Module):
             hf = GPT2LMHeadModel.from_pretrained("path/to/gpt2")
             gpt = GPT.from_hf(hf)   # 1/tp of its weights on each rank
         """
-        config = GPTConfig(**hf.gpt_config(getattr(model, "config", None)))
+        hf_config = getattr(model, "config", None)
+        llama = getattr(hf_config, "model_type", None) == "llama"
+        config = GPTConfig(**(hf_llama.gpt_config(hf_config) if llama else hf.gpt_config(hf_config)))
         if not hasattr(model, "lm_head"):
-            raise TypeError(f"from_hf expects a GPT2LMHeadModel (with its LM head), got {type(model).__name__}")
+            raise TypeError(f"from_hf expects a GPT2LMHeadModel or LlamaForCausalLM (with its LM head), got "
+                            f"{type(model).__name__}")
         weight = model.get_input_embeddings().weight
         gpt = cls(config, device="meta", dtype=weight.dtype, group=group)
         gpt.to_empty(device=weight.device)
-        gpt.load_full_state_dict(hf.gpt_state_dict(model.state_dict()))
+        state = model.state_dict()
+        gpt.load_full_state_dict(hf_llama.gpt_state_dict(state, config.n_layer) if llama else hf.gpt_state_dict(state))
         return gpt.train(model.training)
