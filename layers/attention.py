@@ -57,7 +57,7 @@ from .heads import head_layout
 from .kv_cache import LayerCache
 from .linear import ColumnParallelLinear, RowParallelLinear, check_activation
 from .regions import CopyToTP
-from .rotary import RotaryEmbedding
+from .rotary import RotaryEmbedding, rotate
 from .sequence import ShardedDropout, tp_stream
 
 
@@ -148,8 +148,8 @@ class ParallelSelfAttention(nn.Module):
         q, k, v = (t.unflatten(-1, (-1, d)).transpose(1, 2) for t in qkv.split([h * d, hk * d, hk * d], -1))  # views
         p = self.dropout if self.training else 0.0
         if self.rotary is not None:  # at 0..T-1, or at the cache's positions (B, T); keys cached rotated
-            positions = None if cache is None else cache.cache.positions
-            q, k = self.rotary(q, positions), self.rotary(k, positions)
+            angles = self.rotary(q.shape[2], None if cache is None else cache.cache.positions)
+            q, k = rotate(q, angles), rotate(k, angles)
         if cache is None:
             y = self.attend(q, k, v, p)  # (B, h, T, d)
         else:  # every token of the rows so far: (B, held KV heads, L, d), the queries at positions (B, T)

@@ -30,8 +30,8 @@ def rope_table(block_size: int, head_dim: int, theta: float, device: torch.devic
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate query or key heads ``(B, h, T, d)`` by their tokens' positions: ``positions=None`` means
-    ``0..T-1``; a ``(B, T)`` tensor gives each row's own (a KV cache's).
+    """The angles of tokens' positions, which :func:`rotate` turns query and key heads ``(B, h, T, d)`` by:
+    ``positions=None`` means ``0..T-1``; a ``(B, T)`` tensor gives each row's own (a KV cache's).
 
     The table is a non-persistent buffer (not in the state dict), computed again whenever the module
     moves or is materialised (``to``, ``to_empty``).
@@ -39,7 +39,8 @@ class RotaryEmbedding(nn.Module):
     Example::
 
         rope = RotaryEmbedding(64, block_size=1024)
-        q, k = rope(q), rope(k)            # (B, h, T, 64) each, rotated by positions 0..T-1
+        angles = rope(q.shape[2])                      # (T, 128): [cos | sin] at positions 0..T-1
+        q, k = rotate(q, angles), rotate(k, angles)    # (B, h, T, 64) each
     """
 
     def __init__(self, head_dim: int, block_size: int, theta: float = 10000.0, *,
@@ -59,12 +60,17 @@ class RotaryEmbedding(nn.Module):
                                             self.table.dtype))
         return self
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        t, d = x.shape[-2], self.head_dim
-        table = self.table[:t] if positions is None else self.table[positions][:, None]  # (T, 2d) or (B, 1, T, 2d)
-        cos, sin = table.to(x.dtype).split(d, -1)
-        x1, x2 = x.chunk(2, -1)
-        return x * cos + torch.cat([-x2, x1], -1) * sin  # (B, h, T, d)
+    def forward(self, t: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The ``[cos | sin]`` rows of ``t`` tokens at ``positions`` (``None``: ``0..t-1``; else ``(B, t)``):
+        ``(t, 2d)`` or ``(B, 1, t, 2d)``, for :func:`rotate`."""
+        return self.table[:t] if positions is None else self.table[positions][:, None]
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, block_size={self.block_size}, theta={self.theta}"
+
+
+def rotate(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Heads ``x`` ``(B, h, T, d)`` turned by the angles of ``table`` (:meth:`RotaryEmbedding.forward`)."""
+    cos, sin = table.to(x.dtype).chunk(2, -1)  # (T, d) or (B, 1, T, d) each
+    x1, x2 = x.chunk(2, -1)
+    return x * cos + torch.cat([-x2, x1], -1) * sin  # (B, h, T, d)
