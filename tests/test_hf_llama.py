@@ -179,3 +179,26 @@ def test_llama_config_round_trips_through_transformers():
     untied = LlamaConfig(hidden_size=48, num_attention_heads=6, intermediate_size=100, tie_word_embeddings=False)
     with pytest.raises(ValueError, match=r"intermediate_size=100 .*tie_word_embeddings=False"):
         hf_llama.gpt_config(untied)
+
+
+def test_train_gpt_with_llama_options_exports_a_llama(worlds, monkeypatch, tmp_path):
+    """``train_gpt.py --norm rmsnorm --positions rope --mlp swiglu --export-hf DIR`` at tp=2: the directory is
+    a LlamaForCausalLM whose logits are those of the final checkpoint's weights in the plain reference."""
+    from reference_gpt import RefConfig, RefGPT
+    from tensorpar import checkpoint
+    from test_examples import line_starting, run_example_on_pool
+
+    out, hf_dir = tmp_path / "run", tmp_path / "hf"
+    stdout = run_example_on_pool(worlds, monkeypatch, "train_gpt.py", "--tp", 2, "--steps", 2, "--n-layer", 1,
+                                 "--n-head", 2, "--n-embd", 16, "--block-size", 16, "--batch-size", 4,
+                                 "--norm", "rmsnorm", "--positions", "rope", "--mlp", "swiglu",
+                                 "--sample-tokens", 0, "--no-progress", "--out", out, "--export-hf", hf_dir)
+    assert line_starting(stdout, "Hugging Face Llama: ").startswith(f"Hugging Face Llama: {hf_dir} ")
+    hf = load_llama(hf_dir)
+    plain = RefGPT(RefConfig(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=16, bias=False,
+                             **LLAMA)).eval()
+    plain.load_state_dict(checkpoint.export_state_dict(out))  # the weights the run ended with
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, logits = plain(idx), hf(idx).logits
+    assert (logits - expected).norm() <= TOLERANCES[torch.float32] * expected.norm()
