@@ -22,18 +22,18 @@ import torch
 #: GPTConfig fields that change how the model is run, not what it computes
 _RUNTIME_ONLY = ("activation_checkpointing", "sequence_parallel")
 #: what Llama needs of a GPT's options
-_REQUIRED = {"norm": ("rmsnorm",), "positions": ("rope",), "mlp": ("swiglu",)}
+_REQUIRED = (("norm", "rmsnorm"), ("positions", "rope"), ("mlp", "swiglu"))
 #: our per-block keys and Llama's
-_BLOCK_KEYS = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm", "attn.c_proj": "self_attn.o_proj",
-               "mlp.c_gate": "mlp.gate_proj", "mlp.c_fc": "mlp.up_proj", "mlp.c_proj": "mlp.down_proj"}
+_BLOCK_KEYS = (("ln_1", "input_layernorm"), ("ln_2", "post_attention_layernorm"), ("attn.c_proj", "self_attn.o_proj"),
+               ("mlp.c_gate", "mlp.gate_proj"), ("mlp.c_fc", "mlp.up_proj"), ("mlp.c_proj", "mlp.down_proj"))
 
 
 def check_exportable(config: Any) -> None:
     """Raise ``ValueError`` naming each ``GPTConfig`` field that Llama cannot express."""
     known = {"block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dropout", "bias", "n_kv_head",
-             "rope_theta", "norm_eps", *_REQUIRED, *_RUNTIME_ONLY}
-    wrong = [f"{name}={getattr(config, name)!r} (Llama needs {ok[0]!r})"
-             for name, ok in _REQUIRED.items() if getattr(config, name) not in ok]
+             "rope_theta", "norm_eps", *dict(_REQUIRED), *_RUNTIME_ONLY}
+    wrong = [f"{name}={getattr(config, name)!r} (Llama needs {ok!r})"
+             for name, ok in _REQUIRED if getattr(config, name) != ok]
     wrong += [f"{f.name}={getattr(config, f.name)!r} (Llama has no such setting; keep {f.default!r})"
               for f in fields(config) if f.name not in known and f.default is not MISSING
               and getattr(config, f.name) != f.default]
@@ -68,7 +68,7 @@ def llama_state_dict(state: Mapping[str, torch.Tensor], config: Any) -> dict[str
             if f"{ours}attn.c_attn.{kind}" in state:  # [Q | K | V] rows
                 for part, value in zip("qkv", state[f"{ours}attn.c_attn.{kind}"].split([c, kv, kv]), strict=True):
                     out[f"{theirs}self_attn.{part}_proj.{kind}"] = value
-            for key, name in _BLOCK_KEYS.items():
+            for key, name in _BLOCK_KEYS:
                 if f"{ours}{key}.{kind}" in state:
                     out[f"{theirs}{name}.{kind}"] = state[f"{ours}{key}.{kind}"]
     return {k: v.contiguous() for k, v in out.items()}
@@ -106,7 +106,7 @@ def gpt_state_dict(state: Mapping[str, torch.Tensor], n_layer: int) -> dict[str,
             if f"{theirs}self_attn.q_proj.{kind}" in state:
                 out[f"{ours}attn.c_attn.{kind}"] = torch.cat([state[f"{theirs}self_attn.{p}_proj.{kind}"]
                                                               for p in "qkv"])
-            for key, name in _BLOCK_KEYS.items():
+            for key, name in _BLOCK_KEYS:
                 if f"{theirs}{name}.{kind}" in state:
                     out[f"{ours}{key}.{kind}"] = state[f"{theirs}{name}.{kind}"]
     return out
