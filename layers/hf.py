@@ -43,7 +43,6 @@ def _check_supported(hf: Any) -> None:
     differences = {
         "activation_function": (hf.activation_function, ("gelu_new", "gelu_pytorch_tanh")),
         "n_inner": (hf.n_inner, (None, 4 * hf.n_embd)),
-        "layer_norm_epsilon": (hf.layer_norm_epsilon, (1e-5,)),
         "scale_attn_weights": (hf.scale_attn_weights, (True,)),
         "scale_attn_by_inverse_layer_idx": (hf.scale_attn_by_inverse_layer_idx, (False,)),
         "tie_word_embeddings": (getattr(hf, "tie_word_embeddings", True), (True,)),
@@ -59,7 +58,7 @@ def gpt_config(hf: Any) -> dict[str, Any]:
     """The ``GPTConfig`` fields of a Hugging Face ``GPT2Config``; raises for settings our GPT lacks."""
     _check_supported(hf)
     return dict(block_size=hf.n_positions, vocab_size=hf.vocab_size, n_layer=hf.n_layer, n_head=hf.n_head,
-                n_embd=hf.n_embd, dropout=hf.resid_pdrop, bias=True)
+                n_embd=hf.n_embd, dropout=hf.resid_pdrop, bias=True, norm_eps=float(hf.layer_norm_epsilon))
 
 
 def gpt_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -93,7 +92,8 @@ def check_exportable(config: Any) -> None:
     Fields this module does not know must keep their default.
     """
     required = {"mlp": ("gelu",), "n_kv_head": (None, config.n_head)}
-    known = {"block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dropout", "bias", *required, *_RUNTIME_ONLY}
+    known = {"block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dropout", "bias", "norm_eps", *required,
+             *_RUNTIME_ONLY}
     wrong = [f"{name}={getattr(config, name)!r} (GPT-2 needs {' or '.join(map(repr, ok))})"
              for name, ok in required.items() if getattr(config, name) not in ok]
     wrong += [f"{f.name}={getattr(config, f.name)!r} (GPT-2 has no such setting; keep {f.default!r})"
@@ -111,7 +111,7 @@ def gpt2_config(config: Any, dtype: torch.dtype, *, eos_token_id: int | None = N
             "n_positions": config.block_size, "n_embd": config.n_embd, "n_layer": config.n_layer,
             "n_head": config.n_head, "n_inner": None, "activation_function": "gelu_new",
             "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout,
-            "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "scale_attn_weights": True,
+            "layer_norm_epsilon": config.norm_eps, "initializer_range": 0.02, "scale_attn_weights": True,
             "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
             "tie_word_embeddings": True, "bos_token_id": eos_token_id, "eos_token_id": eos_token_id,
             "dtype": name, "torch_dtype": name}  # the second for transformers 4.x

@@ -202,3 +202,15 @@ def test_train_gpt_with_llama_options_exports_a_llama(worlds, monkeypatch, tmp_p
     with torch.no_grad():
         expected, logits = plain(idx), hf(idx).logits
     assert (logits - expected).norm() <= TOLERANCES[torch.float32] * expected.norm()
+
+
+def test_gpt2_export_carries_the_norm_epsilon():
+    """``norm_eps`` is GPT-2's ``layer_norm_epsilon`` both ways (no ranks: the config half alone)."""
+    from transformers import GPT2Config
+
+    from layers.hf import gpt2_config, gpt_config
+
+    config = GPTConfig(vocab_size=50, block_size=16, n_layer=1, n_head=2, n_embd=8, norm_eps=1e-6)
+    fields = gpt2_config(config, torch.float32)
+    hf = GPT2Config(**{k: v for k, v in fields.items() if k not in ("model_type", "architectures")})
+    assert hf.layer_norm_epsilon == 1e-6 and GPTConfig(**gpt_config(hf)) == config
