@@ -19,6 +19,7 @@ split, so a rank holds little more than ``1/tp`` of the parameters.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -119,8 +120,8 @@ class GPT(nn.Module):
         # The layers initialise themselves, then reset_parameters draws every weight again: only its draws
         # count, so a model takes one draw per weight however it is built (a pipeline stage builds a few).
         with torch.random.fork_rng(devices=[]):
-            table = lambda rows: VocabParallelEmbedding(rows, c.n_embd, reduce_output=False, group=group,  # noqa: E731
-                                                        **factory)
+            table = functools.partial(VocabParallelEmbedding, embedding_dim=c.n_embd, reduce_output=False,
+                                      group=group, **factory)  # (rows,) -> a vocab-parallel table
             self.transformer = nn.ModuleDict(dict(
                 wte=table(c.vocab_size),
                 **(dict(wpe=table(c.block_size)) if learned else {}),  # rotary positions: none
