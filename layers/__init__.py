@@ -12,10 +12,11 @@ from .numerics import SegmentwiseActivation
 from .parallelize import STYLES, HeadRow, QKVColumn, Segmentwise, parallelize
 from .pipeline import GPTStage, PipelinedGPT
 from .regions import AllGatherSequence, CopyToTP, ReduceFromTP, ReduceScatterSequence
-from .sequence import ParallelLayerNorm, SequenceParallelLayerNorm, ShardedDropout
+from .rotary import RotaryEmbedding
+from .sequence import ParallelLayerNorm, ParallelRMSNorm, SequenceParallelLayerNorm, ShardedDropout
 
 __all__ = ["GPT", "STYLES", "AllGatherSequence", "Block", "ColumnParallelLinear", "CopyToTP", "GPTConfig", "GPTStage",
-           "HeadRow", "ParallelLayerNorm", "ParallelMLP", "ParallelSelfAttention", "PipelinedGPT", "QKVColumn",
-           "ReduceFromTP", "ReduceScatterSequence", "ReplicatedLinear", "RowParallelLinear",
-           "Segmentwise", "SegmentwiseActivation", "SequenceParallelLayerNorm", "ShardedDropout",
+           "HeadRow", "ParallelLayerNorm", "ParallelMLP", "ParallelRMSNorm", "ParallelSelfAttention", "PipelinedGPT",
+           "QKVColumn", "ReduceFromTP", "ReduceScatterSequence", "ReplicatedLinear", "RotaryEmbedding",
+           "RowParallelLinear", "Segmentwise", "SegmentwiseActivation", "SequenceParallelLayerNorm", "ShardedDropout",
            "VocabParallelEmbedding", "parallelize", "parallelize_hf"]
