@@ -27,7 +27,8 @@ writes OUT/metrics.jsonl (one JSON line per step: loss, lr, grad_norm,
 tokens_per_s, and val_loss after every --eval-every steps) and OUT/loss.png,
 and prints a sample. Each rank writes its own shards of each checkpoint
 (torch.distributed.checkpoint) into OUT/step-NNNNNN; --export-hf DIR saves the
-final model as a Hugging Face GPT-2 directory (with --export-only, the newest
+final model as a Hugging Face GPT-2 directory, or a Llama one for a model with
+--norm rmsnorm --positions rope --mlp swiglu (with --export-only, the newest
 checkpoint in OUT, training nothing: a finished run exported afterwards).
 
 The bar, metrics.jsonl and the summary show tokens_per_s (last 20 steps), mfu,
@@ -86,7 +87,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import tensorpar
 from layers import GPT, PipelinedGPT
-from layers.hf import export_gpt2
+from layers.hf import export_hf
 from tensorpar import checkpoint
 from tensorpar.random import mix_seed
 
@@ -134,6 +135,7 @@ EPILOG = """examples:
   python examples/train_gpt.py --lr 1e-2 --on-nonfinite skip    # a step with a NaN loss is skipped, not fatal
   python examples/train_gpt.py --tp 1 --export-hf run1/hf   # one GPU, bf16; then GPT2LMHeadModel.from_pretrained
   python examples/train_gpt.py --out run1 --export-only --export-hf run1/hf   # run1's newest checkpoint, no training
+  python examples/train_gpt.py --norm rmsnorm --positions rope --mlp swiglu --export-hf llama   # LlamaForCausalLM
   python examples/train_gpt.py --data data/shakespeare --vocab-size 50257 --eval-every 50 --logger tensorboard
   python examples/train_gpt.py --tp 2 --dp 2 --fsdp --dry-run   # each rank's bytes, the step's FLOPs; no rank starts
   python examples/train_gpt.py --n-layer 12 --n-embd 768 --n-head 12 --world 8 --device-name H100 --memory 80 --suggest
@@ -200,7 +202,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         done = checkpoint.load(out, model, optimizer)["step"]
     if cfg.export_only:  # the checkpoint, written as it is
         assert isinstance(model, GPT)  # --export-hf needs --pp 1
-        export_gpt2(model, cfg.export_hf)
+        export_hf(model, cfg.export_hf)
         return {"losses": {}, "val_losses": {}, "grad_norms": {}, "skipped": [], "stopped": None, "sample": None,
                 "hardware": {}, "step": done} if lead else {}
     pipe = None
@@ -315,7 +317,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             opened.close()
     hardware = meter.summary() | dict(device=device, dtype=dtype_name, peak_memory_bytes=peak_memory_per_rank(mesh))
     if cfg.export_hf and isinstance(model, GPT) and not stopped:  # every rank: each tp group gathers, rank 0 writes
-        export_gpt2(model, cfg.export_hf)
+        export_hf(model, cfg.export_hf)
     sample = None
     finished = last == cfg.steps and not stopped
     if cfg.sample_tokens and finished and isinstance(model, GPT):  # a pipeline holds part of the model
@@ -389,7 +391,9 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.export_only:
         print(f"step {result['step']} of {cfg.out}: ", end="")
     if cfg.export_hf:
-        print(f"Hugging Face GPT-2: {cfg.export_hf} (transformers.GPT2LMHeadModel.from_pretrained loads it)")
+        name, kind = ("GPT-2", "GPT2LMHeadModel") if (cfg.norm, cfg.positions) == ("layernorm", "learned") \
+            else ("Llama", "LlamaForCausalLM")
+        print(f"Hugging Face {name}: {cfg.export_hf} (transformers.{kind}.from_pretrained loads it)")
     if result.get("sample"):
         print("sample:\n" + result["sample"])
     elif cfg.pp > 1 and cfg.sample_tokens and cfg.out:

@@ -13,10 +13,12 @@ from .parallelize import STYLES, HeadRow, QKVColumn, Segmentwise, parallelize
 from .pipeline import GPTStage, PipelinedGPT
 from .plan import Layout, Plan, RankPlan, Suggestions, nearest_fits, plan, plan_rank, suggest
 from .regions import AllGatherSequence, CopyToTP, ReduceFromTP, ReduceScatterSequence
-from .sequence import ParallelLayerNorm, SequenceParallelLayerNorm, ShardedDropout
+from .rotary import RotaryEmbedding
+from .sequence import ParallelLayerNorm, ParallelRMSNorm, SequenceParallelLayerNorm, ShardedDropout
 
 __all__ = ["GPT", "STYLES", "AllGatherSequence", "Block", "ColumnParallelLinear", "CopyToTP", "GPTConfig", "GPTStage",
-           "HeadRow", "Layout", "ParallelLayerNorm", "ParallelMLP", "ParallelSelfAttention", "PipelinedGPT", "Plan",
-           "QKVColumn", "RankPlan", "ReduceFromTP", "ReduceScatterSequence", "ReplicatedLinear", "RowParallelLinear",
-           "Segmentwise", "SegmentwiseActivation", "SequenceParallelLayerNorm", "ShardedDropout", "Suggestions",
-           "VocabParallelEmbedding", "nearest_fits", "parallelize", "parallelize_hf", "plan", "plan_rank", "suggest"]
+           "HeadRow", "Layout", "ParallelLayerNorm", "ParallelMLP", "ParallelRMSNorm", "ParallelSelfAttention",
+           "PipelinedGPT", "Plan", "QKVColumn", "RankPlan", "ReduceFromTP", "ReduceScatterSequence", "ReplicatedLinear",
+           "RotaryEmbedding", "RowParallelLinear", "Segmentwise", "SegmentwiseActivation", "SequenceParallelLayerNorm",
+           "ShardedDropout", "Suggestions", "VocabParallelEmbedding", "nearest_fits", "parallelize", "parallelize_hf",
+           "plan", "plan_rank", "suggest"]

@@ -57,6 +57,7 @@ from .heads import head_layout
 from .kv_cache import LayerCache
 from .linear import ColumnParallelLinear, RowParallelLinear, check_activation
 from .regions import CopyToTP
+from .rotary import RotaryEmbedding, rotate
 from .sequence import ShardedDropout, tp_stream
 
 
@@ -68,7 +69,8 @@ class ParallelSelfAttention(nn.Module):
     ``(C, C)``. ``dropout`` applies to the attention probabilities (a different
     mask on each rank: the heads differ, drawn from the mesh's tp stream; in a
     ``torch.compile`` graph, this rank's heads of one draw for all heads) and to
-    the output (the same mask on every rank: the output is replicated).
+    the output (the same mask on every rank: the output is replicated). ``rotary`` (a
+    :class:`~layers.rotary.RotaryEmbedding`) rotates the query and key heads by their positions (RoPE).
 
     Example::
 
@@ -78,8 +80,9 @@ class ParallelSelfAttention(nn.Module):
     """
 
     def __init__(self, n_embd: int, n_head: int, *, n_kv_head: int | None = None, bias: bool = True,
-                 dropout: float = 0.0, sequence_parallel: bool = False, group: ProcessGroup | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+                 dropout: float = 0.0, sequence_parallel: bool = False, rotary: RotaryEmbedding | None = None,
+                 group: ProcessGroup | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         n_kv_head = n_head if n_kv_head is None else n_kv_head
         for name, value in (("n_embd", n_embd), ("n_head", n_head), ("n_kv_head", n_kv_head)):
@@ -119,6 +122,7 @@ class ParallelSelfAttention(nn.Module):
         self.c_proj = skip_init(RowParallelLinear, n_embd, n_embd, bias, unit=q_unit,
                                 sequence_parallel=sequence_parallel, **factory)
         self.resid_dropout = ShardedDropout(dropout, group=group) if sequence_parallel else nn.Dropout(dropout)
+        self.rotary = rotary  # rotates this rank's query and key heads by position (RoPE), or None
         # (q, k, v, p) -> (B, h, T, d): the default (SDPA on this rank's heads), or the bitwise mode's (chosen once)
         self.attend = numerics.attention(self._attention, self)
         self.reset_parameters()
@@ -143,6 +147,9 @@ class ParallelSelfAttention(nn.Module):
         d, h, hk = self.head_dim, self.local_heads, self.held_kv_heads
         q, k, v = (t.unflatten(-1, (-1, d)).transpose(1, 2) for t in qkv.split([h * d, hk * d, hk * d], -1))  # views
         p = self.dropout if self.training else 0.0
+        if self.rotary is not None:  # at 0..T-1, or at the cache's positions (B, T); keys cached rotated
+            angles = self.rotary(q.shape[2], None if cache is None else cache.cache.positions)
+            q, k = rotate(q, angles), rotate(k, angles)
         if cache is None:
             y = self.attend(q, k, v, p)  # (B, h, T, d)
         else:  # every token of the rows so far: (B, held KV heads, L, d), the queries at positions (B, T)

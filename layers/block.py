@@ -23,12 +23,13 @@ from .config import GPTConfig
 from .kv_cache import KVCache, LayerCache
 from .linear import check_activation
 from .mlp import ParallelMLP
+from .rotary import RotaryEmbedding
 from .sequence import layer_norm
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``. ``(B, T, C)``,
-    or with ``config.sequence_parallel`` this rank's tokens ``(B, T_r, C)`` of ``seq_len`` (found with
+    """Pre-norm transformer block (LayerNorm or RMSNorm): ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``.
+    ``(B, T, C)``, or with ``config.sequence_parallel`` this rank's tokens ``(B, T_r, C)`` of ``seq_len`` (found with
     one small collective when not given)."""
 
     def __init__(self, config: GPTConfig, *, group: ProcessGroup | None = None,
@@ -37,11 +38,13 @@ class Block(nn.Module):
         c = config
         self.tp_group, self.sequence_parallel = tensorpar.tp_group(group), c.sequence_parallel
         norm = functools.partial(layer_norm, c.n_embd, bias=c.bias, sequence_parallel=c.sequence_parallel,
-                                 group=group, device=device, dtype=dtype)
+                                 group=group, device=device, dtype=dtype, kind=c.norm, eps=c.norm_eps)
         common = dict(bias=c.bias, dropout=c.dropout, sequence_parallel=c.sequence_parallel, group=group,
                       device=device, dtype=dtype)
         self.ln_1 = norm()
-        self.attn = ParallelSelfAttention(c.n_embd, c.n_head, n_kv_head=c.kv_heads, **common)
+        rotary = RotaryEmbedding(c.n_embd // c.n_head, c.block_size, c.rope_theta, device=device, dtype=dtype) \
+            if c.positions == "rope" else None
+        self.attn = ParallelSelfAttention(c.n_embd, c.n_head, n_kv_head=c.kv_heads, rotary=rotary, **common)
         self.ln_2 = norm()
         self.mlp = ParallelMLP(c.n_embd, c.mlp_hidden, activation=c.mlp, **common)
 

@@ -4,8 +4,9 @@ Each rank holds ``1/tp`` of every weight matrix and embedding table:
 
 * token and position embeddings are vocab-parallel (rows split); their partial
   lookups are summed and reduced once (``transformer.reduce``, Megatron's ``g``):
-  one all-reduce of ``(B, T, C)``;
-* each block is pre-LayerNorm attention + MLP with residuals; attention and
+  one all-reduce of ``(B, T, C)`` (with ``positions="rope"`` there is no position
+  table: each rank rotates its own query and key heads, :mod:`layers.rotary`);
+* each block is pre-norm (LayerNorm, or RMSNorm) attention + MLP with residuals; attention and
   MLP each cost one all-reduce of ``(B, T, C)`` forward and one backward;
 * the LM head is tied to the token embedding, so it is column-parallel over
   the vocabulary: logits come out vocab-sharded, ``(B, T, V / tp)``. The loss
@@ -18,6 +19,7 @@ split, so a rank holds little more than ``1/tp`` of the parameters.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -29,7 +31,7 @@ from torch.distributed import ProcessGroup
 import tensorpar
 from tensorpar.checks import check_int
 
-from . import generation, hf
+from . import generation, hf, hf_llama
 from .block import Block, run_blocks
 from .config import GPTConfig
 from .embedding import VocabParallelEmbedding
@@ -42,13 +44,16 @@ from .sequence import ShardedDropout, layer_norm
 def embed(parts: nn.ModuleDict, config: GPTConfig, idx: torch.Tensor,
           positions: torch.Tensor | None = None) -> torch.Tensor:
     """Token ids ``(B, T)`` at ``positions`` (B, T) (default ``0..T-1``) -> the first block's input through
-    ``parts`` (``wte``, ``wpe``, ``reduce``, ``drop``): ``(B, T, C)``, replicated, or with sequence
-    parallelism this rank's tokens ``(B, T_r, C)``."""
+    ``parts`` (``wte``, ``wpe`` for learned positions, ``reduce``, ``drop``): ``(B, T, C)``, replicated, or
+    with sequence parallelism this rank's tokens ``(B, T_r, C)``. With rotary positions there is no ``wpe``:
+    the attention rotates its heads by position instead."""
     t = idx.shape[1]
     if t > config.block_size:
         raise ValueError(f"sequence length ({t}) is longer than block_size ({config.block_size})")
-    pos = torch.arange(t, device=idx.device) if positions is None else positions  # (T,) or (B, T)
-    x = parts.reduce(parts.wte(idx) + parts.wpe(pos))  # (B, T, C) or (B, T_r, C)
+    x = parts.wte(idx)  # (B, T, C): this rank's rows of the table, the others' zero
+    if "wpe" in parts:
+        x = x + parts.wpe(torch.arange(t, device=idx.device) if positions is None else positions)  # (T,) or (B, T)
+    x = parts.reduce(x)  # (B, T, C) or (B, T_r, C)
     return parts.drop(x, t) if config.sequence_parallel else parts.drop(x)
 
 
@@ -107,20 +112,24 @@ class GPT(nn.Module):
         self.tp_group = group = tensorpar.tp_group(group)
         self.numerics = tensorpar.current_bitwise()  # its bitwise mode (None: off): its loss and norm follow
         _, tp = tensorpar.group_rank_size(group)
-        for name in ("vocab_size", "block_size"):  # both tables are split by rows
+        learned = c.positions == "learned"
+        for name in ("vocab_size", "block_size") if learned else ("vocab_size",):  # the tables are split by rows
             tensorpar.partition_sizes(getattr(c, name), tp, name=name)
         factory: dict[str, Any] = dict(device=device, dtype=dtype)
         sp = c.sequence_parallel  # the embeddings' sum reduce-scattered into this rank's tokens, gathered for the head
         # The layers initialise themselves, then reset_parameters draws every weight again: only its draws
         # count, so a model takes one draw per weight however it is built (a pipeline stage builds a few).
         with torch.random.fork_rng(devices=[]):
+            table = functools.partial(VocabParallelEmbedding, embedding_dim=c.n_embd, reduce_output=False,
+                                      group=group, **factory)  # (rows,) -> a vocab-parallel table
             self.transformer = nn.ModuleDict(dict(
-                wte=VocabParallelEmbedding(c.vocab_size, c.n_embd, reduce_output=False, group=group, **factory),
-                wpe=VocabParallelEmbedding(c.block_size, c.n_embd, reduce_output=False, group=group, **factory),
+                wte=table(c.vocab_size),
+                **(dict(wpe=table(c.block_size)) if learned else {}),  # rotary positions: none
                 reduce=ReduceScatterSequence(group=group) if sp else ReduceFromTP(group=group),  # g (ḡ): both lookups
                 drop=ShardedDropout(c.dropout, group=group) if sp else nn.Dropout(c.dropout),
                 h=nn.ModuleList([Block(c, group=group, **factory) for _ in range(c.n_layer)]),
-                ln_f=layer_norm(c.n_embd, bias=c.bias, sequence_parallel=sp, group=group, **factory),
+                ln_f=layer_norm(c.n_embd, bias=c.bias, sequence_parallel=sp, group=group, kind=c.norm, eps=c.norm_eps,
+                                **factory),
             ))
             self.lm_head = ColumnParallelLinear(c.n_embd, c.vocab_size, bias=False, sequence_parallel=sp, group=group,
                                                 **factory)
@@ -249,7 +258,8 @@ class GPT(nn.Module):
 
     @classmethod
     def from_hf(cls, model: nn.Module, *, group: ProcessGroup | None = None) -> GPT:
-        """A sharded GPT with the weights of a Hugging Face ``GPT2LMHeadModel`` (extra ``hf``),
+        """A sharded GPT with the weights of a Hugging Face ``GPT2LMHeadModel``, or of a ``LlamaForCausalLM``
+        with tied embeddings (a GPT with ``norm="rmsnorm", positions="rope", mlp="swiglu"``; extra ``hf``),
         on its device and in its dtype. Every rank must hold the same model.
 
         Example::
@@ -257,11 +267,15 @@ class GPT(nn.Module):
             hf = GPT2LMHeadModel.from_pretrained("path/to/gpt2")
             gpt = GPT.from_hf(hf)   # 1/tp of its weights on each rank
         """
-        config = GPTConfig(**hf.gpt_config(getattr(model, "config", None)))
+        hf_config = getattr(model, "config", None)
+        llama = getattr(hf_config, "model_type", None) == "llama"
+        config = GPTConfig(**(hf_llama.gpt_config(hf_config) if llama else hf.gpt_config(hf_config)))
         if not hasattr(model, "lm_head"):
-            raise TypeError(f"from_hf expects a GPT2LMHeadModel (with its LM head), got {type(model).__name__}")
+            raise TypeError(f"from_hf expects a GPT2LMHeadModel or LlamaForCausalLM (with its LM head), got "
+                            f"{type(model).__name__}")
         weight = model.get_input_embeddings().weight
         gpt = cls(config, device="meta", dtype=weight.dtype, group=group)
         gpt.to_empty(device=weight.device)
-        gpt.load_full_state_dict(hf.gpt_state_dict(model.state_dict()))
+        state = model.state_dict()
+        gpt.load_full_state_dict(hf_llama.gpt_state_dict(state, config.n_layer) if llama else hf.gpt_state_dict(state))
         return gpt.train(model.training)

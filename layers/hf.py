@@ -1,14 +1,17 @@
-"""Hugging Face GPT-2 in our GPT's terms, both ways (reading needs the optional extra ``hf``).
+"""Hugging Face GPT-2 in our GPT's terms, both ways (reading needs the optional extra ``hf``), and the
+export to Hugging Face directories: GPT-2's, or Llama's (:mod:`layers.hf_llama` maps Llama's keys).
 
 Reading: this module maps configs and keys; :meth:`layers.gpt.GPT.from_hf` builds
 the model from them. Writing: :func:`export_gpt2` saves a GPT as a GPT-2 directory
 (``config.json`` and ``model.safetensors``) that ``GPT2LMHeadModel.from_pretrained``
-loads. ``transformers`` is never imported here: a model is read through its config
-and state dict, and written as plain files. ``model.safetensors`` is written by the
-``safetensors`` package (the extra ``hf``) and renamed into place when whole. GPT-2 stores its projections as
-``Conv1D`` with weights of shape ``(in, out)`` (transposed against ``nn.Linear``):
-the weights are transposed on the way in and out, and nothing else changes (Q, K and
-V are one ``c_attn`` in both, columns ``[Q | K | V]`` there, rows here).
+loads; :func:`export_llama` a GPT with Llama's options as a ``LlamaForCausalLM`` directory;
+:func:`export_hf` picks the one the GPT's options make it. ``transformers`` is never imported
+here: a model is read through its config and state dict, and written as plain files.
+``model.safetensors`` is written by the ``safetensors`` package (the extra ``hf``) and renamed
+into place when whole. GPT-2 stores its projections as ``Conv1D`` with weights of shape
+``(in, out)`` (transposed against ``nn.Linear``): the weights are transposed on the way in and
+out, and nothing else changes (Q, K and V are one ``c_attn`` in both, columns ``[Q | K | V]``
+there, rows here).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,8 @@ import torch.distributed as dist
 from torch import nn
 
 from tensorpar.world import collective_device
+
+from . import hf_llama
 
 _TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -38,7 +43,6 @@ def _check_supported(hf: Any) -> None:
     differences = {
         "activation_function": (hf.activation_function, ("gelu_new", "gelu_pytorch_tanh")),
         "n_inner": (hf.n_inner, (None, 4 * hf.n_embd)),
-        "layer_norm_epsilon": (hf.layer_norm_epsilon, (1e-5,)),
         "scale_attn_weights": (hf.scale_attn_weights, (True,)),
         "scale_attn_by_inverse_layer_idx": (hf.scale_attn_by_inverse_layer_idx, (False,)),
         "tie_word_embeddings": (getattr(hf, "tie_word_embeddings", True), (True,)),
@@ -54,7 +58,7 @@ def gpt_config(hf: Any) -> dict[str, Any]:
     """The ``GPTConfig`` fields of a Hugging Face ``GPT2Config``; raises for settings our GPT lacks."""
     _check_supported(hf)
     return dict(block_size=hf.n_positions, vocab_size=hf.vocab_size, n_layer=hf.n_layer, n_head=hf.n_head,
-                n_embd=hf.n_embd, dropout=hf.resid_pdrop, bias=True)
+                n_embd=hf.n_embd, dropout=hf.resid_pdrop, bias=True, norm_eps=float(hf.layer_norm_epsilon))
 
 
 def gpt_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -88,7 +92,8 @@ def check_exportable(config: Any) -> None:
     Fields this module does not know must keep their default.
     """
     required = {"mlp": ("gelu",), "n_kv_head": (None, config.n_head)}
-    known = {"block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dropout", "bias", *required, *_RUNTIME_ONLY}
+    known = {"block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dropout", "bias", "norm_eps", *required,
+             *_RUNTIME_ONLY}
     wrong = [f"{name}={getattr(config, name)!r} (GPT-2 needs {' or '.join(map(repr, ok))})"
              for name, ok in required.items() if getattr(config, name) not in ok]
     wrong += [f"{f.name}={getattr(config, f.name)!r} (GPT-2 has no such setting; keep {f.default!r})"
@@ -106,7 +111,7 @@ def gpt2_config(config: Any, dtype: torch.dtype, *, eos_token_id: int | None = N
             "n_positions": config.block_size, "n_embd": config.n_embd, "n_layer": config.n_layer,
             "n_head": config.n_head, "n_inner": None, "activation_function": "gelu_new",
             "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout,
-            "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "scale_attn_weights": True,
+            "layer_norm_epsilon": config.norm_eps, "initializer_range": 0.02, "scale_attn_weights": True,
             "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
             "tie_word_embeddings": True, "bos_token_id": eos_token_id, "eos_token_id": eos_token_id,
             "dtype": name, "torch_dtype": name}  # the second for transformers 4.x
@@ -149,17 +154,53 @@ def export_gpt2(model: nn.Module, directory: str | os.PathLike[str], *,
         gpt = GPT(GPTConfig(vocab_size=50257, n_layer=12, n_head=12, n_embd=768, block_size=1024))
         export_gpt2(gpt, "out/gpt2")        # then GPT2LMHeadModel.from_pretrained("out/gpt2")
     """
+    return _export("export_gpt2", model, directory, eos_token_id,
+                   lambda config, dtype: gpt2_config(config, dtype, eos_token_id=eos_token_id),
+                   lambda state, config: gpt2_state_dict(state))
+
+
+def export_llama(model: nn.Module, directory: str | os.PathLike[str], *,
+                 eos_token_id: int | None = None) -> Path:
+    """Save a sharded :class:`~layers.GPT` built with Llama's options (``norm="rmsnorm",
+    positions="rope", mlp="swiglu"``, any ``n_kv_head``) as a Hugging Face Llama directory that
+    ``LlamaForCausalLM.from_pretrained(directory)`` loads with the same logits (:mod:`layers.hf_llama`
+    maps the keys). A collective, written by global rank 0, as :func:`export_gpt2`; a configuration
+    Llama cannot express raises ``ValueError`` naming the field, on every rank, before any collective.
+
+    Example::
+
+        gpt = GPT(GPTConfig(n_kv_head=4, mlp="swiglu", norm="rmsnorm", positions="rope", bias=False))
+        export_llama(gpt, "out/llama")      # then LlamaForCausalLM.from_pretrained("out/llama")
+    """
+    return _export("export_llama", model, directory, eos_token_id,
+                   lambda config, dtype: hf_llama.llama_config(config, dtype, eos_token_id=eos_token_id),
+                   hf_llama.llama_state_dict)
+
+
+def export_hf(model: nn.Module, directory: str | os.PathLike[str], *, eos_token_id: int | None = None) -> Path:
+    """Save a sharded :class:`~layers.GPT` as the Hugging Face model its options make it: GPT-2
+    (LayerNorm and learned positions: :func:`export_gpt2`) or else Llama (:func:`export_llama`)."""
+    config = getattr(model, "config", None)
+    gpt2 = getattr(config, "norm", None) == "layernorm" and getattr(config, "positions", None) == "learned"
+    return (export_gpt2 if gpt2 else export_llama)(model, directory, eos_token_id=eos_token_id)
+
+
+def _export(name: str, model: nn.Module, directory: str | os.PathLike[str], eos_token_id: int | None,
+            config_json: Callable[[Any, torch.dtype], dict[str, Any]],
+            tensors: Callable[[Mapping[str, torch.Tensor], Any], dict[str, torch.Tensor]]) -> Path:
+    """Check ``model`` (on every rank, before any collective), gather its full state dict and, on
+    global rank 0, write ``config_json(config, dtype)`` and ``tensors(state, config)``."""
     config = getattr(model, "config", None)
     if not callable(getattr(model, "full_state_dict", None)) or not hasattr(config, "n_kv_head"):
-        raise TypeError(f"export_gpt2 expects a layers.GPT, got {type(model).__name__}")
+        raise TypeError(f"{name} expects a layers.GPT, got {type(model).__name__}")
     if eos_token_id is not None and not (isinstance(eos_token_id, int) and 0 <= eos_token_id < config.vocab_size):
         raise ValueError(f"eos_token_id must be a token id in [0, {config.vocab_size}), got {eos_token_id!r}")
     dtype = model.transformer.wte.weight.dtype
     if dtype not in _EXPORTED_DTYPES:
-        raise TypeError(f"export_gpt2 writes {', '.join(map(str, _EXPORTED_DTYPES))} weights, not {dtype}")
-    files = gpt2_config(config, dtype, eos_token_id=eos_token_id)  # raises before any collective
+        raise TypeError(f"{name} writes {', '.join(map(str, _EXPORTED_DTYPES))} weights, not {dtype}")
+    files = config_json(config, dtype)  # raises before any collective
     if importlib.util.find_spec("safetensors") is None:  # alike on every rank
-        raise ImportError("export_gpt2 writes model.safetensors with the safetensors package: "
+        raise ImportError(f"{name} writes model.safetensors with the safetensors package: "
                           "pip install 'tensorpar[hf]'")
     state = model.full_state_dict()  # a collective over each tp group
     path = Path(directory)
@@ -169,8 +210,8 @@ def export_gpt2(model: nn.Module, directory: str | os.PathLike[str], *,
             from safetensors.torch import save_file
 
             path.mkdir(parents=True, exist_ok=True)
-            tensors = {k: v.contiguous() for k, v in gpt2_state_dict(state).items()}
-            save_file(tensors, str(path / "model.safetensors.partial"), metadata={"format": "pt"})
+            written = {k: v.contiguous() for k, v in tensors(state, config).items()}
+            save_file(written, str(path / "model.safetensors.partial"), metadata={"format": "pt"})
             os.replace(path / "model.safetensors.partial", path / "model.safetensors")
             partial = path / "config.json.partial"
             partial.write_text(json.dumps(files, indent=2) + "\n")
@@ -183,5 +224,5 @@ def export_gpt2(model: nn.Module, directory: str | os.PathLike[str], *,
     if failure is not None:
         raise failure
     if not ok.item():
-        raise RuntimeError(f"export_gpt2: rank 0 could not write {path}")
+        raise RuntimeError(f"{name}: rank 0 could not write {path}")
     return path

@@ -119,13 +119,16 @@ def segmentwise(activation: nn.Module, features: int, group: ProcessGroup) -> nn
     return chosen(activation, lambda: SegmentwiseActivation(activation, features, group=group))
 
 
-def layer_norm(default: T, norm: nn.LayerNorm, group: ProcessGroup, *, sequence_parallel: bool
+def layer_norm(default: T, norm: nn.LayerNorm | nn.RMSNorm, group: ProcessGroup, *, sequence_parallel: bool
                ) -> T | TokenwiseNorm:
-    """A LayerNorm's computation ``(x, weight, bias, seq_len)``: ``default``, or its weight and bias
-    gradients added over the tokens by segments of the sequence."""
+    """A LayerNorm's or RMSNorm's computation ``(x, weight, bias, seq_len)``: ``default``, or its weight and
+    bias gradients added over the tokens by segments of the sequence."""
     mode = tensorpar.current_bitwise()
-    return default if mode is None else TokenwiseNorm(norm.normalized_shape, norm.eps, group, sequence_parallel,
-                                                      mode.tp_sizes)
+    if mode is None:
+        return default
+    rms = isinstance(norm, nn.RMSNorm)
+    eps = norm.eps if norm.eps is not None else torch.finfo(torch.get_default_dtype()).eps
+    return TokenwiseNorm(norm.normalized_shape, eps, group, sequence_parallel, mode.tp_sizes, rms=rms)
 
 
 def attention(default: T, attn: Any) -> T | HeadByHead:

@@ -40,6 +40,7 @@ from .gpt import GPT, embed, initialise_
 
 HEAD = "lm_head.weight"
 EMBEDDING = "transformer.wte.weight"
+EMBEDDING_PARTS = ("wte", "wpe", "reduce", "drop")  # the first stage's; no wpe with rotary positions
 
 
 class GPTStage(nn.Module):
@@ -108,7 +109,7 @@ class PipelinedGPT(nn.Module):
         ours = [i for s in self.stage_ids for i in split[s]]
         first, last = 0 in self.stage_ids, n_stages - 1 in self.stage_ids
         t = full.transformer
-        parts: dict[str, nn.Module] = {k: t[k] for k in ("wte", "wpe", "reduce", "drop")} if first else {}
+        parts: dict[str, nn.Module] = {k: t[k] for k in EMBEDDING_PARTS if k in t} if first else {}
         parts["h"] = nn.ModuleDict({str(i): t.h[i] for i in ours})
         if last:
             parts["ln_f"] = t.ln_f
@@ -131,7 +132,7 @@ class PipelinedGPT(nn.Module):
         self._embedding_group = _embedding_group(mesh) if mesh.pp > 2 else mesh.pp_group if mesh.pp > 1 else None
         self._tied_pending, self.average_over_dp = False, True
         self.stages = [GPTStage(config, s, n_stages, [self.transformer.h[str(i)] for i in split[s]],
-                                embedding=nn.ModuleDict({k: parts[k] for k in ("wte", "wpe", "reduce", "drop")})
+                                embedding=nn.ModuleDict({k: parts[k] for k in EMBEDDING_PARTS if k in parts})
                                 if s == 0 else None,
                                 ln_f=parts.get("ln_f") if s == n_stages - 1 else None,
                                 lm_head=self.lm_head if s == n_stages - 1 else None, group=mesh.tp_group)

@@ -89,7 +89,7 @@ def block_parameters(config: GPTConfig, tp: int, tp_rank: int, index: int) -> li
 
     def norm(name: str) -> None:
         found.append((f"{name}.weight", (c,)))
-        if b:
+        if b and config.norm == "layernorm":  # RMSNorm has no bias
             found.append((f"{name}.bias", (c,)))
 
     norm("ln_1")
@@ -117,13 +117,14 @@ def held_parameters(config: GPTConfig, *, tp: int = 1, tp_rank: int = 0, pp: int
     first, last = 0 in stages, n_stages - 1 in stages
     held: list[HeldParameter] = []
     if first:
-        held += [HeldParameter("transformer.wte.weight", (vocab, c)),
-                 HeldParameter("transformer.wpe.weight", (positions, c))]
+        held.append(HeldParameter("transformer.wte.weight", (vocab, c)))
+        if config.positions == "learned":  # rotary positions: no table
+            held.append(HeldParameter("transformer.wpe.weight", (positions, c)))
     for i in (i for s in stages for i in split[s]):
         held += block_parameters(config, tp, tp_rank, i)
     if last:
         held.append(HeldParameter("transformer.ln_f.weight", (c,)))
-        if config.bias:
+        if config.bias and config.norm == "layernorm":
             held.append(HeldParameter("transformer.ln_f.bias", (c,)))
         if not first:  # the head on another rank than the embedding: a copy of it
             held.append(HeldParameter("lm_head.weight", (vocab, c)))

@@ -7,7 +7,7 @@ With sequence parallelism (``GPTConfig(sequence_parallel=True)``, see
 * :class:`SequenceParallelLayerNorm` (a :class:`ParallelLayerNorm` over this
   rank's tokens): ``nn.LayerNorm`` whose weight and bias are replicated but
   whose gradients, each rank's over its own tokens, are summed over the tp
-  group in backward;
+  group in backward; :class:`ParallelRMSNorm` likewise for ``nn.RMSNorm``;
 * :class:`ShardedDropout`: ``nn.Dropout`` with a different mask on each rank
   (they hold different tokens), drawn from the mesh's tp stream as attention
   dropout is (Megatron's choice). The masks therefore differ from those of
@@ -81,6 +81,39 @@ class ParallelLayerNorm(nn.LayerNorm):
         return super().extra_repr() + (", sequence_parallel=True" if self.sequence_parallel else "")
 
 
+class ParallelRMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` in a tensor-parallel model (Llama's norm: a scale, no bias), as
+    :class:`ParallelLayerNorm`: with ``sequence_parallel=True`` over this rank's tokens, its weight's
+    gradient summed over the tp group; in bitwise mode added by canonical segments of the sequence.
+
+    Example::
+
+        norm = ParallelRMSNorm(768, eps=1e-6, sequence_parallel=True)
+        y = norm(x)          # x, y: (B, T_r, 768); norm.weight.grad: every token's, on every rank
+    """
+
+    def __init__(self, normalized_shape: int | list[int] | torch.Size, eps: float = 1e-6,
+                 elementwise_affine: bool = True, *, sequence_parallel: bool = False,
+                 group: ProcessGroup | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__(normalized_shape, eps, elementwise_affine, device=device, dtype=dtype)
+        self.tp_group = tensorpar.tp_group(group)
+        self.sequence_parallel = sequence_parallel
+        self.norm = numerics.layer_norm(self._norm, self, self.tp_group, sequence_parallel=sequence_parallel)
+
+    def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+        return self.norm(x, self.weight, None, seq_len)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor | None, bias: None = None,
+              seq_len: int | None = None) -> torch.Tensor:
+        if self.sequence_parallel:  # every token's gradient, summed over the group
+            weight = summed_gradients([weight], self.tp_group)[0]
+        return F.rms_norm(x, self.normalized_shape, weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", sequence_parallel=True" if self.sequence_parallel else "")
+
+
 class SequenceParallelLayerNorm(ParallelLayerNorm):
     """:class:`ParallelLayerNorm` over this rank's tokens (``sequence_parallel=True``).
 
@@ -101,14 +134,21 @@ class SequenceParallelLayerNorm(ParallelLayerNorm):
 
 
 def layer_norm(n_embd: int, *, bias: bool, sequence_parallel: bool, group: ProcessGroup | None,
-               device: torch.device | str | None, dtype: torch.dtype | None) -> nn.LayerNorm:
-    """A block's or the GPT's LayerNorm: ``nn.LayerNorm``, or where the tokens its gradients add are
-    split (sequence parallelism) or added by segments (bitwise mode), a :class:`ParallelLayerNorm`."""
+               device: torch.device | str | None, dtype: torch.dtype | None, kind: str = "layernorm",
+               eps: float = 1e-5) -> nn.LayerNorm | nn.RMSNorm:
+    """A block's or the GPT's norm (``kind``: ``"layernorm"`` or ``"rmsnorm"``, which has no bias):
+    ``nn.LayerNorm`` / ``nn.RMSNorm``, or where the tokens its gradients add are split (sequence
+    parallelism) or added by segments (bitwise mode), a :class:`ParallelLayerNorm` / :class:`ParallelRMSNorm`."""
+    if kind == "rmsnorm":
+        if sequence_parallel or tensorpar.current_bitwise() is not None:
+            return ParallelRMSNorm(n_embd, eps, sequence_parallel=sequence_parallel, group=group, device=device,
+                                   dtype=dtype)
+        return nn.RMSNorm(n_embd, eps, device=device, dtype=dtype)
     if sequence_parallel:
-        return SequenceParallelLayerNorm(n_embd, bias=bias, group=group, device=device, dtype=dtype)
+        return SequenceParallelLayerNorm(n_embd, eps, bias=bias, group=group, device=device, dtype=dtype)
     cls = numerics.chosen(nn.LayerNorm, lambda: functools.partial(ParallelLayerNorm, sequence_parallel=False,
                                                                   group=group))
-    return cls(n_embd, bias=bias, device=device, dtype=dtype)
+    return cls(n_embd, eps, bias=bias, device=device, dtype=dtype)
 
 
 class ShardedDropout(nn.Dropout):

@@ -21,16 +21,20 @@ def note_errors(dtype, errors):
 @st.composite
 def gpt_configs(draw, tp, *, max_layer=3):
     """Configs valid at ``tp``: head counts that do not divide by it, KV heads fewer than it,
-    odd vocabulary sizes, either MLP."""
+    odd vocabulary sizes, either MLP, either norm, learned or rotary positions."""
     n_head = draw(st.integers(tp, 6))
     n_kv_head = draw(st.sampled_from([d for d in range(1, n_head + 1) if n_head % d == 0]))
     # n_embd >= 3: LayerNorm over 2 features outputs (±1, ∓1) whatever its input, so every gradient
     # beneath it is zero in exact arithmetic and round-off alone in practice.
-    head_dim = draw(st.integers(-(-3 // n_head), 4))
+    # Rotary positions turn pairs of features: an even head_dim.
+    positions = draw(st.sampled_from(["learned", "rope"]))
+    dims = range(-(-3 // n_head), 5)
+    head_dim = draw(st.sampled_from([d for d in dims if d % 2 == 0] if positions == "rope" else list(dims)))
     return dict(
         n_layer=draw(st.integers(1, max_layer)), n_head=n_head, n_kv_head=n_kv_head, n_embd=n_head * head_dim,
         vocab_size=draw(st.integers(tp, 67)), block_size=draw(st.integers(max(tp, 2), 12)),
         bias=draw(st.booleans()), mlp=draw(st.sampled_from(["gelu", "swiglu"])),
+        norm=draw(st.sampled_from(["layernorm", "rmsnorm"])), positions=positions,
     )
 
 

@@ -13,6 +13,7 @@ import reference_gpt as ref
 import tensorpar
 from gpt_cases import gpt_configs
 from layers import Block, ColumnParallelLinear, CopyToTP, GPTConfig, ParallelMLP, ParallelSelfAttention
+from layers.rotary import RotaryEmbedding
 from tensorpar.testing import TOLERANCES, assert_all_close, assert_sharded_equivalent, count_collectives
 from tensorpar.testing.strategies import dtypes, tp_sizes
 
@@ -21,7 +22,10 @@ def sharded_twin(kind, cfg, dtype):
     c = GPTConfig(**cfg)
     if kind == "attention":
         dense = ref.CausalSelfAttention(ref.RefConfig(**cfg))
-        sharded = ParallelSelfAttention(c.n_embd, c.n_head, n_kv_head=c.kv_heads, bias=c.bias, dtype=dtype)
+        rotary = RotaryEmbedding(c.n_embd // c.n_head, c.block_size, c.rope_theta, dtype=dtype) \
+            if c.positions == "rope" else None
+        sharded = ParallelSelfAttention(c.n_embd, c.n_head, n_kv_head=c.kv_heads, bias=c.bias, rotary=rotary,
+                                        dtype=dtype)
     elif kind == "mlp":
         dense = ref.MLP(ref.RefConfig(**cfg))
         sharded = ParallelMLP(c.n_embd, c.mlp_hidden, activation=c.mlp, bias=c.bias, dtype=dtype)
@@ -34,6 +38,7 @@ def sharded_twin(kind, cfg, dtype):
 
 
 def check_module(kind, cfg, b, t, dtype, seed):
+    cfg = cfg | {"block_size": max(cfg["block_size"], t)}  # rotary positions: a table for t tokens
     torch.manual_seed(seed)
     sharded, dense = sharded_twin(kind, cfg, dtype)
     x = torch.randn(b, t, cfg["n_embd"], dtype=dtype)
@@ -45,7 +50,8 @@ def check_module(kind, cfg, b, t, dtype, seed):
 def test_modules_match_their_plain_twins(worlds, tp, kind, dtype, data):
     cfg = data.draw(gpt_configs(tp, max_layer=1))
     if dtype == torch.bfloat16:  # enough elements for a norm-wise bf16 bound to mean something (see test_linear)
-        cfg |= dict(n_embd=cfg["n_head"] * data.draw(st.integers(-(-16 // cfg["n_head"]), 16)))
+        head_dim = data.draw(st.integers(-(-16 // cfg["n_head"]), 16))
+        cfg |= dict(n_embd=cfg["n_head"] * (head_dim + head_dim % 2 if cfg["positions"] == "rope" else head_dim))
         b, t = data.draw(st.integers(2, 3)), data.draw(st.integers(8, 12))
     else:
         b, t = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 12))

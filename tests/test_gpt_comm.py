@@ -47,7 +47,8 @@ def expected_counts(cfg, b, t, tp, sequence_parallel=False):
         return Counter(), Counter()
     f32, act, tokens = torch.float32, b * t * cfg["n_embd"], b * t
     padded = b * tp * max(tensorpar.sequence_sizes(t, tp)) * cfg["n_embd"]  # an activation's shards as they travel
-    norm = ("backward", "all_reduce", f32, cfg["n_embd"] * (1 + cfg["bias"]))  # a LayerNorm's weight and bias
+    biased = cfg["bias"] and cfg["norm"] == "layernorm"  # an RMSNorm has a weight only
+    norm = ("backward", "all_reduce", f32, cfg["n_embd"] * (1 + biased))  # a norm's weight (and bias)
     if sequence_parallel:
         block = Counter({("forward", "all_gather", f32, padded): 2, ("forward", "reduce_scatter", f32, padded): 2,
                          ("backward", "reduce_scatter", f32, padded): 2, ("backward", "all_gather", f32, padded): 4,
@@ -59,7 +60,7 @@ def expected_counts(cfg, b, t, tp, sequence_parallel=False):
         block[("backward", "all_reduce", f32, kv * (cfg["n_embd"] + cfg["bias"]))] += 1
     whole = Counter({k: v * cfg["n_layer"] for k, v in block.items()})
     if sequence_parallel:
-        whole[("forward", "reduce_scatter", f32, padded)] += 1  # token + position embedding
+        whole[("forward", "reduce_scatter", f32, padded)] += 1  # token (+ position) embedding
         whole[("backward", "all_gather", f32, padded)] += 2  # its gradient; the LM head's input, again
         whole[("forward", "all_gather", f32, padded)] += 1  # LM head (f̄)
         whole[("backward", "reduce_scatter", f32, padded)] += 1

@@ -207,10 +207,12 @@ def save_gpt(out, config):
 
 def test_resume_compares_the_fields_of_the_checkpoints_model_config(worlds, capsys, tmp_path):
     """A resumed run must describe the checkpoint's model: every field of the config the checkpoint
-    holds that an option sets. Fields no option sets (grouped-query heads, the MLP kind) are not compared."""
+    holds that an option sets (the MLP kind included). Fields no option sets (grouped-query heads) are not
+    compared."""
     config = dict(vocab_size=256, block_size=16, n_layer=1, n_head=4, n_kv_head=2, n_embd=16, bias=False, mlp="swiglu")
     worlds[1].run(save_gpt, str(tmp_path), config)
-    same = [f"--out={tmp_path}", "--resume", "--tp=1", "--n-layer=1", "--n-head=4", "--n-embd=16", "--block-size=16"]
+    same = [f"--out={tmp_path}", "--resume", "--tp=1", "--n-layer=1", "--n-head=4", "--n-embd=16", "--block-size=16",
+            "--mlp=swiglu"]
     assert parse_args(same).resume == "must"
     assert refused(capsys, *same, "--n-layer=2", "--n-embd=32", "--bias") == (
         f"--resume: the checkpoint in {tmp_path} is of another model (--n-layer: checkpoint 1, now 2, --n-embd: "

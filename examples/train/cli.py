@@ -49,6 +49,11 @@ class TrainConfig:
     block_size: int = _opt(64, "model", "context length in tokens")
     dropout: float = _opt(0.0, "model", "dropout probability (attention, residual, embedding)")
     bias: bool = _opt(False, "model", "biases in linears and LayerNorms (nanoGPT's default: none)")
+    mlp: str = _opt("gelu", "model", "MLP: GELU (GPT-2) or SwiGLU (Llama)", choices=("gelu", "swiglu"))
+    norm: str = _opt("layernorm", "model", "norm: LayerNorm (GPT-2) or RMSNorm (Llama)",
+                     choices=("layernorm", "rmsnorm"))
+    positions: str = _opt("learned", "model", "positions: a learned table (GPT-2) or rotary embeddings (Llama)",
+                          choices=("learned", "rope"))
     vocab_size: int | None = _opt(None, "model", "vocabulary size; required with token data, at least 256 "
                                   "for bytes", shown="256 (bytes)")
     tp: int = _opt(2, "parallelism", "tensor-parallel ranks (one node)")
@@ -118,7 +123,8 @@ class TrainConfig:
                                      "for the MFU shown and logged and the plan's step-time bound",
                                      shown="known for H100, H200 and A100; otherwise no MFU", metavar="TFLOPS")
     export_hf: str | None = _opt(None, "checkpoints and output", "at the end, save the model as a Hugging Face "
-                                 "GPT-2 directory (GPT2LMHeadModel.from_pretrained loads it; needs --pp 1)",
+                                 "GPT-2 directory, or Llama's with --norm rmsnorm --positions rope --mlp swiglu "
+                                 "(from_pretrained loads it; needs --pp 1)",
                                  shown="none", metavar="DIR")
     export_only: bool = _opt(False, "checkpoints and output", "train nothing: load the newest checkpoint in --out "
                              "(at any --tp and --dp; the model options are the checkpoint's) and write it to "
@@ -218,7 +224,7 @@ class TrainConfig:
         if self.export_hf is not None and self.pp > 1:
             raise ValueError(f"--export-hf needs --pp 1 (each of the {self.pp} pipeline ranks holds part of the "
                              "model): train at --pp 1, or load the checkpoint into a GPT at --pp 1 and call "
-                             "export_gpt2")
+                             "export_hf")
         if self.json and not self.dry_run:
             raise ValueError("--json prints the plan of --dry-run: give --dry-run")
         if self.dry_run and self.suggest:

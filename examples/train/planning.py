@@ -30,7 +30,8 @@ def model_config(cfg: TrainConfig) -> GPTConfig:
     """The GPT the options describe."""
     assert cfg.vocab_size is not None  # resolve() fills it in
     return GPTConfig(vocab_size=cfg.vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                     n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
+                     n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias, mlp=cfg.mlp, norm=cfg.norm,
+                     positions=cfg.positions,
                      activation_checkpointing=cfg.activation_checkpointing, sequence_parallel=cfg.sequence_parallel)
 
 

@@ -1,4 +1,4 @@
-"""LayerNorm whose weight and bias gradients add the tokens by canonical segments (the bitwise mode).
+"""LayerNorm or RMSNorm whose weight and bias gradients add the tokens by canonical segments (bitwise mode).
 
 A LayerNorm's output and input gradient are computed row by row, the same whatever rows a rank
 holds. Its weight and bias gradients add every token's part, ``Σ_t dy_t · x̂_t`` and ``Σ_t dy_t``;
@@ -25,9 +25,15 @@ from .segments import PlacedTree, placed_tokens
 class _TokenwiseLayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                shape: list[int], eps: float, tokens: PlacedTree, group: ProcessGroup | None) -> torch.Tensor:
+                shape: list[int], eps: float, tokens: PlacedTree, group: ProcessGroup | None, rms: bool
+                ) -> torch.Tensor:
+        ctx.dims = tuple(range(-len(shape), 0))
         with torch.autocast(x.device.type, enabled=False):  # autocast leaves a LayerNorm's dtype alone
-            y, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
+            if rms:  # RMSNorm: x / sqrt(mean(x²) + eps) * weight, no mean saved
+                mean, rstd = None, torch.rsqrt(x.pow(2).mean(ctx.dims, keepdim=True) + eps)
+                y = x * rstd * weight if weight is not None else x * rstd
+            else:
+                y, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.shape, ctx.tokens, ctx.group = shape, tokens, group
         return y
@@ -38,28 +44,31 @@ class _TokenwiseLayerNorm(torch.autograd.Function):
         x, weight, bias, mean, rstd = ctx.saved_tensors
         needs = ctx.needs_input_grad
         grad_x = None
-        if needs[0]:  # row by row
+        normalized = x * rstd if mean is None else (x - mean) * rstd  # (..., T_r, C)
+        if needs[0] and mean is None:  # row by row: rstd (dy w - x̂ mean(dy w x̂))
+            dy = grad * weight if weight is not None else grad
+            grad_x = rstd * (dy - normalized * (dy * normalized).mean(ctx.dims, keepdim=True))
+        elif needs[0]:
             grad_x = torch.ops.aten.native_layer_norm_backward(grad, x, ctx.shape, mean, rstd, weight, bias,
                                                                [True, False, False])[0]
         grad_w = grad_b = None
         if weight is not None and needs[1]:
-            normalized = (x - mean) * rstd  # (..., T_r, C)
             grad_w = token_sum(grad * normalized, ctx.tokens, ctx.group).to(weight.dtype)
         if bias is not None and needs[2]:
             grad_b = token_sum(grad, ctx.tokens, ctx.group).to(bias.dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 class TokenwiseNorm:
-    """``F.layer_norm`` of ``shape`` and ``eps``, a callable ``(x, weight, bias, seq_len)`` of ``x``
-    ``(..., T_r, C)`` whose weight and bias gradients add the tokens by their canonical segments: this rank's
-    share of them with ``sequence_parallel`` (then summed over the group; ``seq_len`` names the full length,
-    else one small collective finds it), else every token."""
+    """``F.layer_norm`` (``F.rms_norm`` with ``rms``) of ``shape`` and ``eps``, a callable ``(x, weight, bias,
+    seq_len)`` of ``x`` ``(..., T_r, C)`` whose weight and bias gradients add the tokens by their canonical
+    segments: this rank's share of them with ``sequence_parallel`` (then summed over the group; ``seq_len``
+    names the full length, else one small collective finds it), else every token."""
 
     def __init__(self, shape: Sequence[int], eps: float, group: ProcessGroup, sequence_parallel: bool,
-                 tp_sizes: Sequence[int]) -> None:
+                 tp_sizes: Sequence[int], *, rms: bool = False) -> None:
         self.shape, self.eps, self.group, self.sequence_parallel = list(shape), eps, group, sequence_parallel
-        self.tp_sizes = tp_sizes
+        self.tp_sizes, self.rms = tp_sizes, rms
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                  seq_len: int | None = None) -> torch.Tensor:
@@ -69,4 +78,4 @@ class TokenwiseNorm:
         tokens = placed_tokens(x.shape[-2] if not self.sequence_parallel and x.dim() > 1 else seq_len or 1,
                                tp, rank, self.tp_sizes, split=self.sequence_parallel)
         return _TokenwiseLayerNorm.apply(x, weight, bias, self.shape, self.eps, tokens,
-                                         self.group if self.sequence_parallel else None)
+                                         self.group if self.sequence_parallel else None, self.rms)
