@@ -1,10 +1,7 @@
-"""Where a rank's tensor lies in the full tensor, stated to DCP as a :class:`Box`.
-
-DCP describes a ``DTensor``'s part by ``torch.chunk``'s rule; tensorpar's tp shards are balanced and,
-under FSDP2, chunked again over dp by torch's rule (full (10, 4) --tp=4--> rows [6, 8) --dp=2--> [6, 7)
-and [7, 8)); a fused projection's shard is several pieces of the full tensor, each a chunk of its own.
-The planners write and read plain local tensors by their boxes; DCP reshards between layouts.
-"""
+"""Where a rank's tensor lies in the full tensor, stated to DCP as a :class:`Box` (DCP describes a ``DTensor``'s
+part by ``torch.chunk``'s rule; tensorpar's tp shards are balanced and, under FSDP2, chunked again over dp by
+torch's rule; a fused projection's shard is several pieces of the full tensor). The planners write and read
+plain local tensors by their boxes; DCP reshards between layouts."""
 
 from __future__ import annotations
 
@@ -41,6 +38,9 @@ class Box:
     size: tuple[int, ...]
     dim: int = 0
     pieces: tuple[tuple[int, int, int, bool], ...] = ()
+
+    def chunk(self) -> ChunkStorageMetadata:
+        return ChunkStorageMetadata(offsets=torch.Size(self.offsets), sizes=torch.Size(self.sizes))
 
     def parts(self) -> list[tuple[int, Box, bool]]:
         """``(start along dim in the local tensor, single box, written)`` of each part of the local tensor."""
@@ -96,10 +96,6 @@ def _parts(name: str, tensor: torch.Tensor, box: Box, writing: bool) -> list[tup
              else tensor, part) for at, part, written in box.parts() if written or not writing]
 
 
-def _chunk(box: Box) -> ChunkStorageMetadata:
-    return ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes))
-
-
 class BoxSavePlanner(DefaultSavePlanner):
     """Writes each tensor of the flat state dict as the box ``boxes[name]`` of its full tensor."""
 
@@ -111,7 +107,7 @@ class BoxSavePlanner(DefaultSavePlanner):
         parts = [p for name, tensor in self.state_dict.items() for p in _parts(name, tensor, self.boxes[name], True)]
         self.views = {(index.fqn, tuple(index.offset or ())): view for index, view, _ in parts}
         self.plan = SavePlan([WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=TensorWriteData(
-            chunk=_chunk(box), size=torch.Size(box.size), properties=TensorProperties.create_from_tensor(view)))
+            chunk=box.chunk(), size=torch.Size(box.size), properties=TensorProperties.create_from_tensor(view)))
             for index, view, box in parts])
         return self.plan
 
@@ -136,7 +132,7 @@ class BoxLoadPlanner(DefaultLoadPlanner):
             parts, stored = _parts(name, tensor, self.boxes[name], False), self.metadata.state_dict_metadata[name]
             self.views |= {(index.fqn, tuple(index.offset or ())): view for index, view, _ in parts}
             assert isinstance(stored, TensorStorageMetadata)
-            items += create_read_items_for_chunk_list(name, stored, [_chunk(b) for _, _, b in parts]) if parts else []
+            items += create_read_items_for_chunk_list(name, stored, [b.chunk() for _, _, b in parts]) if parts else []
         return LoadPlan(items)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
