@@ -9,15 +9,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed import ProcessGroup
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ..full import is_dtensor
@@ -39,8 +34,8 @@ class Box:
     dim: int = 0
     pieces: tuple[tuple[int, int, int, bool], ...] = ()
 
-    def chunk(self) -> ChunkStorageMetadata:
-        return ChunkStorageMetadata(offsets=torch.Size(self.offsets), sizes=torch.Size(self.sizes))
+    def chunk(self) -> dcp.ChunkStorageMetadata:
+        return dcp.ChunkStorageMetadata(offsets=torch.Size(self.offsets), sizes=torch.Size(self.sizes))
 
     def parts(self) -> list[tuple[int, Box, bool]]:
         """``(start along dim in the local tensor, single box, written)`` of each part of the local tensor."""
@@ -96,17 +91,17 @@ def _parts(name: str, tensor: torch.Tensor, box: Box, writing: bool) -> list[tup
              else tensor, part) for at, part, written in box.parts() if written or not writing]
 
 
-class BoxSavePlanner(DefaultSavePlanner):
+class BoxSavePlanner(dcp.DefaultSavePlanner):
     """Writes each tensor of the flat state dict as the box ``boxes[name]`` of its full tensor."""
 
     def __init__(self, boxes: Mapping[str, Box]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.boxes, self.views = dict(boxes), dict[tuple[str, tuple[int, ...]], torch.Tensor]()
 
-    def create_local_plan(self) -> SavePlan:
+    def create_local_plan(self) -> dcp.SavePlan:
         parts = [p for name, tensor in self.state_dict.items() for p in _parts(name, tensor, self.boxes[name], True)]
         self.views = {(index.fqn, tuple(index.offset or ())): view for index, view, _ in parts}
-        self.plan = SavePlan([WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=TensorWriteData(
+        self.plan = dcp.SavePlan([dcp.WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=TensorWriteData(
             chunk=box.chunk(), size=torch.Size(box.size), properties=TensorProperties.create_from_tensor(view)))
             for index, view, box in parts])
         return self.plan
@@ -117,7 +112,7 @@ class BoxSavePlanner(DefaultSavePlanner):
             != view.numel() * view.element_size() else view  # torch.save writes a view's whole storage
 
 
-class BoxLoadPlanner(DefaultLoadPlanner):
+class BoxLoadPlanner(dcp.DefaultLoadPlanner):
     """Reads into each tensor of the flat state dict the box ``boxes[name]`` of its full tensor (whose
     size and dtype are checked before, against the checkpoint's metadata)."""
 
@@ -125,15 +120,15 @@ class BoxLoadPlanner(DefaultLoadPlanner):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.boxes, self.views = dict(boxes), dict[tuple[str, tuple[int, ...]], torch.Tensor]()
 
-    def create_local_plan(self) -> LoadPlan:
+    def create_local_plan(self) -> dcp.LoadPlan:
         assert self.metadata is not None
-        items: list[ReadItem] = []
+        items: list[dcp.ReadItem] = []
         for name, tensor in self.state_dict.items():
             parts, stored = _parts(name, tensor, self.boxes[name], False), self.metadata.state_dict_metadata[name]
             self.views |= {(index.fqn, tuple(index.offset or ())): view for index, view, _ in parts}
-            assert isinstance(stored, TensorStorageMetadata)
-            items += create_read_items_for_chunk_list(name, stored, [b.chunk() for _, _, b in parts]) if parts else []
-        return LoadPlan(items)
+            assert isinstance(stored, dcp.TensorStorageMetadata)
+            items += create_read_items_for_chunk_list(name, stored, [b.chunk() for _, _, b in parts])
+        return dcp.LoadPlan(items)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         return self.views[index.fqn, tuple(index.offset or ())]

@@ -15,9 +15,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import _check_box_bounds, _check_box_overlap
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from ..full import is_dtensor, placements
@@ -42,7 +40,7 @@ def _read(directory: Path, state: dict[str, torch.Tensor], planner: Any = None) 
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         try:
             dcp.load(state, storage_reader=dcp.FileSystemReader(directory), planner=planner, no_dist=True)
-        except CheckpointException as e:  # a BaseException, holding each rank's (exception, traceback)
+        except dcp.CheckpointException as e:  # a BaseException, holding each rank's (exception, traceback)
             failure = next(iter(e.failures.values()))[0]
             raise CheckpointError(f"{directory}: its files cannot be read ({type(failure).__name__}: "
                                   f"{failure})"[:2000]) from None
@@ -58,7 +56,7 @@ def _stored(directory: Path, meta: dict[str, Any]) -> Stored:
     except Exception as e:  # noqa: BLE001 - what unpickling a damaged file raises
         raise CheckpointError(f"{where} cannot be read: {e}") from None
     for name, value in metadata.state_dict_metadata.items():
-        if not isinstance(value, TensorStorageMetadata):
+        if not isinstance(value, dcp.TensorStorageMetadata):
             continue
         size, chunks = tuple(value.size), value.chunks
         if math.prod(size) * value.properties.dtype.itemsize > total:

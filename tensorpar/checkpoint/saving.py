@@ -1,9 +1,7 @@
 """Saving, by DCP's names: ``model.<key>``; ``optim.state.<parameter>.<field>`` (a state shaped like its
-parameter lies like it, a scalar is a tensor of its own; a ``ZeroRedundancyOptimizer``'s rank writes the
-parameters it owns; the groups go to ``meta.json``); ``rng.rank<r>.<stream>``, torch's generator states
-(``cpu``, ``cuda``) and the mesh's tp streams (``tp.<device>``, ``tp.base``). A save is *prepared* (a
-collective: the tensors checked, the arguments agreed, the temporary directory made), *written* (``dcp.save``
-or ``dcp.async_save`` with ``FileSystemWriter``) and *finished* (a collective: hash, publish, prune)."""
+parameter lies like it; a ``ZeroRedundancyOptimizer``'s rank writes the parameters it owns; the groups go to
+``meta.json``); ``rng.rank<r>.<stream>``: torch's generator states (``cpu``, ``cuda``) and the mesh's tp
+streams (``tp.<device>``, ``tp.base``)."""
 
 from __future__ import annotations
 
@@ -19,7 +17,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ..full import placements
@@ -84,10 +81,8 @@ def _pieces(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: Mes
     (tensors, boxes), where = model_pieces(model), placements(model)
     names = {id(p): n for n, p in model.named_parameters()}
     for param, fields in local_optimizer(optimizer).state.items() if optimizer is not None else ():
-        for field, value in fields.items():
-            if value is None:  # SGD without momentum: nothing to store
-                continue
-            value, key = torch.as_tensor(value).detach(), f"{OPTIM}{names[id(param)]}.{field}"
+        for field, value in ((f, torch.as_tensor(v).detach()) for f, v in fields.items() if v is not None):
+            key = f"{OPTIM}{names[id(param)]}.{field}"  # a None: SGD without momentum, nothing to store
             if value.dim() and tuple(value.shape) != tuple(param.shape):
                 raise CheckpointError(f"{key} has shape {tuple(value.shape)}, its parameter {tuple(param.shape)}: "
                                       "only states shaped like their parameter, and scalars, are checkpointed")
@@ -105,8 +100,10 @@ def _pieces(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: Mes
 
 
 class PendingSave:
-    """A checkpoint being written (in the background, from :func:`async_save`); :meth:`wait` (a collective)
-    publishes it and returns its path (or raises, each time it is called)."""
+    """A checkpoint being written (in the background, from :func:`async_save`): prepared (a collective: the
+    tensors checked, the arguments agreed, the temporary directory made), then written by ``dcp.save`` or
+    ``dcp.async_save``; :meth:`wait` (a collective) hashes the files, publishes the checkpoint, prunes, and
+    returns its path (or raises, each time it is called)."""
 
     _future: Future | None = None
     _error: BaseException | None = None
@@ -116,19 +113,19 @@ class PendingSave:
 
     def __init__(self, directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, *,
                  step: int, extra: Mapping[str, Any] | None, keep: int, mesh: Mesh, background: bool) -> None:
-        error, final, names, fields = None, Path(), None, dict[str, Any]()
+        error, final, names, fields = None, Path(), list[list[str]](), dict[str, Any]()
         tensors, boxes = dict[str, torch.Tensor](), dict[str, Box]()
         try:  # every rank raises the same CheckpointError below when any failed or they disagree
             if type(step) is not int or step < 0 or type(keep) is not int or keep < 1:
                 raise CheckpointError(f"step must be an integer >= 0 and keep one >= 1 (got step={step!r}, "
                                       f"keep={keep!r})")
             final, names = Path(directory) / f"step-{step:06d}", grouped_names(model, optimizer) if optimizer else []
+            groups = optimizer.param_groups if optimizer else []
             try:
                 fields = json.loads(json.dumps({
                     "format": FORMAT, "step": step, "tp": mesh.tp, "dp": mesh.dp, "pp": mesh.pp,
                     "config": config_dict(model), "extra": dict(extra or {}),
-                    "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in
-                                     (optimizer.param_groups if optimizer else [])]}))
+                    "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups]}))
             except (TypeError, ValueError) as e:
                 raise CheckpointError(f"extra or the optimizer's hyper-parameters cannot be stored in JSON: {e}") \
                     from None
@@ -143,7 +140,7 @@ class PendingSave:
         except Exception as e:  # noqa: BLE001 - every rank learns of it below, then every rank raises
             error = e
         undo = (lambda: files.discard(files.scratch(final))) if mesh.rank == 0 else None
-        arguments = {"step": step, "keep": keep, "extra": fields.get("extra"), "optimizer groups": len(names or ())}
+        arguments = {"step": step, "keep": keep, "extra": fields.get("extra"), "optimizer groups": len(names)}
         rows = agree(error, mesh, "save the checkpoint", (arguments, names, os.getpid()), undo)
         if differ := "; ".join(f"{key}: " + ", ".join(f"{row[0][key]!r} on rank {r}" for r, row in enumerate(rows))
                                for key in arguments if any(row[0][key] != arguments[key] for row in rows)):
@@ -153,9 +150,9 @@ class PendingSave:
         for i, group in enumerate(fields["param_groups"]):  # every rank's parameters: pipeline stages differ
             group["params"] = list(dict.fromkeys(n for row in rows for n in row[1][i]))
         self._final, self._fields, self._keep, self._mesh = final, fields, keep, mesh
-        self._tmp = files.scratch(final, rows[0][2])
+        self._tmp = tmp = files.scratch(final, rows[0][2])
         writer: dict[str, Any] = {"planner": BoxSavePlanner(boxes), "storage_writer": dcp.FileSystemWriter(
-            self._tmp, single_file_per_rank=True, sync_files=True)}
+            tmp, single_file_per_rank=True, sync_files=True)}
         try:
             if background:
                 self._group = dist.new_group(backend="gloo")  # DCP's collectives run in a thread
@@ -163,7 +160,7 @@ class PendingSave:
                 self._future = cast(Future, getattr(result, "upload_completion", result))  # torch >= 2.9 wraps it
             else:
                 dcp.save(tensors, **writer)
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's (a BaseException) wraps every rank's
+        except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - DCP's (a BaseException) wraps each rank's
             mine = (getattr(e, "failures", {}).get(mesh.rank) or (None,))[0]  # (exception, its stack)
             if mine is not None and not isinstance(mine, Exception):
                 raise mine from None  # this rank was interrupted (KeyboardInterrupt, SystemExit): not a failed save
@@ -174,11 +171,24 @@ class PendingSave:
         return self._future is None or self._future.done()
 
     def wait(self) -> Path:
-        """Finish the save on every rank (a collective): hash, publish, prune; return the checkpoint's path."""
+        """Finish the save on every rank (a collective) and return the checkpoint's path."""
         if self._pending:
-            self._pending = False
+            self._pending, error = False, (self._future and self._future.exception()) or self._error
             try:
-                self._path = self._finish((self._future and self._future.exception()) or self._error)
+                if self._mesh.rank == 0:  # DCP's collectives gave every rank each rank's write error
+                    try:
+                        if error is None:
+                            tmp = self._tmp
+                            body = self._fields | {"files": {n: files.file_entry(tmp / n) for n in os.listdir(tmp)}}
+                            text = json.dumps(body | {"meta_sha256": files.canonical_sha256(body)}, indent=1)
+                            files.write_text(tmp / MANIFEST, text)
+                            files.publish(tmp, self._final, self._keep)
+                    except Exception as e:  # noqa: BLE001 - a crash (a BaseException) leaves it to the next save
+                        error = e
+                    if error is not None:
+                        files.discard(self._tmp)
+                agree(error, self._mesh, "save the checkpoint")
+                self._path = self._final
             except BaseException as e:  # noqa: BLE001 - raised below, and by every later wait()
                 self._error = e
             finally:
@@ -187,27 +197,6 @@ class PendingSave:
         if self._path is None:
             raise cast(BaseException, self._error)
         return self._path
-
-    def _finish(self, error: BaseException | None) -> Path:
-        mesh, hashed, published, tmp = self._mesh, dict[str, Any](), None, self._tmp
-        undo = (lambda: files.discard(tmp)) if mesh.rank == 0 else None
-        try:
-            if error is None:
-                hashed = {n: files.file_entry(tmp / n) for n in sorted(os.listdir(tmp))[mesh.rank::mesh.world_size]}
-        except Exception as e:  # noqa: BLE001 - shared below
-            error = e
-        rows = agree(error, mesh, "save the checkpoint", hashed, undo)
-        if undo is not None:
-            try:
-                body = self._fields | {"files": {k: v for row in rows for k, v in row.items()}}
-                files.write_text(tmp / MANIFEST, json.dumps(body | {"meta_sha256": files.canonical_sha256(body)},
-                                                            indent=1))
-                files.publish(tmp, self._final, self._keep)
-            except Exception as e:  # noqa: BLE001 - a crash (a BaseException) leaves the directory to the next save
-                published = e
-                undo()
-        agree(published, mesh, "save the checkpoint")
-        return self._final
 
 
 def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
