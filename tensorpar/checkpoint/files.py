@@ -1,7 +1,5 @@
-"""A checkpoint directory on disk: ``meta.json`` holds the run's fields, ``files`` (every other file's size and
-SHA-256) and ``meta_sha256`` (its own), checked before DCP opens anything. Publishing renames a complete
-``.tmp-<pid>-step-N`` into place (a replaced step waits at ``.old-step-N`` meanwhile) and replaces ``latest``;
-the next save puts back or deletes what a crashed one left."""
+"""A checkpoint directory on disk: its manifest ``meta.json`` (checked before DCP opens anything), publishing by
+renames, ``latest``, keep-N, and the clean-up of what a crashed save left."""
 
 from __future__ import annotations
 
@@ -51,9 +49,8 @@ def write_text(path: Path, text: str) -> None:
 
 
 def read_manifest(directory: Path, share: tuple[int, int] | None = (0, 1)) -> dict[str, Any]:
-    """``directory``'s manifest after checking its own hash and fields, that it lists exactly the directory's
-    other files, their sizes, and the SHA-256 of ``.metadata`` and of the files ``share = (first, step)``
-    picks (each rank of a load hashes its share; None: no other)."""
+    """``directory``'s manifest (the run's fields, ``files``: every other file's size and SHA-256, ``meta_sha256``:
+    its own) after checking it; ``share = (first, step)``: the files this rank hashes besides ``.metadata``."""
     path = directory / MANIFEST
     try:
         meta = json.loads(path.read_bytes()) if file_entry(path, hash=False)["bytes"] < 64 << 20 else None
@@ -92,9 +89,8 @@ def discard(path: Path) -> None:
 
 
 def recover(parent: Path) -> None:
-    """Before a save into ``parent``: refuse while this process's own save there is unfinished (an
-    ``async_save`` not yet waited for); put back an aside copy whose checkpoint is missing (a crash between
-    the renames of :func:`publish`); delete the other leftovers of crashed saves."""
+    """Before a save into ``parent``: refuse while this process's own save there is unfinished; put back an aside
+    copy whose checkpoint is missing (a crash inside :func:`publish`); delete the other leftovers of crashes."""
     for entry in sorted(parent.iterdir()) if parent.is_dir() else []:
         if (match := _TMP.fullmatch(entry.name)) and int(match[1]) == os.getpid():
             raise CheckpointError(f"{entry} is a save of this process still being written: call the wait() of "
@@ -107,8 +103,7 @@ def recover(parent: Path) -> None:
 
 
 def publish(tmp: Path, final: Path, keep: int) -> None:
-    """Rename the complete directory ``tmp`` to ``final``, point ``latest`` at it, then delete all but the
-    newest ``keep`` checkpoints (``final`` stays). ``latest`` always leads to a complete one."""
+    """Rename ``tmp`` to ``final`` (a replaced step waits aside), point ``latest`` at it, keep the newest ``keep``."""
     parent, aside = final.parent, final.parent / f".old-{final.name}"
     if os.path.lexists(final):
         os.rename(final, aside)  # resolve() reads the aside copy until the new one is in place

@@ -1,12 +1,12 @@
-"""Where a rank's tensor lies in the full tensor, stated to DCP as a :class:`Box` (DCP describes a ``DTensor``'s
-part by ``torch.chunk``'s rule; tensorpar's tp shards are balanced and, under FSDP2, chunked again over dp by
-torch's rule; a fused projection's shard is several pieces of the full tensor). The planners write and read
-plain local tensors by their boxes; DCP reshards between layouts."""
+"""Where a rank's tensor lies in the full tensor, stated to DCP as a :class:`Box` (tensorpar's tp shards are
+balanced, not ``torch.chunk``'s, chunked again over dp by FSDP2, and a fused projection's shard is several pieces
+of the full tensor). The planners write and read plain local tensors by their boxes; DCP reshards."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -22,11 +22,9 @@ from ..sharding import Shard
 
 @dataclass(frozen=True)
 class Box:
-    """``sizes`` elements from ``offsets`` of a full tensor of size ``size``; a local tensor made of
-    several boxes laid end to end along ``dim`` lists ``pieces``: ``(start in the local tensor, start
-    in the full tensor, length, whether this rank writes it)`` of each (a piece every tp rank holds,
-    a fused projection's replicated tail, is written by tp rank 0: under FSDP2 the other ranks' dp
-    chunks of it start elsewhere)."""
+    """``sizes`` elements from ``offsets`` of a full tensor of size ``size``; a local tensor made of several boxes
+    along ``dim`` lists ``pieces``: ``(start in the local tensor, start in the full tensor, length, whether this
+    rank writes it)`` (a fused projection's replicated tail is written by tp rank 0 alone)."""
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -91,44 +89,46 @@ def _parts(name: str, tensor: torch.Tensor, box: Box, writing: bool) -> list[tup
              else tensor, part) for at, part, written in box.parts() if written or not writing]
 
 
+def _view(state_dict: Mapping[str, torch.Tensor], boxes: Mapping[str, Box], index: MetadataIndex) -> torch.Tensor:
+    return next(view for i, view, _ in _parts(index.fqn, state_dict[index.fqn], boxes[index.fqn], False) if i == index)
+
+
 class BoxSavePlanner(dcp.DefaultSavePlanner):
     """Writes each tensor of the flat state dict as the box ``boxes[name]`` of its full tensor."""
 
     def __init__(self, boxes: Mapping[str, Box]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.boxes, self.views = dict(boxes), dict[tuple[str, tuple[int, ...]], torch.Tensor]()
+        self.boxes = boxes
 
     def create_local_plan(self) -> dcp.SavePlan:
         parts = [p for name, tensor in self.state_dict.items() for p in _parts(name, tensor, self.boxes[name], True)]
-        self.views = {(index.fqn, tuple(index.offset or ())): view for index, view, _ in parts}
         self.plan = dcp.SavePlan([dcp.WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=TensorWriteData(
             chunk=box.chunk(), size=torch.Size(box.size), properties=TensorProperties.create_from_tensor(view)))
             for index, view, box in parts])
         return self.plan
 
     def lookup_object(self, index: MetadataIndex) -> torch.Tensor:
-        view = self.views[index.fqn, tuple(index.offset or ())].detach()
+        view = _view(self.state_dict, self.boxes, index).detach()
         return view.clone(memory_format=torch.contiguous_format) if view.is_cuda or view.untyped_storage().nbytes() \
             != view.numel() * view.element_size() else view  # torch.save writes a view's whole storage
 
 
 class BoxLoadPlanner(dcp.DefaultLoadPlanner):
-    """Reads into each tensor of the flat state dict the box ``boxes[name]`` of its full tensor (whose
-    size and dtype are checked before, against the checkpoint's metadata)."""
+    """Reads into each tensor of the flat state dict the box ``boxes[name]`` of its full tensor (its size and
+    dtype checked against the checkpoint's metadata before)."""
 
     def __init__(self, boxes: Mapping[str, Box]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.boxes, self.views = dict(boxes), dict[tuple[str, tuple[int, ...]], torch.Tensor]()
+        self.boxes = boxes
 
     def create_local_plan(self) -> dcp.LoadPlan:
         assert self.metadata is not None
         items: list[dcp.ReadItem] = []
         for name, tensor in self.state_dict.items():
-            parts, stored = _parts(name, tensor, self.boxes[name], False), self.metadata.state_dict_metadata[name]
-            self.views |= {(index.fqn, tuple(index.offset or ())): view for index, view, _ in parts}
-            assert isinstance(stored, dcp.TensorStorageMetadata)
-            items += create_read_items_for_chunk_list(name, stored, [b.chunk() for _, _, b in parts])
+            chunks = [box.chunk() for _, _, box in _parts(name, tensor, self.boxes[name], False)]
+            stored = cast(dcp.TensorStorageMetadata, self.metadata.state_dict_metadata[name])
+            items += create_read_items_for_chunk_list(name, stored, chunks)
         return dcp.LoadPlan(items)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        return self.views[index.fqn, tuple(index.offset or ())]
+        return _view(self.state_dict, self.boxes, index)

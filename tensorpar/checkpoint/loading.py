@@ -1,6 +1,5 @@
-"""Loading: the manifest and the files' hashes are checked before DCP opens anything, then every tensor's size
-and dtype; each rank reads its own boxes with ``dcp.load`` into new tensors and checks them; the ranks agree
-before any of them modifies anything."""
+"""Loading: the manifest and the hashes are checked before DCP opens anything, then each tensor's size and dtype;
+each rank reads its boxes into new tensors, checks them, and the ranks agree before anything is modified."""
 
 from __future__ import annotations
 
@@ -30,11 +29,6 @@ Stored = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (full size, d
 _RNG = re.compile(r"rng\.rank(\d+)\.(cpu|cuda|tp\.base|tp\.(?:cpu|cuda(?::\d+)?))")
 
 
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise CheckpointError(message)
-
-
 def _read(directory: Path, state: dict[str, torch.Tensor], planner: Any = None) -> None:
     with warnings.catch_warnings():  # each rank reads alone on purpose
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -47,9 +41,8 @@ def _read(directory: Path, state: dict[str, torch.Tensor], planner: Any = None) 
 
 
 def _stored(directory: Path, meta: dict[str, Any]) -> Stored:
-    """Each tensor's full size and dtype from DCP's ``.metadata`` (hashed: it may be unpickled), after checking
-    that its chunks tile it exactly and that it fits in the bytes of the files (a size, even forged by a
-    consistent rewrite of the hashes, never reaches the allocator unchecked)."""
+    """Each tensor's full size and dtype from DCP's ``.metadata`` (hashed before it is unpickled), after checking
+    that its chunks tile it and that it fits in the files' bytes (no forged size reaches the allocator)."""
     total, where, stored = sum(f["bytes"] for f in meta["files"].values()), directory / ".metadata", {}
     try:
         metadata = dcp.FileSystemReader(directory).read_metadata()
@@ -94,41 +87,44 @@ def _optimizer(meta: Mapping[str, Any], stored: Stored, where: object, model: nn
     the groups and that every parameter's state holds the same fields as the optimizer's."""
     saved, copies, own = meta["param_groups"], getattr(model, "tied_copies", {}), grouped_names(model, optimizer)
     known = {n for g in saved if isinstance(g, dict) for n in g.get("params", ())}
-    names = [[n if n in known else copies.get(n, n) for n in g] for g in own]  # as stored: a tied copy's original
-    _check(len(saved) == len(names), f"{where}: param_groups lists {len(saved)} group{'s' * (len(saved) != 1)}, "
-                                     f"the optimizer has {len(names)}")
-    groups, mine = [], {n for g in names for n in g}
-    for i, (group, current, ours) in enumerate(zip(saved, optimizer.param_groups, names, strict=True)):
-        held = set(group.get("params", ())) & mine if isinstance(group, dict) else set()
-        _check(held == set(ours), f"{where}: param_groups[{i}] lacks {sorted(set(ours) - held)[:3]} and holds "
-                                  f"{sorted(held - set(ours))[:3]} of the optimizer's group (its parameters, or "
-                                  "their grouping, differ)")  # a pipeline stage holds some of the parameters
-        _check(set(group) == set(current), f"{where}: param_groups[{i}] has the keys {sorted(group)}, the "
-                                           f"optimizer's group {sorted(current)}")
+    source = {n: n if n in known else copies.get(n, n) for g in own for n in g}  # a tied copy's: the original's
+    if len(saved) != len(own):
+        raise CheckpointError(f"{where}: param_groups lists {len(saved)} group{'s' * (len(saved) != 1)}, "
+                              f"the optimizer has {len(own)}")
+    groups, index = [], {n: i for i, n in enumerate(source)}
+    for i, (group, current, names) in enumerate(zip(saved, optimizer.param_groups, own, strict=True)):
+        ours = {source[n] for n in names}
+        held = set(group.get("params", ())) & set(source.values()) if isinstance(group, dict) else set()
+        if held != ours:  # a pipeline stage holds some of the checkpoint's parameters
+            raise CheckpointError(f"{where}: param_groups[{i}] lacks {sorted(ours - held)[:3]} and holds "
+                                  f"{sorted(held - ours)[:3]} of the optimizer's group (its parameters, or their "
+                                  "grouping, differ)")
+        if set(group) != set(current):
+            raise CheckpointError(f"{where}: param_groups[{i}] has the keys {sorted(group)}, the optimizer's group "
+                                  f"{sorted(current)}")
         for k in (k for k in sorted(current) if k != "params" and not _fits(group[k], current[k])):
             raise CheckpointError(f"{where}: param_groups[{i}].{k} is {group[k]!r}, which cannot stand for the "
                                   f"optimizer's {current[k]!r}")
         groups.append({k: type(v)(group[k]) if isinstance(v, (tuple, float)) else group[k] for k, v in current.items()}
-                      | {"params": list(range(sum(map(len, names[:i])), sum(map(len, names[:i + 1]))))})
+                      | {"params": [index[n] for n in names]})
     fields: dict[str, set[str]] = {}
     for key in (k for k in stored if k.startswith(OPTIM)):
         name, _, field = key.removeprefix(OPTIM).rpartition(".")
-        _check(name in known and bool(field), f"{where}: {key} is not the state of a parameter of the optimizer")
+        if name not in known or not field:
+            raise CheckpointError(f"{where}: {key} is not the state of a parameter of the optimizer")
         fields.setdefault(name, set()).add(field)
     local = local_optimizer(optimizer)
-    kinds = sorted(map(sorted, {frozenset(f) for f in fields.values()} | {  # else the next step would fail
-        frozenset(k for k, v in state.items() if v is not None) for state in local.state.values() if state}))
-    _check(len(kinds) < 2, f"{where}: the states of the parameters hold the fields {kinds} (the checkpoint's and "
-                           "the optimizer's must match)")
+    if len(kinds := sorted(map(sorted, {frozenset(f) for f in fields.values()} | {  # else the next step fails
+            frozenset(k for k, v in state.items() if v is not None) for state in local.state.values() if state}))) > 1:
+        raise CheckpointError(f"{where}: the states of the parameters hold the fields {kinds} (the checkpoint's and "
+                              "the optimizer's must match)")
     params, found, tensors, boxes, into = dict(model.named_parameters()), placements(model), {}, {}, {}
     wanted = {id(p) for g in local.param_groups for p in g["params"]}  # a ZeroRedundancyOptimizer's: its own
-    for i, (name, source) in enumerate(zip([n for g in own for n in g], [n for g in names for n in g], strict=True)):
-        for field in sorted(fields.get(source, ()) if id(param := params[name]) in wanted else ()):
-            key = f"{OPTIM}{source}.{field}"
-            (size, dtype), now = stored[key], local.state.get(param, {}).get(field)
-            want = param.dtype if size and param.is_floating_point() and dtype.is_floating_point else \
-                now.dtype if isinstance(now, torch.Tensor) else dtype
+    for name, i in index.items():
+        for field in sorted(fields.get(source[name], ()) if id(param := params[name]) in wanted else ()):
+            (size, dtype), key = stored[f"{OPTIM}{source[name]}.{field}"], f"{OPTIM}{source[name]}.{field}"
             boxes[key] = locate(param, *found.get(name, (None, None)))[1] if size else Box((), (), ())
+            want = param.dtype if size and param.is_floating_point() and dtype.is_floating_point else dtype
             tensors[key], into[key] = torch.empty(boxes[key].sizes, dtype=want), (i, field, param if size else None)
 
     def state_dict() -> dict[str, Any]:  # a state shaped like its parameter lies like it
@@ -140,21 +136,16 @@ def _optimizer(meta: Mapping[str, Any], stored: Stored, where: object, model: nn
     return tensors, boxes, state_dict
 
 
-def _generators(states: Mapping[str, torch.Tensor], world: int, same_layout: bool, rank: int,
-                where: object) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """``(the state of each stream this rank restores, the streams it cannot)``, after checking that each saving
-    rank has each stream and a scratch generator accepts each state. At the saving layout each rank restores
-    its own; at another, a stream equal on every saving rank (in the bitwise mode the tp streams are)."""
-    by_stream: dict[str, dict[int, torch.Tensor]] = {"cpu": {}}
-    for key, state in states.items():
+def _generators(states: Mapping[str, torch.Tensor], saved: tuple[int, ...], mesh: Mesh,
+                where: Path) -> Callable[[], None]:
+    """What restores this rank's generator states (checked: each saving rank's, accepted by a generator): its
+    own at the saving layout; at another, each stream equal on every saving rank (the bitwise mode's tp streams
+    are), with a warning naming the others."""
+    world, by_stream = math.prod(saved), dict[str, dict[int, torch.Tensor]](cpu={})
+    for key, state in sorted(states.items()):
         if not (match := _RNG.fullmatch(key)) or int(match[1]) >= world:
             raise CheckpointError(f"{where}: {key} is not a generator state of ranks 0-{world - 1}")
-        by_stream.setdefault(match[2], {})[int(match[1])] = state
-    for stream, by in sorted(by_stream.items()):
-        if missing := sorted(set(range(world)) - set(by)):
-            raise CheckpointError(f"{where}: rng.rank{missing[0]}.{stream} is missing")
-    for key, state in sorted(states.items()):
-        stream = key.split(".", 2)[2]
+        by_stream.setdefault(stream := match[2], {})[int(match[1])] = state
         try:
             if stream == "tp.base" and (state.dtype, state.numel()) != (torch.int64, 1):
                 raise ValueError(f"a seed is one int64, not {state.dtype} of shape {tuple(state.shape)}")
@@ -162,44 +153,42 @@ def _generators(states: Mapping[str, torch.Tensor], world: int, same_layout: boo
                 torch.Generator("cuda" if "cuda" in stream else "cpu").set_state(state)
         except (RuntimeError, ValueError, TypeError) as e:
             raise CheckpointError(f"{where}: {key} is no valid generator state ({e})") from None
-    mine = {s: by[rank] if same_layout else by[0] for s, by in by_stream.items()
-            if same_layout or all(torch.equal(v, by[0]) for v in by.values())}
-    return mine, sorted(set(by_stream) - set(mine))
+    for stream, by in sorted(by_stream.items()):
+        if missing := sorted(set(range(world)) - set(by)):
+            raise CheckpointError(f"{where}: rng.rank{missing[0]}.{stream} is missing")
+    same = saved == (mesh.tp, mesh.dp, mesh.pp)
+    mine = {s: by[mesh.rank] if same else by[0] for s, by in by_stream.items()
+            if same or all(torch.equal(v, by[0]) for v in by.values())}
 
+    def restore() -> None:
+        if lost := sorted(set(by_stream) - set(mine)):
+            warnings.warn(f"{where.parent} was saved at (tp, dp, pp) = {saved}, this run is "
+                          f"{(mesh.tp, mesh.dp, mesh.pp)}: the generator streams {lost} differ by rank and are not "
+                          "restored" + " (the tp streams restart from their base seed)" * any("tp." in s for s in lost),
+                          stacklevel=3)
+        if "cpu" in mine:
+            torch.set_rng_state(mine["cpu"])
+        if "cuda" in mine and torch.cuda.is_available():
+            torch.cuda.set_rng_state(mine["cuda"])
+        tp, base = {k[3:]: v for k, v in mine.items() if k.startswith("tp.") and k != "tp.base"}, mine.get("tp.base")
+        if base is not None or tp:
+            tp_streams(mesh).load_state_dict({"rank": mesh.tp_rank, "states": tp,
+                                              "base": None if base is None else int(base.item())})
 
-def _restore(mine: Mapping[str, torch.Tensor], lost: list[str], mesh: Mesh, where: object,
-             saved: tuple[int, ...]) -> None:
-    """Set this rank's generators (and the mesh's tp streams) to ``mine``; warn naming the ``lost`` ones."""
-    if lost:
-        warnings.warn(f"{where} was saved at (tp, dp, pp) = {saved}, this run is {(mesh.tp, mesh.dp, mesh.pp)}: the "
-                      f"generator streams {lost} differ by rank and are not restored"
-                      + " (the tp streams restart from their base seed)" * any(s.startswith("tp.") for s in lost),
-                      stacklevel=3)
-    if "cpu" in mine:
-        torch.set_rng_state(mine["cpu"])
-    if "cuda" in mine and torch.cuda.is_available():
-        torch.cuda.set_rng_state(mine["cuda"])
-    tp = {k.removeprefix("tp."): v for k, v in mine.items() if k.startswith("tp.") and k != "tp.base"}
-    if "tp.base" in mine or tp:
-        base = mine.get("tp.base")
-        tp_streams(mesh).load_state_dict({"rank": mesh.tp_rank, "states": tp,
-                                          "base": None if base is None else int(base.item())})
+    return restore
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
-    """The checkpoint's metadata (with ``"path"``: its directory), after checking the manifest and every file
-    against its recorded size and SHA-256 (no process group needed)."""
+    """The checkpoint's metadata (with ``"path"``: its directory), every file checked against the manifest."""
     directory = files.resolve(path)
     return {**files.read_manifest(directory), "path": str(directory)}
 
 
 def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
          cast: bool = False, mesh: Mesh | None = None) -> dict[str, Any]:
-    """Load a checkpoint saved at any (tp, dp, pp), with or without FSDP2, into ``model`` (and ``optimizer``);
-    return its metadata (a collective). Another dtype than the model's is refused unless ``cast=True``. A
-    missing, corrupt, edited or mismatched checkpoint raises :class:`CheckpointError` on every rank, and
-    nothing is modified on any rank. E.g. ``load("bf16-run", fp32_model, cast=True)`` converts bf16 to float32.
-    """
+    """Load a checkpoint saved at any (tp, dp, pp), with or without FSDP2, into ``model`` (and ``optimizer``) and
+    return its metadata (a collective). A missing, corrupt, edited or mismatched checkpoint raises
+    :class:`CheckpointError` on every rank, modifying nothing; another dtype is refused unless ``cast=True``."""
     mesh, error, optimizer_state = mesh or current_mesh(), None, None
     try:
         directory = files.resolve(path)
@@ -224,7 +213,7 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
                                       f"of shape {want[1]}" + " (load(..., cast=True) converts it)" * (size == want[1]))
         states = {k: torch.empty(size, dtype=dtype) for k, (size, dtype) in stored.items() if k.startswith("rng.")}
         _read(directory, tensors | states, BoxLoadPlanner(boxes | {k: whole(v) for k, v in states.items()}))
-        mine, lost = _generators(states, math.prod(saved), saved == (mesh.tp, mesh.dp, mesh.pp), mesh.rank, where)
+        restore = _generators(states, saved, mesh, where)
     except Exception as e:  # noqa: BLE001 - every rank learns of it below, then every rank raises
         error = e
     agree(error, mesh, "load the checkpoint")
@@ -232,7 +221,7 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     model.load_state_dict({k: like(tensors[MODEL + k], v) for k, v in model.state_dict().items()})
     if optimizer_state is not None:
         optimizer.load_state_dict(optimizer_state())  # type: ignore[union-attr]
-    _restore(mine, lost, mesh, directory, saved)
+    restore()
     return {**meta, "path": str(directory)}
 
 
@@ -246,16 +235,13 @@ def export_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def export_safetensors(path: str | Path, out_file: str | Path) -> Path:
-    """Write the checkpoint's unsharded model state dict to the safetensors file ``out_file`` (through the
-    ``safetensors`` package: ``pip install tensorpar[hf]``), replaced atomically when complete."""
+    """Write the checkpoint's unsharded model state dict to the safetensors file ``out_file`` (replaced when
+    complete) through the ``safetensors`` package (``pip install tensorpar[hf]``)."""
     try:
         from safetensors.torch import save_file
     except ImportError:
         raise ImportError("export_safetensors needs the safetensors package: pip install 'tensorpar[hf]'") from None
-    out, state = Path(out_file), export_state_dict(path)
-    try:
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp := files.scratch(out)))
-        os.replace(tmp, out)
-    finally:
-        files.discard(files.scratch(out))
+    out = Path(out_file)
+    save_file({k: v.contiguous() for k, v in export_state_dict(path).items()}, str(tmp := files.scratch(out)))
+    os.replace(tmp, out)
     return out

@@ -1,14 +1,12 @@
-"""Saving, by DCP's names: ``model.<key>``; ``optim.state.<parameter>.<field>`` (a state shaped like its
-parameter lies like it; a ``ZeroRedundancyOptimizer``'s rank writes the parameters it owns; the groups go to
-``meta.json``); ``rng.rank<r>.<stream>``: torch's generator states (``cpu``, ``cuda``) and the mesh's tp
-streams (``tp.<device>``, ``tp.base``)."""
+"""Saving, by DCP's names: ``model.<key>``; ``optim.state.<parameter>.<field>`` (lying like its parameter, the
+groups in ``meta.json``); ``rng.rank<r>.<stream>`` (``cpu``, ``cuda``, the tp streams ``tp.<device>``, ``tp.base``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, cast
@@ -29,15 +27,13 @@ from .layout import Box, BoxSavePlanner, locate, whole
 MODEL, OPTIM = "model.", "optim.state."
 
 
-def agree(error: BaseException | None, mesh: Mesh, doing: str, value: Any = None,
-          undo: Callable[[], None] | None = None) -> list[Any]:
+def agree(error: BaseException | None, mesh: Mesh, doing: str, value: Any = None) -> list[Any]:
     """Every rank's ``value`` (one ``all_gather_object``), after raising on every rank when any rank failed:
-    its own error, or one naming the first rank that failed (``undo`` runs first)."""
+    its own error, or one naming the first rank that failed."""
     rows: list[Any] = [None] * dist.get_world_size()
     said = error and (str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}")
     dist.all_gather_object(rows, (said and said[:4000], value))
-    if (failed := [(r, e) for r, (e, _) in enumerate(rows) if e is not None]) and undo is not None:
-        undo()
+    failed = [(r, e) for r, (e, _) in enumerate(rows) if e is not None]
     if error is not None:
         raise CheckpointError(f"rank {mesh.rank}: {error}") if isinstance(error, CheckpointError) else error
     if failed:
@@ -100,10 +96,8 @@ def _pieces(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: Mes
 
 
 class PendingSave:
-    """A checkpoint being written (in the background, from :func:`async_save`): prepared (a collective: the
-    tensors checked, the arguments agreed, the temporary directory made), then written by ``dcp.save`` or
-    ``dcp.async_save``; :meth:`wait` (a collective) hashes the files, publishes the checkpoint, prunes, and
-    returns its path (or raises, each time it is called)."""
+    """A checkpoint being written: prepared (a collective: checked, agreed, its directory made), written by
+    ``dcp.save`` or ``dcp.async_save``; :meth:`wait` (a collective) publishes it and returns its path (or raises)."""
 
     _future: Future | None = None
     _error: BaseException | None = None
@@ -120,15 +114,10 @@ class PendingSave:
                 raise CheckpointError(f"step must be an integer >= 0 and keep one >= 1 (got step={step!r}, "
                                       f"keep={keep!r})")
             final, names = Path(directory) / f"step-{step:06d}", grouped_names(model, optimizer) if optimizer else []
-            groups = optimizer.param_groups if optimizer else []
-            try:
-                fields = json.loads(json.dumps({
-                    "format": FORMAT, "step": step, "tp": mesh.tp, "dp": mesh.dp, "pp": mesh.pp,
-                    "config": config_dict(model), "extra": dict(extra or {}),
-                    "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups]}))
-            except (TypeError, ValueError) as e:
-                raise CheckpointError(f"extra or the optimizer's hyper-parameters cannot be stored in JSON: {e}") \
-                    from None
+            groups = [g | {"params": []} for g in optimizer.param_groups] if optimizer else []
+            fields = json.loads(json.dumps({"format": FORMAT, "step": step, "tp": mesh.tp, "dp": mesh.dp, "pp": mesh.pp,
+                                            "config": config_dict(model), "extra": dict(extra or {}),
+                                            "param_groups": groups}))  # a TypeError names what JSON cannot hold
             tensors, boxes = _pieces(model, optimizer, mesh)
             if bad := [n for n, v in tensors.items() if v.is_floating_point() and not bool(v.isfinite().all())]:
                 raise CheckpointError(f"the checkpoint of step {step} would hold NaN or infinite values (in "
@@ -139,14 +128,16 @@ class PendingSave:
                 files.scratch(final).mkdir(parents=True)
         except Exception as e:  # noqa: BLE001 - every rank learns of it below, then every rank raises
             error = e
-        undo = (lambda: files.discard(files.scratch(final))) if mesh.rank == 0 else None
         arguments = {"step": step, "keep": keep, "extra": fields.get("extra"), "optimizer groups": len(names)}
-        rows = agree(error, mesh, "save the checkpoint", (arguments, names, os.getpid()), undo)
-        if differ := "; ".join(f"{key}: " + ", ".join(f"{row[0][key]!r} on rank {r}" for r, row in enumerate(rows))
-                               for key in arguments if any(row[0][key] != arguments[key] for row in rows)):
-            if undo is not None:
-                undo()
-            raise CheckpointError(f"the ranks must save with the same arguments, and they differ ({differ[:2000]})")
+        try:
+            rows = agree(error, mesh, "save the checkpoint", (arguments, names, os.getpid()))
+            if differ := "; ".join(f"{k}: " + ", ".join(f"{row[0][k]!r} on rank {r}" for r, row in enumerate(rows))
+                                   for k in arguments if any(row[0][k] != arguments[k] for row in rows)):
+                raise CheckpointError(f"the ranks must save with the same arguments, and they differ ({differ[:2000]})")
+        except BaseException:
+            if mesh.rank == 0:
+                files.discard(files.scratch(final))
+            raise
         for i, group in enumerate(fields["param_groups"]):  # every rank's parameters: pipeline stages differ
             group["params"] = list(dict.fromkeys(n for row in rows for n in row[1][i]))
         self._final, self._fields, self._keep, self._mesh = final, fields, keep, mesh
@@ -201,13 +192,10 @@ class PendingSave:
 
 def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
          step: int, extra: Mapping[str, Any] | None = None, keep: int = 2, mesh: Mesh | None = None) -> Path:
-    """Write ``directory/step-NNNNNN`` (a collective) and return its path; keep the newest ``keep``.
-
-    Each rank writes its chunks of the model, the optimizer's state (``ZeroRedundancyOptimizer``'s too) and
-    its generator states; ``extra`` (JSON) goes to ``meta.json``. A NaN or an infinity on any rank, or ranks
-    passing different ``step``, ``keep`` or ``extra``, raise the same :class:`CheckpointError` on every rank,
-    and nothing on disk changes.
-    """
+    """Write ``directory/step-NNNNNN`` (a collective: each rank its chunks of the model, of the optimizer's state,
+    ``ZeroRedundancyOptimizer``'s too, and its generator states; ``extra``, JSON, to ``meta.json``), keep the newest
+    ``keep``, return its path. A NaN or an infinity on any rank, or ranks passing different ``step``, ``keep`` or
+    ``extra``, raise the same :class:`CheckpointError` on every rank, and nothing on disk changes."""
     return PendingSave(directory, model, optimizer, step=step, extra=extra, keep=keep, mesh=mesh or current_mesh(),
                        background=False).wait()
 
@@ -215,7 +203,6 @@ def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimiz
 def async_save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                step: int, extra: Mapping[str, Any] | None = None, keep: int = 2,
                mesh: Mesh | None = None) -> PendingSave:
-    """:func:`save` through ``dcp.async_save``: the tensors are staged to CPU memory and written in a thread;
-    ``PendingSave.wait()`` (a collective) publishes the checkpoint and moves ``latest``."""
+    """:func:`save` through ``dcp.async_save`` (staged to CPU memory, written in a thread); ``wait()`` publishes."""
     return PendingSave(directory, model, optimizer, step=step, extra=extra, keep=keep, mesh=mesh or current_mesh(),
                        background=True)
