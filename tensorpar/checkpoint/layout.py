@@ -44,10 +44,6 @@ class Box:
                             self.size), write) for local, full, n, write in self.pieces]
 
 
-def whole(value: torch.Tensor) -> Box:
-    return Box((0,) * value.dim(), tuple(value.shape), tuple(value.shape))
-
-
 def locate(value: torch.Tensor, placement: Shard | None, group: ProcessGroup | None) -> tuple[torch.Tensor, Box]:
     """``(local tensor, its box in the full tensor)`` for ``value``, a plain tensor or an FSDP2 ``DTensor``,
     whose tp placement is ``placement`` over ``group`` (None: replicated over tp)."""
@@ -65,10 +61,9 @@ def locate(value: torch.Tensor, placement: Shard | None, group: ProcessGroup | N
     lo, hi = offsets[dim], offsets[dim] + local.shape[dim]  # the chunk's rows of the tp shard
     pieces: list[tuple[int, int, int, bool]] = []
     at, last = 0, None  # where each piece starts in the tp shard; whether the last one is held by every rank
-    everyone = set(placement.pieces(n, 0)).intersection(*(placement.pieces(n, r) for r in range(1, n)))
-    for start, length in placement.pieces(n, rank):
+    for i, (start, length) in enumerate(placement.pieces(n, rank)):
         a, b = max(lo, at), min(hi, at + length)  # the piece's overlap with this rank's chunk
-        shared = (start, length) in everyone and n > 1  # a replicated tail: a chunk of its own
+        shared = i == len(placement.units) and n > 1  # the replicated tail (after the blocks): a chunk of its own
         if pieces and a < b and pieces[-1][1] + pieces[-1][2] == start + a - at and last == shared:
             pieces[-1] = (*pieces[-1][:2], pieces[-1][2] + b - a, pieces[-1][3])  # runs on from the last one
         elif a < b or (not pieces and a == b == lo):
@@ -81,8 +76,11 @@ def locate(value: torch.Tensor, placement: Shard | None, group: ProcessGroup | N
     return local, Box(tuple(offsets), tuple(local.shape), tuple(full), dim, tuple(pieces) if keep else ())
 
 
-def _parts(name: str, tensor: torch.Tensor, box: Box, writing: bool) -> list[tuple[MetadataIndex, torch.Tensor, Box]]:
-    """``(index, view, single box)`` of each part of ``tensor`` (when ``writing``, of those this rank writes)."""
+def _parts(name: str, tensor: torch.Tensor, boxes: Mapping[str, Box], writing: bool
+           ) -> list[tuple[MetadataIndex, torch.Tensor, Box]]:
+    """``(index, view, single box)`` of each part of ``tensor`` (when ``writing``, of those this rank writes); a
+    tensor without a box is whole."""
+    box = boxes.get(name) or Box((0,) * tensor.dim(), tuple(tensor.shape), tuple(tensor.shape))
     if 0 in box.sizes and not (writing and 0 in box.size):
         return []  # an empty FSDP2 chunk: nothing to write or read
     return [(MetadataIndex(name, part.offsets), tensor.narrow(box.dim, at, part.sizes[box.dim]) if box.pieces
@@ -90,18 +88,18 @@ def _parts(name: str, tensor: torch.Tensor, box: Box, writing: bool) -> list[tup
 
 
 def _view(state_dict: Mapping[str, torch.Tensor], boxes: Mapping[str, Box], index: MetadataIndex) -> torch.Tensor:
-    return next(view for i, view, _ in _parts(index.fqn, state_dict[index.fqn], boxes[index.fqn], False) if i == index)
+    return next(view for i, view, _ in _parts(index.fqn, state_dict[index.fqn], boxes, False) if i == index)
 
 
 class BoxSavePlanner(dcp.DefaultSavePlanner):
-    """Writes each tensor of the flat state dict as the box ``boxes[name]`` of its full tensor."""
+    """Writes each tensor of the flat state dict as the box ``boxes[name]`` of its full tensor (or whole)."""
 
     def __init__(self, boxes: Mapping[str, Box]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.boxes = boxes
 
     def create_local_plan(self) -> dcp.SavePlan:
-        parts = [p for name, tensor in self.state_dict.items() for p in _parts(name, tensor, self.boxes[name], True)]
+        parts = [p for name, tensor in self.state_dict.items() for p in _parts(name, tensor, self.boxes, True)]
         self.plan = dcp.SavePlan([dcp.WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=TensorWriteData(
             chunk=box.chunk(), size=torch.Size(box.size), properties=TensorProperties.create_from_tensor(view)))
             for index, view, box in parts])
@@ -114,8 +112,8 @@ class BoxSavePlanner(dcp.DefaultSavePlanner):
 
 
 class BoxLoadPlanner(dcp.DefaultLoadPlanner):
-    """Reads into each tensor of the flat state dict the box ``boxes[name]`` of its full tensor (its size and
-    dtype checked against the checkpoint's metadata before)."""
+    """Reads into each tensor of the flat state dict the box ``boxes[name]`` of its full tensor (or all of it), its
+    size and dtype checked against the checkpoint's metadata before."""
 
     def __init__(self, boxes: Mapping[str, Box]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -125,7 +123,7 @@ class BoxLoadPlanner(dcp.DefaultLoadPlanner):
         assert self.metadata is not None
         items: list[dcp.ReadItem] = []
         for name, tensor in self.state_dict.items():
-            chunks = [box.chunk() for _, _, box in _parts(name, tensor, self.boxes[name], False)]
+            chunks = [box.chunk() for _, _, box in _parts(name, tensor, self.boxes, False)]
             stored = cast(dcp.TensorStorageMetadata, self.metadata.state_dict_metadata[name])
             items += create_read_items_for_chunk_list(name, stored, chunks)
         return dcp.LoadPlan(items)

@@ -22,7 +22,7 @@ from ..mesh import Mesh, current_mesh
 from ..random import tracker as tp_streams
 from . import files
 from .files import MANIFEST, CheckpointError
-from .layout import Box, BoxLoadPlanner, locate, whole
+from .layout import Box, BoxLoadPlanner, locate
 from .saving import MODEL, OPTIM, agree, config_dict, grouped_names, local_optimizer, model_pieces
 
 Stored = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (full size, dtype), from DCP's metadata
@@ -212,7 +212,7 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
                                       f"{where}: {key} is stored as {dtype} of shape {size}, the model's is {want[0]} "
                                       f"of shape {want[1]}" + " (load(..., cast=True) converts it)" * (size == want[1]))
         states = {k: torch.empty(size, dtype=dtype) for k, (size, dtype) in stored.items() if k.startswith("rng.")}
-        _read(directory, tensors | states, BoxLoadPlanner(boxes | {k: whole(v) for k, v in states.items()}))
+        _read(directory, tensors | states, BoxLoadPlanner(boxes))
         restore = _generators(states, saved, mesh, where)
     except Exception as e:  # noqa: BLE001 - every rank learns of it below, then every rank raises
         error = e

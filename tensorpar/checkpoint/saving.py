@@ -22,7 +22,7 @@ from ..mesh import Mesh, current_mesh
 from ..random import tracker as tp_streams
 from . import files
 from .files import FORMAT, MANIFEST, CheckpointError
-from .layout import Box, BoxSavePlanner, locate, whole
+from .layout import Box, BoxSavePlanner, locate
 
 MODEL, OPTIM = "model.", "optim.state."
 
@@ -73,7 +73,7 @@ def model_pieces(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, B
 
 def _pieces(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: Mesh
             ) -> tuple[dict[str, torch.Tensor], dict[str, Box]]:
-    """``(tensors, boxes)`` of this rank's model, optimizer state and generator states, by name."""
+    """``(tensors, boxes)`` of this rank's model, optimizer state and generator states (whole: no box), by name."""
     (tensors, boxes), where = model_pieces(model), placements(model)
     names = {id(p): n for n, p in model.named_parameters()}
     for param, fields in local_optimizer(optimizer).state.items() if optimizer is not None else ():
@@ -90,9 +90,7 @@ def _pieces(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: Mes
     states |= {f"tp.{device}": state for device, state in tracker["states"].items()}
     if tracker["base"] is not None:
         states["tp.base"] = torch.tensor([tracker["base"]], dtype=torch.int64)
-    for stream, state in states.items():
-        tensors[f"rng.rank{mesh.rank}.{stream}"], boxes[f"rng.rank{mesh.rank}.{stream}"] = state, whole(state)
-    return tensors, boxes
+    return tensors | {f"rng.rank{mesh.rank}.{stream}": state for stream, state in states.items()}, boxes
 
 
 class PendingSave:
@@ -101,7 +99,6 @@ class PendingSave:
 
     _future: Future | None = None
     _error: BaseException | None = None
-    _path: Path | None = None
     _group: dist.ProcessGroup | None = None
     _pending = True
 
@@ -141,9 +138,9 @@ class PendingSave:
         for i, group in enumerate(fields["param_groups"]):  # every rank's parameters: pipeline stages differ
             group["params"] = list(dict.fromkeys(n for row in rows for n in row[1][i]))
         self._final, self._fields, self._keep, self._mesh = final, fields, keep, mesh
-        self._tmp = tmp = files.scratch(final, rows[0][2])
+        self._tmp = files.scratch(final, rows[0][2])
         writer: dict[str, Any] = {"planner": BoxSavePlanner(boxes), "storage_writer": dcp.FileSystemWriter(
-            tmp, single_file_per_rank=True, sync_files=True)}
+            self._tmp, single_file_per_rank=True, sync_files=True)}
         try:
             if background:
                 self._group = dist.new_group(backend="gloo")  # DCP's collectives run in a thread
@@ -179,15 +176,14 @@ class PendingSave:
                     if error is not None:
                         files.discard(self._tmp)
                 agree(error, self._mesh, "save the checkpoint")
-                self._path = self._final
             except BaseException as e:  # noqa: BLE001 - raised below, and by every later wait()
                 self._error = e
             finally:
                 if self._group is not None:
                     dist.destroy_process_group(self._group)
-        if self._path is None:
-            raise cast(BaseException, self._error)
-        return self._path
+        if self._error is not None:
+            raise self._error
+        return self._final
 
 
 def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
