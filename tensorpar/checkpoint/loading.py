@@ -23,7 +23,7 @@ from ..random import tracker as tp_streams
 from . import files
 from .files import MANIFEST, CheckpointError
 from .layout import Box, BoxLoadPlanner, locate
-from .saving import MODEL, OPTIM, agree, config_dict, grouped_names, local_optimizer, model_pieces
+from .saving import MODEL, OPTIM, agree, config_dict, grouped_names, model_pieces
 
 Stored = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (full size, dtype), from DCP's metadata
 _RNG = re.compile(r"rng\.rank(\d+)\.(cpu|cuda|tp\.base|tp\.(?:cpu|cuda(?::\d+)?))")
@@ -113,7 +113,7 @@ def _optimizer(meta: Mapping[str, Any], stored: Stored, where: object, model: nn
         if name not in known or not field:
             raise CheckpointError(f"{where}: {key} is not the state of a parameter of the optimizer")
         fields.setdefault(name, set()).add(field)
-    local = local_optimizer(optimizer)
+    local = getattr(optimizer, "optim", optimizer)  # a ZeroRedundancyOptimizer's: this rank's
     if len(kinds := sorted(map(sorted, {frozenset(f) for f in fields.values()} | {  # else the next step fails
             frozenset(k for k, v in state.items() if v is not None) for state in local.state.values() if state}))) > 1:
         raise CheckpointError(f"{where}: the states of the parameters hold the fields {kinds} (the checkpoint's and "
@@ -180,8 +180,7 @@ def _generators(states: Mapping[str, torch.Tensor], saved: tuple[int, ...], mesh
 
 def read_meta(path: str | Path) -> dict[str, Any]:
     """The checkpoint's metadata (with ``"path"``: its directory), every file checked against the manifest."""
-    directory = files.resolve(path)
-    return {**files.read_manifest(directory), "path": str(directory)}
+    return {**files.read_manifest(directory := files.resolve(path)), "path": str(directory)}
 
 
 def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,

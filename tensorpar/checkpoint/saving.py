@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ..full import placements
 from ..mesh import Mesh, current_mesh
@@ -50,11 +49,6 @@ def config_dict(model: nn.Module) -> dict[str, Any] | None:
     return json.loads(json.dumps({k: v for k, v in dataclasses.asdict(config).items() if k in kept}))
 
 
-def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer holding this rank's state: a ``ZeroRedundancyOptimizer``'s local one, or itself."""
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
-
-
 def grouped_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
     """The names of the parameters of each of the optimizer's groups."""
     names = {id(p): name for name, p in model.named_parameters()}
@@ -76,7 +70,7 @@ def _pieces(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: Mes
     """``(tensors, boxes)`` of this rank's model, optimizer state and generator states (whole: no box), by name."""
     (tensors, boxes), where = model_pieces(model), placements(model)
     names = {id(p): n for n, p in model.named_parameters()}
-    for param, fields in local_optimizer(optimizer).state.items() if optimizer is not None else ():
+    for param, fields in getattr(optimizer, "optim", optimizer).state.items() if optimizer else ():  # ZeRO's: local
         for field, value in ((f, torch.as_tensor(v).detach()) for f, v in fields.items() if v is not None):
             key = f"{OPTIM}{names[id(param)]}.{field}"  # a None: SGD without momentum, nothing to store
             if value.dim() and tuple(value.shape) != tuple(param.shape):
