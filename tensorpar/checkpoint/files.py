@@ -102,8 +102,11 @@ def recover(parent: Path) -> None:
             discard(entry)
 
 
-def publish(tmp: Path, final: Path, keep: int) -> None:
-    """Rename ``tmp`` to ``final`` (a replaced step waits aside), point ``latest`` at it, keep the newest ``keep``."""
+def publish(tmp: Path, final: Path, keep: int, fields: dict[str, Any]) -> None:
+    """Write ``tmp``'s manifest of ``fields``, rename ``tmp`` to ``final`` (a replaced step waits aside), point
+    ``latest`` at it, keep the newest ``keep``."""
+    body = fields | {"files": {name: file_entry(tmp / name) for name in sorted(os.listdir(tmp))}}
+    write_text(tmp / MANIFEST, json.dumps(body | {"meta_sha256": canonical_sha256(body)}, indent=1))
     parent, aside = final.parent, final.parent / f".old-{final.name}"
     if os.path.lexists(final):
         os.rename(final, aside)  # resolve() reads the aside copy until the new one is in place

@@ -20,7 +20,7 @@ from ..full import placements
 from ..mesh import Mesh, current_mesh
 from ..random import tracker as tp_streams
 from . import files
-from .files import FORMAT, MANIFEST, CheckpointError
+from .files import FORMAT, CheckpointError
 from .layout import Box, BoxSavePlanner, locate
 
 MODEL, OPTIM = "model.", "optim.state."
@@ -160,11 +160,7 @@ class PendingSave:
                 if self._mesh.rank == 0:  # DCP's collectives gave every rank each rank's write error
                     try:
                         if error is None:
-                            tmp = self._tmp
-                            body = self._fields | {"files": {n: files.file_entry(tmp / n) for n in os.listdir(tmp)}}
-                            text = json.dumps(body | {"meta_sha256": files.canonical_sha256(body)}, indent=1)
-                            files.write_text(tmp / MANIFEST, text)
-                            files.publish(tmp, self._final, self._keep)
+                            files.publish(self._tmp, self._final, self._keep, self._fields)
                     except Exception as e:  # noqa: BLE001 - a crash (a BaseException) leaves it to the next save
                         error = e
                     if error is not None:
