@@ -99,7 +99,7 @@ class PendingSave:
     def __init__(self, directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, *,
                  step: int, extra: Mapping[str, Any] | None, keep: int, mesh: Mesh, background: bool) -> None:
         error, final, names, fields = None, Path(), list[list[str]](), dict[str, Any]()
-        tensors, boxes = dict[str, torch.Tensor](), dict[str, Box]()
+        tensors, boxes, made = dict[str, torch.Tensor](), dict[str, Box](), None
         try:  # every rank raises the same CheckpointError below when any failed or they disagree
             if type(step) is not int or step < 0 or type(keep) is not int or keep < 1:
                 raise CheckpointError(f"step must be an integer >= 0 and keep one >= 1 (got step={step!r}, "
@@ -116,7 +116,7 @@ class PendingSave:
                                       "saved, and the checkpoints already in the directory are left as they are")
             if mesh.rank == 0:
                 files.recover(final.parent)
-                files.scratch(final).mkdir(parents=True)
+                (made := files.scratch(final)).mkdir(parents=True)
         except Exception as e:  # noqa: BLE001 - every rank learns of it below, then every rank raises
             error = e
         arguments = {"step": step, "keep": keep, "extra": fields.get("extra"), "optimizer groups": len(names)}
@@ -126,8 +126,8 @@ class PendingSave:
                                    for k in arguments if any(row[0][k] != arguments[k] for row in rows)):
                 raise CheckpointError(f"the ranks must save with the same arguments, and they differ ({differ[:2000]})")
         except BaseException:
-            if mesh.rank == 0:
-                files.discard(files.scratch(final))
+            if made is not None:  # this save's only: another of this process may be under way
+                files.discard(made)
             raise
         for i, group in enumerate(fields["param_groups"]):  # every rank's parameters: pipeline stages differ
             group["params"] = list(dict.fromkeys(n for row in rows for n in row[1][i]))
