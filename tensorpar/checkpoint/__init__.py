@@ -1,6 +1,5 @@
 """Distributed checkpoints on ``torch.distributed.checkpoint`` (DCP), loadable at any (tp, dp, pp), with or without
-FSDP2: a ``FileSystemWriter`` directory ``step-NNNNNN`` plus ``meta.json`` (step, layout, config, optimizer groups,
-``extra``, every file's SHA-256); the README's "Checkpoints" says what it holds and what it guarantees.
+FSDP2; the README's "Checkpoints" says what one holds and what it guarantees.
 
 Example::
 

@@ -8,7 +8,7 @@ from . import CheckpointError, export_safetensors
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command; return the exit status (1, with the error, for a refused checkpoint)."""
+    """Run the command: 0, or exit with status 1 and the error for a refused checkpoint."""
     parser = argparse.ArgumentParser(prog="python -m tensorpar.checkpoint", description=__doc__)
     command = parser.add_subparsers(dest="command", required=True).add_parser("safetensors")
     command.add_argument("checkpoint", help="a checkpoint directory, or the directory whose 'latest' names one")
@@ -17,8 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(export_safetensors(args.checkpoint, args.out))
     except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        parser.exit(1, f"error: {e}\n")
     return 0
 
 

@@ -1,7 +1,5 @@
-"""A checkpoint directory on disk: ``meta.json`` holds the run's fields, ``files`` (the size and SHA-256
-of every other file) and ``meta_sha256`` (its own), checked before DCP opens anything. Publishing renames
-a complete ``.tmp-<pid>-step-N`` into place (a replaced step goes to ``.old-step-N`` for that moment)
-and replaces ``latest``; the next save puts back or deletes what a crashed one left."""
+"""A checkpoint directory on disk: its manifest ``meta.json`` (checked before DCP opens anything), publishing by
+renames, ``latest``, keep-N, and the clean-up of what a crashed save left."""
 
 from __future__ import annotations
 
@@ -51,14 +49,11 @@ def write_text(path: Path, text: str) -> None:
 
 
 def read_manifest(directory: Path, share: tuple[int, int] | None = (0, 1)) -> dict[str, Any]:
-    """``directory``'s manifest after checking its own hash and fields, that it lists exactly the
-    directory's other files, their sizes, and the SHA-256 of ``.metadata`` and of the files that
-    ``share = (first, step)`` picks (each rank of a load hashes its share; None: no other)."""
+    """``directory``'s manifest (the run's fields, ``files``: every other file's size and SHA-256, ``meta_sha256``:
+    its own) after checking it; ``share = (first, step)``: the files this rank hashes besides ``.metadata``."""
     path = directory / MANIFEST
-    if file_entry(path, hash=False)["bytes"] > 64 << 20:
-        raise CheckpointError(f"{path} is larger than 64 MiB")
     try:
-        meta = json.loads(path.read_bytes())
+        meta = json.loads(path.read_bytes()) if file_entry(path, hash=False)["bytes"] < 64 << 20 else None
         if not (isinstance(meta, dict) and meta.pop("meta_sha256", None) == canonical_sha256(meta)):
             raise ValueError
     except (ValueError, RecursionError):
@@ -75,14 +70,12 @@ def read_manifest(directory: Path, share: tuple[int, int] | None = (0, 1)) -> di
     if (world := meta["tp"] * meta["dp"] * meta["pp"]) != (held := sum(n.endswith(".distcp") for n in files)):
         raise CheckpointError(f"{path}: tp x dp x pp = {world} ranks, the checkpoint holds the files of {held}")
     for i, name in enumerate(present):
-        mine, entry = name == ".metadata" or (share is not None and i % share[1] == share[0]), files[name]
-        if file_entry(directory / name, mine) != (entry | {"sha256": None} if isinstance(entry, dict) and not mine
-                                                  else entry):
+        mine = name == ".metadata" or (share is not None and i % share[1] == share[0])
+        if file_entry(directory / name, mine) != (files[name] | {"sha256": None} if isinstance(files[name], dict)
+                                                  and not mine else files[name]):
             raise CheckpointError(f"{directory / name}: size or SHA-256 does not match meta.json")
     return meta
 
-
-# --- publishing ---------------------------------------------------------------------------------
 
 def scratch(final: Path, pid: int | None = None) -> Path:
     """The temporary path for ``final`` of this process (or of process ``pid``)."""
@@ -96,9 +89,8 @@ def discard(path: Path) -> None:
 
 
 def recover(parent: Path) -> None:
-    """Before a save into ``parent``: refuse while this process's own save there is unfinished (an
-    ``async_save`` not yet waited for); put back an aside copy whose checkpoint is missing (a crash
-    between the renames of :func:`publish`); delete the other leftovers of crashed saves."""
+    """Before a save into ``parent``: refuse while this process's own save there is unfinished; put back an aside
+    copy whose checkpoint is missing (a crash inside :func:`publish`); delete the other leftovers of crashes."""
     for entry in sorted(parent.iterdir()) if parent.is_dir() else []:
         if (match := _TMP.fullmatch(entry.name)) and int(match[1]) == os.getpid():
             raise CheckpointError(f"{entry} is a save of this process still being written: call the wait() of "
@@ -110,9 +102,11 @@ def recover(parent: Path) -> None:
             discard(entry)
 
 
-def publish(tmp: Path, final: Path, keep: int) -> None:
-    """Rename the complete directory ``tmp`` to ``final``, point ``latest`` at it, then delete all but
-    the newest ``keep`` checkpoints (``final`` stays). ``latest`` always leads to a complete one."""
+def publish(tmp: Path, final: Path, keep: int, fields: dict[str, Any]) -> None:
+    """Write ``tmp``'s manifest of ``fields``, rename ``tmp`` to ``final`` (a replaced step waits aside), point
+    ``latest`` at it, keep the newest ``keep``."""
+    body = fields | {"files": {name: file_entry(tmp / name) for name in sorted(os.listdir(tmp))}}
+    write_text(tmp / MANIFEST, json.dumps(body | {"meta_sha256": canonical_sha256(body)}, indent=1))
     parent, aside = final.parent, final.parent / f".old-{final.name}"
     if os.path.lexists(final):
         os.rename(final, aside)  # resolve() reads the aside copy until the new one is in place
