@@ -1,29 +1,238 @@
 """The activation side of a plan: the bytes saved for backward, the largest transient, the peak.
 
-(Skeleton: placeholders.)
+Counted op by op for this implementation (:mod:`layers.gpt` and the layers it is built of), per rank,
+with the shards it holds (balanced: the lower tp ranks hold the extra head, feature or vocabulary row).
+``B`` sequences of ``T`` tokens per micro-batch, ``T_r`` this rank's tokens with sequence parallelism
+(else ``T``), ``C`` the width, ``h``/``h_kv`` its query/KV heads of ``d`` features, ``H`` its MLP hidden
+features, ``V`` its vocabulary rows; ``p`` bytes per element of the parameters (the residual stream, the
+LayerNorms), ``a`` of the matmuls (2 under bfloat16 autocast, else ``p``). Per micro-batch in flight:
+
+* embedding (first stage): the token ids ``8·B·T`` and positions ``8·T`` (at tp > 1 the masked ids and
+  the bool mask of foreign rows of each table instead: ``9·B·T + 9·T``); a dropout mask ``B·T_r·C``;
+* each block: both LayerNorms' inputs ``p·B·T_r·C`` and mean and 1/std ``4·B·T_r`` each (with sequence
+  parallelism at tp > 1 also the weight and bias joined for their summed gradient); the inputs of the
+  column maps ``a·B·T_r·C`` (the MLP's twice for SwiGLU under autocast, each map casting its own); fused
+  ``[Q|K|V]`` ``a·B·T·(h + 2 h_kv)·d``, SDPA's log-sum-exp ``4·B·h·T`` and output ``a·B·T·h·d`` (the CPU
+  flash kernel; with dropout on the CPU, SDPA's math path in float32: Q, Kᵀ, V, the softmax, its dropout
+  noise and the dropped probabilities, ``3·4·B·h·T·d + 3·4·B·h·T·T``, and a copy of the output); the MLP's
+  hidden activations ``a·B·T·H`` twice (GELU: its input and output) or four times (SwiGLU: gate, SiLU,
+  up, product); the dropout masks of the attention and MLP outputs;
+* with activation checkpointing, each block's input ``p·B·T_r·C`` instead of all of the above;
+* last stage: the final LayerNorm as above, the head's input ``a·B·T_r·C``, and the loss's buffers: the
+  vocab-parallel cross-entropy's softmax ``4·B·T·V`` (float32 for 16-bit logits), the local targets
+  ``8·B·T`` and two bool masks ``2·B·T`` (at tp = 1 ``F.cross_entropy``'s log-softmax and the targets).
+
+Under autocast the bfloat16 copies of the matmul weights are saved for backward too and are counted:
+once for maps that run ``F.linear`` (autocast caches its casts of parameters), once per micro-batch for
+the fused tensor-parallel maps (their forward casts them each call). Dropout masks are the input's dtype
+on the CPU (``x * noise``) and bool on CUDA. Only the default numerics are counted: the bitwise mode is
+refused.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
+from tensorpar.comm.sequence import sequence_sizes
+from tensorpar.pipeline import stage_blocks
+from tensorpar.sharding import partition_sizes
+
 from .config import GPTConfig
+from .heads import head_layout
 
 if TYPE_CHECKING:
     from .plan import Layout
 
-
-def activation_bytes(config: GPTConfig, layout: Layout, *, tp_rank: int = 0, stage: int = 0) -> int:
-    """Bytes saved for backward on one rank at the step's fullest moment (placeholder)."""
-    return 0
+DEVICE_TYPES = ("cpu", "cuda")
 
 
-def transient_bytes(config: GPTConfig, layout: Layout, *, tp_rank: int = 0, stage: int = 0) -> int:
+def _itemsize(name: str | None, what: str) -> int:
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{what} must name a floating-point torch dtype, got {name!r}")
+    return dtype.itemsize
+
+
+@dataclass(frozen=True)
+class _Shapes:
+    """One rank's sizes of one micro-batch (see the module's docstring for the letters)."""
+
+    b: int
+    t: int
+    t_r: int
+    c: int
+    d: int
+    h: int
+    h_kv: int
+    kv_by_index: bool  # the local query heads read their KV heads unevenly: K and V gathered by index
+    kv_joined: bool  # K and V rows held whole by every rank: the weight is a concatenated copy
+    h_read: int  # the KV heads SDPA reads (h when gathered by index)
+    hidden: int
+    vocab: int
+    tp: int
+    p: int  # parameters, residual stream
+    a: int  # matmuls (autocast's dtype, else p)
+    autocast: bool
+    sp: bool
+
+
+def _shapes(config: GPTConfig, layout: Layout, tp_rank: int) -> _Shapes:
+    tp = layout.tp
+    if not 0 <= tp_rank < tp:
+        raise ValueError(f"tp_rank {tp_rank} is out of range for tp {tp}")
+    t = config.block_size if layout.seq_len is None else layout.seq_len
+    if not 1 <= t <= config.block_size:
+        raise ValueError(f"seq_len ({t}) must be in [1, block_size ({config.block_size})]")
+    p = _itemsize(layout.dtype, "Layout.dtype")
+    a = p if layout.autocast is None else _itemsize(layout.autocast, "Layout.autocast")
+    heads = head_layout(config.n_head, config.kv_heads, tp, tp_rank)
+    sp = layout.sequence_parallel and tp > 1
+    return _Shapes(b=layout.micro_batch, t=t, t_r=sequence_sizes(t, tp)[tp_rank] if sp else t, c=config.n_embd,
+                   d=config.n_embd // config.n_head, h=len(heads.query), h_kv=len(heads.kv_held),
+                   kv_by_index=heads.group_size is None, kv_joined=heads.kv_replicated and tp > 1,
+                   h_read=len(heads.query) if heads.group_size is None else len(heads.kv_reads),
+                   hidden=partition_sizes(config.mlp_hidden, tp)[tp_rank],
+                   vocab=partition_sizes(config.vocab_size, tp, name="vocab_size")[tp_rank], tp=tp, p=p, a=a,
+                   autocast=layout.autocast is not None, sp=sp)
+
+
+def _mask(s: _Shapes, elements: int, dtype_bytes: int, dropout: float, device_type: str) -> int:
+    """A dropout mask of ``elements``: the noise in the input's dtype on the CPU, bool on CUDA."""
+    if dropout == 0:
+        return 0
+    return elements * (dtype_bytes if device_type == "cpu" else 1)
+
+
+def _layer_norm(s: _Shapes, bias: bool) -> int:
+    """A LayerNorm's input, mean and 1/std (and with sequence parallelism its weight and bias joined)."""
+    joined = s.c * (1 + bias) * s.p if s.sp else 0
+    return s.b * s.t_r * s.c * s.p + 2 * s.b * s.t_r * 4 + joined
+
+
+def _attention(s: _Shapes, dropout: float, device_type: str) -> int:
+    """SDPA's saved tensors and the output projection's input (its weight: :func:`_weights`)."""
+    b, t, h, d = s.b, s.t, s.h, s.d
+    gathered = 2 * b * h * t * d * s.a + 2 * 8 * h if s.kv_by_index else 0  # K, V copies; the two index lists
+    out = b * t * h * d * s.a
+    qkv = b * t * (h + 2 * s.h_kv) * d * s.a
+    if dropout and device_type == "cpu":  # the math path, in float32 (float64 stays)
+        m = max(4, s.a)
+        # V as (B·h, T, d): a view of [Q|K|V] where B or h is 1 and nothing was cast, repeated or gathered
+        v_view = (b == 1 or h == 1) and m == s.a and s.h_read == h and not s.kv_by_index
+        v = qkv if v_view else b * h * t * d * m
+        return 2 * b * h * t * d * m + v + 3 * b * h * t * t * m + out + (2 * 8 * h if s.kv_by_index else 0)
+    return qkv + b * h * t * max(4, s.a) + out + gathered
+
+
+def _padded_tokens(config: GPTConfig, s: _Shapes) -> int:
+    """The bytes beyond this rank's tokens of the embedding's reduce-scatter output, which the first block
+    keeps: uneven shards travel padded to the largest, and this rank's tokens are a view of its padded
+    buffer, unless a dropout copied them."""
+    most = sequence_sizes(s.t, s.tp)[0]
+    if not s.sp or s.t_r == most or (config.dropout and s.t_r):
+        return 0
+    return s.b * (most - s.t_r) * s.c * s.p
+
+
+def _block(config: GPTConfig, s: _Shapes, device_type: str) -> int:
+    """One block's saved bytes for one micro-batch, weight copies apart."""
+    rows_in = s.b * s.t_r * s.c
+    swiglu = config.mlp == "swiglu"
+    mlp_inputs = 2 if swiglu and s.autocast and not s.sp else 1  # each map casts the input itself
+    hidden = (4 if swiglu else 2) * s.b * s.t * s.hidden * s.a
+    drops = 2 * _mask(s, rows_in, s.a, config.dropout, device_type)  # the attention's and the MLP's outputs
+    return (2 * _layer_norm(s, config.bias) + (1 + mlp_inputs) * rows_in * s.a
+            + _attention(s, config.dropout, device_type) + hidden + drops)
+
+
+def _weights(config: GPTConfig, s: _Shapes, blocks: int, last: bool) -> tuple[int, int]:
+    """The autocast copies of the matmul weights saved for backward: ``(cached once, per micro-batch)``."""
+    if not s.autocast and not s.kv_joined:
+        return 0, 0
+    rows_qkv = (s.h + 2 * s.h_kv) * s.d
+    c_attn = rows_qkv * s.c * s.a
+    once, each = 0, 0
+    if s.kv_joined:  # a concatenated copy each call, cast (under autocast) each call
+        each += blocks * c_attn
+    elif s.autocast:
+        once += blocks * c_attn
+    if not s.autocast:
+        return once, each
+    fused = s.tp > 1  # the row-parallel maps and the head run fused Functions: a cast each call
+    up = (2 if config.mlp == "swiglu" else 1) * s.hidden * s.c * s.a
+    once += blocks * up
+    proj = blocks * (s.c * s.h * s.d + s.c * s.hidden) * s.a
+    head = s.vocab * s.c * s.a if last else 0
+    if fused:
+        each += proj + head
+    else:
+        once += proj + head
+    return once, each
+
+
+def in_flight(layout: Layout, stage: int) -> int:
+    """Micro-batches whose forward has run and whose backward has not, at a pipeline rank's fullest
+    moment: one without a pipeline (accumulated micro-batches run one after the other), every one with
+    GPipe, at most ``pp - stage`` with 1F1B (interleaved: counted as 1F1B, an approximation)."""
+    if layout.pp == 1:
+        return 1
+    if layout.schedule == "gpipe":
+        return layout.microbatches
+    return min(layout.microbatches, layout.pp - stage)
+
+
+def _check(config: GPTConfig, layout: Layout, stage: int, device_type: str) -> None:
+    if device_type not in DEVICE_TYPES:
+        raise ValueError(f"device_type must be one of {DEVICE_TYPES}, got {device_type!r}")
+    if not 0 <= stage < layout.pp:
+        raise ValueError(f"stage {stage} is out of range for pp {layout.pp}")
+    from tensorpar.bitwise.settings import current_bitwise
+
+    if current_bitwise() is not None:
+        raise ValueError("the plan counts the default numerics only; the bitwise mode saves other tensors")
+
+
+def activation_bytes(config: GPTConfig, layout: Layout, *, tp_rank: int = 0, stage: int = 0,
+                     device_type: str = "cpu") -> int:
+    """Bytes saved for backward on one rank at the step's fullest moment: its stage's blocks (and the
+    embedding, or the final LayerNorm, head and loss) for every micro-batch in flight (see the module's
+    docstring), on ``device_type`` (``"cpu"`` or ``"cuda"``: dropout masks and SDPA differ)."""
+    _check(config, layout, stage, device_type)
+    s = _shapes(config, layout, tp_rank)
+    blocks = len(stage_blocks(config.n_layer, layout.pp)[stage])
+    first, last = stage == 0, stage == layout.pp - 1
+    per = 0
+    if first:
+        ids = s.b * s.t * 8 + s.t * 8
+        per += ids if s.tp == 1 else ids + s.b * s.t + s.t  # masked ids and foreign-row masks
+        per += _mask(s, s.b * s.t_r * s.c, s.p, config.dropout, device_type)
+        per += _padded_tokens(config, s)
+    if layout.activation_checkpointing:
+        per += blocks * s.b * s.t_r * s.c * s.p  # each block's input; its insides are recomputed
+    else:
+        per += blocks * _block(config, s, device_type)
+    if last:
+        per += _layer_norm(s, config.bias) + s.b * (s.t if s.tp == 1 else s.t_r) * s.c * s.a
+        loss = 4 if s.a < 4 else s.a  # the loss's dtype: float32 for 16-bit logits
+        if s.tp == 1:  # F.cross_entropy: the log-softmax, the targets, the mean's total weight
+            per += s.b * s.t * s.vocab * loss + 8 * s.b * s.t + loss
+        else:  # the softmax, the local targets, the owned and valid masks
+            per += s.b * s.t * s.vocab * loss + 8 * s.b * s.t + 2 * s.b * s.t
+    once, each = _weights(config, s, 0 if layout.activation_checkpointing else blocks, last)
+    return in_flight(layout, stage) * (per + each) + once
+
+
+def transient_bytes(config: GPTConfig, layout: Layout, *, tp_rank: int = 0, stage: int = 0,
+                    device_type: str = "cpu") -> int:
     """The largest short-lived buffer of the step on one rank (placeholder)."""
     return 0
 
 
 def peak_bytes(config: GPTConfig, layout: Layout, *, params: int, grads: int, optimizer: int,
-               tp_rank: int = 0, stage: int = 0) -> int:
+               tp_rank: int = 0, stage: int = 0, device_type: str = "cpu") -> int:
     """The most bytes one rank holds at once during a step (placeholder)."""
-    return params + grads + optimizer
+    return params + grads + optimizer + activation_bytes(config, layout, tp_rank=tp_rank, stage=stage,
+                                                         device_type=device_type)

@@ -1,0 +1,96 @@
+"""What a rank really holds during a step, measured: the plan's (:mod:`layers.plan_activations`) check.
+
+* :func:`saved_bytes`: the bytes autograd saves for backward while a forward runs, seen by a
+  ``torch.autograd.graph.saved_tensors_hooks`` pack hook, each storage once, parameters (and tensors
+  aliasing them) excluded; with activation checkpointing the checkpointed blocks' inputs are added
+  (once: torch 2.13's non-reentrant checkpoint saves them through the same hook).
+* :class:`LiveBytes`: a ``TorchDispatchMode`` that counts the bytes of every storage an op creates
+  while it is alive (a weak reference finalizer takes it off), from given starting tensors, and keeps
+  the peak: the step's tensors' high-water mark on any device, the CPU included (where no allocator
+  statistics exist). Storages made outside the dispatcher (inside a collective's backend) are not seen.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+def saved_bytes(model: nn.Module, forward: Callable[[], Any], *, blocks: Iterable[nn.Module] = ()) -> int:
+    """Bytes of the distinct storages autograd saves while ``forward()`` runs, ``model``'s parameters
+    excluded, plus the inputs of ``blocks`` (checkpointed blocks: what their recomputation starts from)
+    where not already counted. The result of ``forward()`` is dropped after."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}  # data pointer -> bytes
+
+    def note(t: torch.Tensor) -> None:
+        s = t.untyped_storage()
+        if s.data_ptr() not in params and s.nbytes():
+            storages[s.data_ptr()] = s.nbytes()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        note(t)
+        return t
+
+    hooks = [b.register_forward_pre_hook(lambda _, args: note(args[0])) for b in blocks]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            result = forward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    del result
+    return sum(storages.values())
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the live storages the ops run under it create (and of those given to :meth:`track`), and
+    their peak. Each storage is counted once, from its creation (or tracking) until it is freed.
+
+    Example::
+
+        with LiveBytes() as live:
+            live.track(model.parameters())
+            loss = model(idx, targets); loss.backward(); optimizer.step()
+        live.peak
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen: dict[int, int] = {}  # data pointer -> bytes
+
+    def track(self, tensors: Iterable[torch.Tensor | None]) -> None:
+        """Count the storages of ``tensors`` (made before the mode was entered) while they live."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._add(t)
+
+    def _add(self, t: torch.Tensor) -> None:
+        if t.device.type == "meta":
+            return
+        storage = t.untyped_storage()
+        ptr, n = storage.data_ptr(), storage.nbytes()
+        if not n or ptr in self._seen:
+            return
+        self._seen[ptr] = n
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._drop, ptr)
+
+    def _drop(self, ptr: int) -> None:
+        self.live -= self._seen.pop(ptr, 0)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._add(t)
+        return out
