@@ -47,6 +47,8 @@ if TYPE_CHECKING:
     from .plan import Layout
 
 DEVICE_TYPES = ("cpu", "cuda")
+#: a default generator's state: the CPU's Mersenne twister, CUDA's Philox seed and offset
+RNG_STATE_BYTES = {"cpu": 5056, "cuda": 16}
 
 
 def _itemsize(name: str | None, what: str) -> int:
@@ -225,14 +227,186 @@ def activation_bytes(config: GPTConfig, layout: Layout, *, tp_rank: int = 0, sta
     return in_flight(layout, stage) * (per + each) + once
 
 
+def _loss_bytes(s: _Shapes) -> int:
+    """Bytes per element of the loss's buffers: float32 for 16-bit logits, else the logits' own."""
+    return 4 if s.a < 4 else s.a
+
+
+def _forward_transient(s: _Shapes) -> int:
+    """What the last stage holds only while its forward ends: the logits (and at tp = 1 under autocast
+    their float32 copy), of which the loss keeps its own buffers."""
+    logits = s.b * s.t * s.vocab * s.a
+    return logits + (s.b * s.t * s.vocab * _loss_bytes(s) if s.tp == 1 and s.a != _loss_bytes(s) else 0)
+
+
+def _head_backward_transient(s: _Shapes) -> int:
+    """What the loss's and the head's backward add while they run: the logits' gradient (at tp > 1 the
+    softmax, overwritten in place, and its cast to the logits' dtype), the head's input gradient and its
+    weight gradient in the matmul dtype before the cast to the parameters'."""
+    btv, loss = s.b * s.t * s.vocab, _loss_bytes(s)
+    head = s.b * s.t * s.c * s.a + (s.vocab * s.c * s.a if s.a != s.p else 0)
+    if s.tp == 1:  # nll_loss's gradient, then log_softmax's; then the cast back and the head's matmuls
+        return btv * loss + max(btv * loss, (btv * s.a if s.a != loss else 0) + head)
+    return (btv * s.a if s.a != loss else 0) + head
+
+
+def _communication(s: _Shapes) -> int:
+    """The largest collective buffer: with sequence parallelism the gathered tokens (padded to the largest
+    shard, then joined) or a reduce-scatter's padded input; a row map's all-reduce runs in place."""
+    if not s.sp:
+        return 0
+    most = sequence_sizes(s.t, s.tp)[0]
+    return s.b * s.c * s.a * (s.tp * most + s.t)
+
+
 def transient_bytes(config: GPTConfig, layout: Layout, *, tp_rank: int = 0, stage: int = 0,
                     device_type: str = "cpu") -> int:
-    """The largest short-lived buffer of the step on one rank (placeholder)."""
-    return 0
+    """The largest short-lived buffer of the step on one rank: the logits and the loss's gradient buffers
+    (last stage), SDPA's scores on its math path, or the sequence-parallel collectives' padded buffers."""
+    _check(config, layout, stage, device_type)
+    s = _shapes(config, layout, tp_rank)
+    found = [_communication(s)]
+    if config.dropout and device_type == "cpu":  # the scores before the softmax
+        found.append(s.b * s.h * s.t * s.t * max(4, s.a))
+    if stage == layout.pp - 1:
+        found += [_forward_transient(s), _head_backward_transient(s)]
+    return max(found)
+
+
+def _largest_parameter(config: GPTConfig, layout: Layout, s: _Shapes, stage: int) -> int:
+    """Elements of this rank's largest parameter tensor."""
+    held = [(s.h + 2 * s.h_kv) * s.d * s.c, s.c * s.h * s.d, s.hidden * s.c]
+    if stage in (0, layout.pp - 1):
+        held.append(s.vocab * s.c)
+    if stage == 0:
+        held.append(partition_sizes(config.block_size, s.tp, name="block_size")[0] * s.c)
+    return max(held)
+
+
+Node = tuple[int, int, int]  # a backward step: (saved bytes it lets go, new gradient bytes, working bytes)
+
+
+def _linear_node(s: _Shapes, saved: int, rows: int, cols: int, bias: bool, grad_out: int, grad_in: int) -> Node:
+    """A matmul's backward: its weight ``(rows, cols)`` gradient (computed in the matmul dtype first under
+    autocast), the output gradient it reads and the input gradient it makes (elements); with sequence
+    parallelism the tokens (or the output gradient) it gathers again, through a padded buffer."""
+    cast = rows * cols * s.a if s.a != s.p else 0
+    return saved, (rows * cols + bias * rows) * s.p, (grad_out + grad_in) * s.a + cast + _communication(s)
+
+
+def _block_nodes(config: GPTConfig, s: _Shapes, device_type: str) -> list[Node]:
+    """One block's backward, step by step; the saved bytes add up to :func:`_block` and the block's
+    weight copies."""
+    b, c, bias = s.b, s.c, config.bias
+    rows_in, tokens, rows = s.b * s.t_r * s.c, s.b * s.t, (s.h + 2 * s.h_kv) * s.d
+    k = 2 if config.mlp == "swiglu" else 1
+    copies = s.a if s.autocast else 0  # the weights' autocast copies (the joined KV weight: a copy anyway)
+    mask = _mask(s, rows_in, s.a, config.dropout, device_type)
+    norm = (_layer_norm(s, bias), c * (1 + bias) * s.p, 2 * rows_in * s.p)
+    mlp_inputs = 2 if k == 2 and s.autocast and not s.sp else 1
+    hidden = tokens * s.hidden
+    attention = _attention(s, config.dropout, device_type)
+    scores = 2 * b * s.h * s.t * s.t * max(4, s.a) if config.dropout and device_type == "cpu" else 0
+    return [
+        (mask, 0, 2 * rows_in * s.a),
+        _linear_node(s, hidden * s.a + c * s.hidden * copies, c, s.hidden, bias, tokens * c, hidden),
+        ((2 * k - 1) * hidden * s.a, 0, (2 * k - 1) * hidden * s.a),  # GELU's input; SiLU's, its output, the up's
+        _linear_node(s, mlp_inputs * rows_in * s.a + k * s.hidden * c * copies, k * s.hidden, c, bias,
+                     k * hidden, tokens * c),
+        norm,
+        (mask, 0, 2 * rows_in * s.a),
+        _linear_node(s, c * s.h * s.d * copies, c, s.h * s.d, bias, tokens * c, tokens * s.h * s.d),
+        (attention, 0, 2 * tokens * rows * s.a + scores),
+        _linear_node(s, rows_in * s.a + rows * c * (s.a if s.kv_joined else copies), rows, c, bias,
+                     tokens * rows, tokens * c),
+        norm,
+    ]
+
+
+def _head_nodes(config: GPTConfig, s: _Shapes) -> list[Node]:
+    """The loss's, the head's and the final LayerNorm's backward (their saved bytes: the last stage's)."""
+    btv, loss, rows_in = s.b * s.t * s.vocab, _loss_bytes(s), s.b * s.t_r * s.c
+    cast = btv * s.a if s.a != loss else 0  # the logits' gradient cast back to their dtype
+    if s.tp == 1:  # F.cross_entropy: nll_loss's gradient, then log_softmax's, which the head reads
+        ce, incoming = (btv * loss + 8 * s.b * s.t + loss, 0, 2 * btv * loss), btv * loss + cast
+        softmax = 0
+    else:  # the softmax becomes the logits' gradient in place, which the head reads
+        ce, incoming, softmax = (8 * s.b * s.t + 2 * s.b * s.t, 0, cast), cast, btv * loss
+    head_input = s.b * (s.t if s.tp == 1 else s.t_r) * s.c * s.a
+    grads = s.vocab * s.c * s.p
+    head = (softmax + head_input + (s.vocab * s.c * s.a if s.autocast else 0), grads,
+            incoming + s.b * s.t * s.c * s.a + (s.vocab * s.c * s.a if s.a != s.p else 0))
+    norm = (_layer_norm(s, config.bias), s.c * (1 + config.bias) * s.p, 2 * rows_in * s.p)
+    return [ce, head, norm]
+
+
+def _backward(config: GPTConfig, layout: Layout, s: _Shapes, stage: int, device_type: str,
+              accumulating: bool) -> int:
+    """The most the backward of one micro-batch adds to what the forward's end holds, step by step in
+    backward order: each step's working buffers and new gradients (none where ``accumulating`` into those
+    of earlier micro-batches) while it runs, its saved tensors let go after."""
+    blocks = len(stage_blocks(config.n_layer, layout.pp)[stage])
+    nodes: list[Node] = _head_nodes(config, s) if stage == layout.pp - 1 else []
+    block = _block_nodes(config, s, device_type)
+    if layout.activation_checkpointing:  # the block's forward again, the tp stream's state noted and replayed
+        rng = RNG_STATE_BYTES[device_type] if config.dropout else 0
+        recomputed = sum(n[0] for n in block)
+        block = [(-recomputed - 2 * rng, 0, 0), *block, (s.b * s.t_r * s.c * s.p + 3 * rng, 0, 0)]
+    nodes += block * blocks
+    if stage == 0:
+        positions = partition_sizes(config.block_size, s.tp, name="block_size")[0] * s.c * s.p
+        tied = s.vocab * s.c * s.p  # the lookup's dense gradient, added to the head's
+        nodes.append((0, positions + (0 if stage == layout.pp - 1 else tied), tied + s.b * s.t * s.c * s.p))
+    live, most = 0, 0
+    for freed, grads, working in nodes:
+        grads = 0 if accumulating else grads
+        most = max(most, live + grads + working)
+        live += grads - freed
+    return most
+
+
+def _first_stage(config: GPTConfig, s: _Shapes, device_type: str) -> int:
+    """The embedding's saved bytes for one micro-batch."""
+    ids = s.b * s.t * 8 + s.t * 8
+    masks = ids if s.tp == 1 else ids + s.b * s.t + s.t
+    return masks + _mask(s, s.b * s.t_r * s.c, s.p, config.dropout, device_type) + _padded_tokens(config, s)
 
 
 def peak_bytes(config: GPTConfig, layout: Layout, *, params: int, grads: int, optimizer: int,
                tp_rank: int = 0, stage: int = 0, device_type: str = "cpu") -> int:
-    """The most bytes one rank holds at once during a step (placeholder)."""
-    return params + grads + optimizer + activation_bytes(config, layout, tp_rank=tp_rank, stage=stage,
-                                                         device_type=device_type)
+    """The most bytes one rank holds at once during a step, given its ``params``, ``grads`` and
+    ``optimizer`` state: the largest of
+
+    * the forward's end: parameters, optimizer state, the step's token ids and targets, the saved
+      activations of every micro-batch in flight, the logits, and the gradients where earlier
+      micro-batches made them (pipelines, gradient accumulation);
+    * the backward: the same, then layer by layer in backward order each layer's new gradients and
+      working buffers (the loss's and the head's gradient buffers; with activation checkpointing the
+      block's recomputed activations), its saved tensors let go after it;
+    * the optimizer step: parameters, gradients, optimizer state and the step's temporaries (AdamW: the
+      square root of the second moment, its quotient and the update, a parameter at a time on the CPU, every
+      parameter at once with CUDA's foreach kernels).
+
+    With activation checkpointing and dropout each checkpointed block also keeps the tp stream's state.
+    """
+    _check(config, layout, stage, device_type)
+    s = _shapes(config, layout, tp_rank)
+    last = stage == layout.pp - 1
+    acts = activation_bytes(config, layout, tp_rank=tp_rank, stage=stage, device_type=device_type)
+    blocks = len(stage_blocks(config.n_layer, layout.pp)[stage])
+    if layout.activation_checkpointing and config.dropout:  # each checkpointed block's tp stream state
+        acts += in_flight(layout, stage) * blocks * RNG_STATE_BYTES[device_type]
+    if s.sp:  # the gathered tokens of each block's two column regions: save_sequence_shard's hook holds them
+        acts += in_flight(layout, stage) * blocks * 2 * s.b * s.t * s.c * s.a
+    batch = 16 * s.b * s.t * layout.microbatches  # int64 ids and targets of the step
+    earlier = grads if layout.microbatches > 1 else 0
+    held = params + optimizer + batch + acts
+    forward_end = held + earlier + (_forward_transient(s) if last else 0)
+    backward = held + earlier + _backward(config, layout, s, stage, device_type, accumulating=bool(earlier))
+    if layout.optimizer == "adamw":
+        largest = _largest_parameter(config, layout, s, stage) * s.p
+        temporaries = params if device_type == "cuda" else 3 * largest
+    else:
+        temporaries = 0
+    step = params + grads + optimizer + batch + temporaries
+    return max(forward_end, backward, step)
