@@ -94,3 +94,53 @@ class LiveBytes(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self._add(t)
         return out
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages of ``tensors``."""
+    found = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
+    return sum(found.values())
+
+
+def measure_step(config: Any, micro_batch: int, seq_len: int, *, autocast: torch.dtype | None = None,
+                 seed: int = 0) -> dict[str, int]:
+    """On every rank of the default mesh's tp group: a :class:`~layers.GPT` of ``config`` trained one AdamW
+    step on ``micro_batch`` random sequences of ``seq_len`` tokens (under ``autocast`` where given), then
+    measured over a second step: the bytes saved for backward by its forward (:func:`saved_bytes`), the
+    peak of the step's live tensors from the forward through ``optimizer.step()`` (:class:`LiveBytes`,
+    tracking the parameters, the optimizer state and the batch from the start), and the bytes of the
+    parameters, their gradients and the optimizer state."""
+    import contextlib
+
+    import tensorpar
+
+    from .gpt import GPT
+
+    tensorpar.manual_seed(seed)
+    model = GPT(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(seed)
+    idx, targets = (torch.randint(0, config.vocab_size, (micro_batch, seq_len), generator=g) for _ in range(2))
+
+    def casting() -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext() if autocast is None else torch.autocast("cpu", dtype=autocast)
+
+    def forward() -> torch.Tensor:
+        with casting():
+            return model(idx, targets)
+
+    blocks = model.transformer.h if config.activation_checkpointing else ()
+    saved = saved_bytes(model, forward, blocks=blocks)  # the first step's forward: saved, then dropped
+    forward().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    with LiveBytes() as live:
+        live.track([*model.parameters(), *state, idx, targets])
+        loss = forward()
+        loss.backward()
+        grads = _storage_bytes(p.grad for p in model.parameters())
+        optimizer.step()
+        del loss
+    return dict(saved=saved, peak=live.peak, params=_storage_bytes(model.parameters()), grads=grads,
+                optimizer=_storage_bytes(state))
