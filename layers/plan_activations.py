@@ -208,10 +208,7 @@ def activation_bytes(config: GPTConfig, layout: Layout, *, tp_rank: int = 0, sta
     first, last = stage == 0, stage == layout.pp - 1
     per = 0
     if first:
-        ids = s.b * s.t * 8 + s.t * 8
-        per += ids if s.tp == 1 else ids + s.b * s.t + s.t  # masked ids and foreign-row masks
-        per += _mask(s, s.b * s.t_r * s.c, s.p, config.dropout, device_type)
-        per += _padded_tokens(config, s)
+        per += _first_stage(config, s, device_type)
     if layout.activation_checkpointing:
         per += blocks * s.b * s.t_r * s.c * s.p  # each block's input; its insides are recomputed
     else:
@@ -273,14 +270,27 @@ def transient_bytes(config: GPTConfig, layout: Layout, *, tp_rank: int = 0, stag
     return max(found)
 
 
-def _largest_parameter(config: GPTConfig, layout: Layout, s: _Shapes, stage: int) -> int:
-    """Elements of this rank's largest parameter tensor."""
-    held = [(s.h + 2 * s.h_kv) * s.d * s.c, s.c * s.h * s.d, s.hidden * s.c]
-    if stage in (0, layout.pp - 1):
-        held.append(s.vocab * s.c)
-    if stage == 0:
-        held.append(partition_sizes(config.block_size, s.tp, name="block_size")[0] * s.c)
-    return max(held)
+def _parameter_sizes(config: GPTConfig, layout: Layout, s: _Shapes, stage: int) -> list[int]:
+    """Elements of this rank's parameter tensors, in the model's order (an optimizer's)."""
+    c, b, rows, k = s.c, int(config.bias), (s.h + 2 * s.h_kv) * s.d, 2 if config.mlp == "swiglu" else 1
+    norm = [c] + [c] * b
+    sizes = [s.vocab * c, partition_sizes(config.block_size, s.tp, name="block_size")[0] * c] if stage == 0 else []
+    block = [*norm, rows * c, *[rows] * b, c * s.h * s.d, *[c] * b, *norm,
+             *[s.hidden * c, *[s.hidden] * b] * k, c * s.hidden, *[c] * b]
+    sizes += block * len(stage_blocks(config.n_layer, layout.pp)[stage])
+    if stage == layout.pp - 1:
+        sizes += norm + ([s.vocab * c] if stage else [])  # the head's copy where the embedding is elsewhere
+    return sizes
+
+
+def _adamw_temporaries(config: GPTConfig, layout: Layout, s: _Shapes, stage: int, device_type: str,
+                       params: int) -> int:
+    """AdamW's step temporaries: CUDA's foreach kernels take the square roots of every second moment at
+    once; the CPU's loop takes a parameter's square root and quotient while the last one's lives on."""
+    if device_type == "cuda":
+        return params
+    sizes = _parameter_sizes(config, layout, s, stage)
+    return max(before + 2 * n for before, n in zip([0, *sizes], sizes, strict=False)) * s.p
 
 
 Node = tuple[int, int, int]  # a backward step: (saved bytes it lets go, new gradient bytes, working bytes)
@@ -350,8 +360,11 @@ def _backward(config: GPTConfig, layout: Layout, s: _Shapes, stage: int, device_
     block = _block_nodes(config, s, device_type)
     if layout.activation_checkpointing:  # the block's forward again, the tp stream's state noted and replayed
         rng = RNG_STATE_BYTES[device_type] if config.dropout else 0
-        recomputed = sum(n[0] for n in block)
-        block = [(-recomputed - 2 * rng, 0, 0), *block, (s.b * s.t_r * s.c * s.p + 3 * rng, 0, 0)]
+        gathered = 2 * s.b * s.t * s.c * s.a if s.sp else 0  # held by save_sequence_shard's hook, as forward
+        recomputed = sum(n[0] for n in block) + gathered + rng
+        # the recomputation's own transients: a row map's partial sums and the residual stream's sum
+        ahead = s.b * s.t * s.c * s.a + s.b * s.t_r * s.c * s.p
+        block = [(-recomputed, 0, ahead), *block, (s.b * s.t_r * s.c * s.p + gathered + 2 * rng, 0, 0)]
     nodes += block * blocks
     if stage == 0:
         positions = partition_sizes(config.block_size, s.tp, name="block_size")[0] * s.c * s.p
@@ -366,7 +379,8 @@ def _backward(config: GPTConfig, layout: Layout, s: _Shapes, stage: int, device_
 
 
 def _first_stage(config: GPTConfig, s: _Shapes, device_type: str) -> int:
-    """The embedding's saved bytes for one micro-batch."""
+    """The embedding's saved bytes for one micro-batch: ids and positions (at tp > 1 the masked ids and
+    the masks of foreign rows), the dropout mask, the padding of the first block's input."""
     ids = s.b * s.t * 8 + s.t * 8
     masks = ids if s.tp == 1 else ids + s.b * s.t + s.t
     return masks + _mask(s, s.b * s.t_r * s.c, s.p, config.dropout, device_type) + _padded_tokens(config, s)
@@ -384,7 +398,7 @@ def peak_bytes(config: GPTConfig, layout: Layout, *, params: int, grads: int, op
       working buffers (the loss's and the head's gradient buffers; with activation checkpointing the
       block's recomputed activations), its saved tensors let go after it;
     * the optimizer step: parameters, gradients, optimizer state and the step's temporaries (AdamW: the
-      square root of the second moment, its quotient and the update, a parameter at a time on the CPU, every
+      square root of the second moment and its quotient, a parameter at a time on the CPU, every
       parameter at once with CUDA's foreach kernels).
 
     With activation checkpointing and dropout each checkpointed block also keeps the tp stream's state.
@@ -404,8 +418,7 @@ def peak_bytes(config: GPTConfig, layout: Layout, *, params: int, grads: int, op
     forward_end = held + earlier + (_forward_transient(s) if last else 0)
     backward = held + earlier + _backward(config, layout, s, stage, device_type, accumulating=bool(earlier))
     if layout.optimizer == "adamw":
-        largest = _largest_parameter(config, layout, s, stage) * s.p
-        temporaries = params if device_type == "cuda" else 3 * largest
+        temporaries = _adamw_temporaries(config, layout, s, stage, device_type, params)
     else:
         temporaries = 0
     step = params + grads + optimizer + batch + temporaries
