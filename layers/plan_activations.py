@@ -299,9 +299,11 @@ Node = tuple[int, int, int]  # a backward step: (saved bytes it lets go, new gra
 def _linear_node(s: _Shapes, saved: int, rows: int, cols: int, bias: bool, grad_out: int, grad_in: int) -> Node:
     """A matmul's backward: its weight ``(rows, cols)`` gradient (computed in the matmul dtype first under
     autocast), the output gradient it reads and the input gradient it makes (elements); with sequence
-    parallelism the tokens (or the output gradient) it gathers again, through a padded buffer."""
+    parallelism the padded buffer of the collective it runs (of a column map, also the tokens it gathers
+    again: count them in ``grad_out``)."""
     cast = rows * cols * s.a if s.a != s.p else 0
-    return saved, (rows * cols + bias * rows) * s.p, (grad_out + grad_in) * s.a + cast + _communication(s)
+    padded = s.b * s.c * s.a * s.tp * sequence_sizes(s.t, s.tp)[0] if s.sp else 0  # a collective's flat buffer
+    return saved, (rows * cols + bias * rows) * s.p, (grad_out + grad_in) * s.a + cast + padded
 
 
 def _block_nodes(config: GPTConfig, s: _Shapes, device_type: str) -> list[Node]:
@@ -317,18 +319,19 @@ def _block_nodes(config: GPTConfig, s: _Shapes, device_type: str) -> list[Node]:
     hidden = tokens * s.hidden
     attention = _attention(s, config.dropout, device_type)
     scores = 2 * b * s.h * s.t * s.t * max(4, s.a) if config.dropout and device_type == "cpu" else 0
+    regathered = tokens * c if s.sp else 0  # a column map's input, gathered again from this rank's tokens
     return [
         (mask, 0, 2 * rows_in * s.a),
         _linear_node(s, hidden * s.a + c * s.hidden * copies, c, s.hidden, bias, tokens * c, hidden),
         ((2 * k - 1) * hidden * s.a, 0, (2 * k - 1) * hidden * s.a),  # GELU's input; SiLU's, its output, the up's
         _linear_node(s, mlp_inputs * rows_in * s.a + k * s.hidden * c * copies, k * s.hidden, c, bias,
-                     k * hidden, tokens * c),
+                     k * hidden + regathered, tokens * c),
         norm,
         (mask, 0, 2 * rows_in * s.a),
         _linear_node(s, c * s.h * s.d * copies, c, s.h * s.d, bias, tokens * c, tokens * s.h * s.d),
         (attention, 0, 2 * tokens * rows * s.a + scores),
         _linear_node(s, rows_in * s.a + rows * c * (s.a if s.kv_joined else copies), rows, c, bias,
-                     tokens * rows, tokens * c),
+                     tokens * rows + regathered, tokens * c),
         norm,
     ]
 
@@ -340,8 +343,10 @@ def _head_nodes(config: GPTConfig, s: _Shapes) -> list[Node]:
     if s.tp == 1:  # F.cross_entropy: nll_loss's gradient, then log_softmax's, which the head reads
         ce, incoming = (btv * loss + 8 * s.b * s.t + loss, 0, 2 * btv * loss), btv * loss + cast
         softmax = 0
+    elif cast:  # the softmax becomes the logits' gradient in place, cast to their dtype for the head
+        ce, incoming, softmax = (btv * loss + 8 * s.b * s.t + 2 * s.b * s.t, 0, cast), cast, 0
     else:  # the softmax becomes the logits' gradient in place, which the head reads
-        ce, incoming, softmax = (8 * s.b * s.t + 2 * s.b * s.t, 0, cast), cast, btv * loss
+        ce, incoming, softmax = (8 * s.b * s.t + 2 * s.b * s.t, 0, 0), 0, btv * loss
     head_input = s.b * (s.t if s.tp == 1 else s.t_r) * s.c * s.a
     grads = s.vocab * s.c * s.p
     head = (softmax + head_input + (s.vocab * s.c * s.a if s.autocast else 0), grads,
@@ -360,11 +365,11 @@ def _backward(config: GPTConfig, layout: Layout, s: _Shapes, stage: int, device_
     block = _block_nodes(config, s, device_type)
     if layout.activation_checkpointing:  # the block's forward again, the tp stream's state noted and replayed
         rng = RNG_STATE_BYTES[device_type] if config.dropout else 0
-        gathered = 2 * s.b * s.t * s.c * s.a if s.sp else 0  # held by save_sequence_shard's hook, as forward
-        recomputed = sum(n[0] for n in block) + gathered + rng
-        # the recomputation's own transients: a row map's partial sums and the residual stream's sum
-        ahead = s.b * s.t * s.c * s.a + s.b * s.t_r * s.c * s.p
-        block = [(-recomputed, 0, ahead), *block, (s.b * s.t_r * s.c * s.p + gathered + 2 * rng, 0, 0)]
+        recomputed = sum(n[0] for n in block) + rng
+        # the recomputation's own transients: a row map's partial sums, the residual stream's sum, the gathered
+        # tokens of the column regions (held with the recomputed graph, dropped with it)
+        ahead = s.b * s.t * s.c * s.a + s.b * s.t_r * s.c * s.p + (2 * s.b * s.t * s.c * s.a if s.sp else 0)
+        block = [(-recomputed, 0, ahead), *block, (s.b * s.t_r * s.c * s.p + 2 * rng, 0, 0)]
     nodes += block * blocks
     if stage == 0:
         positions = partition_sizes(config.block_size, s.tp, name="block_size")[0] * s.c * s.p
