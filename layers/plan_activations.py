@@ -25,8 +25,20 @@ LayerNorms), ``a`` of the matmuls (2 under bfloat16 autocast, else ``p``). Per m
 Under autocast the bfloat16 copies of the matmul weights are saved for backward too and are counted:
 once for maps that run ``F.linear`` (autocast caches its casts of parameters), once per micro-batch for
 the fused tensor-parallel maps (their forward casts them each call). Dropout masks are the input's dtype
-on the CPU (``x * noise``) and bool on CUDA. Only the default numerics are counted: the bitwise mode is
-refused.
+on the CPU (``x * noise``) and bool on CUDA. With sequence parallelism at tp > 1 a rank holding fewer
+tokens than the first keeps the embedding's reduce-scatter output as a view of its padded buffer (the
+first block's input), unless dropout copied it. Pipelines hold their stage's bytes for every micro-batch
+in flight (:func:`in_flight`). These are what ``saved_tensors_hooks`` sees on the CPU, to the byte in
+every measured case. On CUDA (``device_type="cuda"``, not measured here) SDPA's flash or efficient
+kernels keep ``[Q|K|V]``, the log-sum-exp and the output with or without dropout, and masks are bool.
+Only the default numerics are counted: the bitwise mode is refused.
+
+:func:`peak_bytes` adds what the hooks do not see and a step holds besides: the logits while the forward
+ends, the backward's gradients and working buffers step by step, AdamW's temporaries, the tp stream's
+generator state that each checkpointed block keeps with dropout, and with sequence parallelism the
+gathered ``(B, T, C)`` input of each block's two column regions, which
+:func:`tensorpar.save_sequence_shard`'s pack hook closure keeps alive until backward although autograd
+saves only this rank's tokens.
 """
 
 from __future__ import annotations

@@ -129,7 +129,7 @@ def measure_step(config: Any, micro_batch: int, seq_len: int, *, autocast: torch
         with casting():
             return model(idx, targets)
 
-    blocks = model.transformer.h if config.activation_checkpointing else ()
+    blocks: Iterable[nn.Module] = model.transformer.h if config.activation_checkpointing else ()  # type: ignore[assignment]
     saved = saved_bytes(model, forward, blocks=blocks)  # the first step's forward: saved, then dropped
     forward().backward()
     optimizer.step()
