@@ -218,7 +218,7 @@ def activation_bytes(config: GPTConfig, layout: Layout, *, tp_rank: int = 0, sta
     s = _shapes(config, layout, tp_rank)
     blocks = len(stage_blocks(config.n_layer, layout.pp)[stage])
     first, last = stage == 0, stage == layout.pp - 1
-    per = 0
+    per, targets = 0, 0
     if first:
         per += _first_stage(config, s, device_type)
     if layout.activation_checkpointing:
@@ -229,11 +229,13 @@ def activation_bytes(config: GPTConfig, layout: Layout, *, tp_rank: int = 0, sta
         per += _layer_norm(s, config.bias) + s.b * (s.t if s.tp == 1 else s.t_r) * s.c * s.a
         loss = 4 if s.a < 4 else s.a  # the loss's dtype: float32 for 16-bit logits
         if s.tp == 1:  # F.cross_entropy: the log-softmax, the targets, the mean's total weight
-            per += s.b * s.t * s.vocab * loss + 8 * s.b * s.t + loss
+            per += s.b * s.t * s.vocab * loss + loss
+            # the targets as given: a pipeline's micro-batch of them is a view of the whole batch's
+            targets = 8 * s.b * s.t * (layout.microbatches if layout.pp > 1 else 1)
         else:  # the softmax, the local targets, the owned and valid masks
             per += s.b * s.t * s.vocab * loss + 8 * s.b * s.t + 2 * s.b * s.t
     once, each = _weights(config, s, 0 if layout.activation_checkpointing else blocks, last)
-    return in_flight(layout, stage) * (per + each) + once
+    return in_flight(layout, stage) * (per + each) + once + targets
 
 
 def _loss_bytes(s: _Shapes) -> int:

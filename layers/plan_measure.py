@@ -49,6 +49,28 @@ def saved_bytes(model: nn.Module, forward: Callable[[], Any], *, blocks: Iterabl
     return sum(storages.values())
 
 
+def peak_saved_bytes(model: nn.Module, step: Callable[[], Any]) -> int:
+    """The most bytes autograd holds saved for backward at once while ``step()`` runs forwards and backwards
+    (a pipeline's schedule, say): each storage the pack hook sees, ``model``'s parameters excluded, counted
+    until it is freed."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    live: dict[int, int] = {}
+    peak = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        ptr = s.data_ptr()
+        if ptr not in params and ptr not in live and s.nbytes():
+            live[ptr] = s.nbytes()
+            weakref.finalize(s, live.pop, ptr, 0)
+            peak[0] = max(peak[0], sum(live.values()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    return peak[0]
+
+
 class LiveBytes(TorchDispatchMode):
     """Bytes of the live storages the ops run under it create (and of those given to :meth:`track`), and
     their peak. Each storage is counted once, from its creation (or tracking) until it is freed.
