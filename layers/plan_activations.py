@@ -44,7 +44,7 @@ saves only this rank's tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -55,12 +55,48 @@ from tensorpar.sharding import partition_sizes
 from .config import GPTConfig
 from .heads import head_layout
 
-if TYPE_CHECKING:
-    from .plan import Layout
+
+class Layout(Protocol):
+    """What these counts read of a :class:`layers.plan.Layout` (named here, not imported: the plan imports
+    this module)."""
+
+    @property
+    def tp(self) -> int: ...
+
+    @property
+    def pp(self) -> int: ...
+
+    @property
+    def sequence_parallel(self) -> bool: ...
+
+    @property
+    def activation_checkpointing(self) -> bool: ...
+
+    @property
+    def micro_batch(self) -> int: ...
+
+    @property
+    def microbatches(self) -> int: ...
+
+    @property
+    def seq_len(self) -> int | None: ...
+
+    @property
+    def schedule(self) -> str: ...
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def autocast(self) -> str | None: ...
+
+    @property
+    def optimizer(self) -> str: ...
+
 
 DEVICE_TYPES = ("cpu", "cuda")
-#: a default generator's state: the CPU's Mersenne twister, CUDA's Philox seed and offset
-RNG_STATE_BYTES = {"cpu": 5056, "cuda": 16}
+#: a default generator's state, in DEVICE_TYPES' order: the CPU's Mersenne twister, CUDA's Philox seed and offset
+RNG_STATE_BYTES = (5056, 16)
 
 
 def _itemsize(name: str | None, what: str) -> int:
@@ -378,7 +414,7 @@ def _backward(config: GPTConfig, layout: Layout, s: _Shapes, stage: int, device_
     nodes: list[Node] = _head_nodes(config, s) if stage == layout.pp - 1 else []
     block = _block_nodes(config, s, device_type)
     if layout.activation_checkpointing:  # the block's forward again, the tp stream's state noted and replayed
-        rng = RNG_STATE_BYTES[device_type] if config.dropout else 0
+        rng = RNG_STATE_BYTES[DEVICE_TYPES.index(device_type)] if config.dropout else 0
         recomputed = sum(n[0] for n in block) + rng
         # the recomputation's own transients: a row map's partial sums, the residual stream's sum, the gathered
         # tokens of the column regions (held with the recomputed graph, dropped with it)
@@ -428,7 +464,7 @@ def peak_bytes(config: GPTConfig, layout: Layout, *, params: int, grads: int, op
     acts = activation_bytes(config, layout, tp_rank=tp_rank, stage=stage, device_type=device_type)
     blocks = len(stage_blocks(config.n_layer, layout.pp)[stage])
     if layout.activation_checkpointing and config.dropout:  # each checkpointed block's tp stream state
-        acts += in_flight(layout, stage) * blocks * RNG_STATE_BYTES[device_type]
+        acts += in_flight(layout, stage) * blocks * RNG_STATE_BYTES[DEVICE_TYPES.index(device_type)]
     if s.sp:  # the gathered tokens of each block's two column regions: save_sequence_shard's hook holds them
         acts += in_flight(layout, stage) * blocks * 2 * s.b * s.t * s.c * s.a
     batch = 16 * s.b * s.t * layout.microbatches  # int64 ids and targets of the step
