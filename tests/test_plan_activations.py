@@ -9,6 +9,10 @@ storage; :mod:`layers.plan_measure`). The plan, given the parameter, gradient an
 measured from the model, must be within 5% of the saved bytes and 10% of the peak on every rank.
 """
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -142,3 +146,15 @@ def test_bad_layouts_are_refused_with_their_numbers():
         activation_bytes(config, Layout(autocast="int8"))
     with use_bitwise(True), pytest.raises(ValueError, match="bitwise mode"):
         activation_bytes(config, Layout())
+
+
+def test_the_benchmark_prints_every_layout_within_the_bounds():
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "plan.py"), "--n-layer=1", "--n-embd=24",
+                           "--n-head=3", "--vocab-size=41", "--tokens=9", "--tp", "1", "3"], cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| ") and
+            line.split("|")[1].strip().isdigit()]
+    assert [int(r[0]) for r in rows] == [1] * 4 + [3] * 8  # sequence parallelism only where tp > 1
+    assert all(abs(float(r[6]) - 1) <= SAVED_BOUND and abs(float(r[9]) - 1) <= PEAK_BOUND for r in rows), rows
