@@ -263,7 +263,7 @@ def activation_bytes(config: GPTConfig, layout: Layout, *, tp_rank: int = 0, sta
         per += blocks * _block(config, s, device_type)
     if last:
         per += _layer_norm(s, config.bias) + s.b * (s.t if s.tp == 1 else s.t_r) * s.c * s.a
-        loss = 4 if s.a < 4 else s.a  # the loss's dtype: float32 for 16-bit logits
+        loss = _loss_bytes(s)
         if s.tp == 1:  # F.cross_entropy: the log-softmax, the targets, the mean's total weight
             per += s.b * s.t * s.vocab * loss + loss
             # the targets as given: a pipeline's micro-batch of them is a view of the whole batch's
