@@ -117,10 +117,32 @@ def _mask(s: _Shapes, elements: int, dtype_bytes: int, dropout: float, device_ty
     return elements * (dtype_bytes if device_type == "cpu" else 1)
 
 
-def _layer_norm(s: _Shapes, bias: bool) -> int:
-    """A LayerNorm's input, mean and 1/std (and with sequence parallelism its weight and bias joined)."""
+def _norm_bias(config: GPTConfig) -> bool:
+    return config.bias and config.norm == "layernorm"  # RMSNorm has no bias
+
+
+def _layer_norm(s: _Shapes, config: GPTConfig) -> int:
+    """A norm's saved bytes: LayerNorm's input, mean and 1/std; RMSNorm's input, its normalised input and
+    1/rms (``F.rms_norm`` runs as its parts on the CPU); with sequence parallelism also its weight (and
+    bias) joined."""
+    bias = _norm_bias(config)
     joined = s.c * (1 + bias) * s.p if s.sp else 0
-    return s.b * s.t_r * s.c * s.p + 2 * s.b * s.t_r * 4 + joined
+    rows = s.b * s.t_r
+    if config.norm == "rmsnorm":
+        return 2 * rows * s.c * s.p + rows * 4 + joined
+    return rows * s.c * s.p + 2 * rows * 4 + joined
+
+
+def _rotary(config: GPTConfig, s: _Shapes, device_type: str) -> int:
+    """What rotary positions add to a block's saved bytes: the rotated query heads and held key heads that
+    SDPA keeps (gathered copies instead where the KV heads are read by index; the math path of dropout on
+    the CPU keeps its own), and the angles: the block's table itself, or under autocast its two casts."""
+    if config.positions != "rope":
+        return 0
+    table = config.block_size * 2 * s.d * s.p if s.a == s.p else 2 * s.t * 2 * s.d * s.a
+    if config.dropout and device_type == "cpu":
+        return table
+    return table + s.b * s.t * s.d * s.a * (s.h + (0 if s.kv_by_index else s.h_kv))
 
 
 def _attention(s: _Shapes, dropout: float, device_type: str) -> int:
@@ -155,8 +177,8 @@ def _block(config: GPTConfig, s: _Shapes, device_type: str) -> int:
     mlp_inputs = 2 if swiglu and s.autocast and not s.sp else 1  # each map casts the input itself
     hidden = (4 if swiglu else 2) * s.b * s.t * s.hidden * s.a
     drops = 2 * _mask(s, rows_in, s.a, config.dropout, device_type)  # the attention's and the MLP's outputs
-    return (2 * _layer_norm(s, config.bias) + (1 + mlp_inputs) * rows_in * s.a
-            + _attention(s, config.dropout, device_type) + hidden + drops)
+    return (2 * _layer_norm(s, config) + (1 + mlp_inputs) * rows_in * s.a
+            + _attention(s, config.dropout, device_type) + _rotary(config, s, device_type) + hidden + drops)
 
 
 def _weights(config: GPTConfig, s: _Shapes, blocks: int, last: bool) -> tuple[int, int]:
@@ -223,7 +245,7 @@ def activation_bytes(config: GPTConfig, layout: Layout, *, tp_rank: int = 0, sta
     else:
         per += blocks * _block(config, s, device_type)
     if last:
-        per += _layer_norm(s, config.bias) + s.b * (s.t if s.tp == 1 else s.t_r) * s.c * s.a
+        per += _layer_norm(s, config) + s.b * (s.t if s.tp == 1 else s.t_r) * s.c * s.a
         loss = _loss_bytes(s)
         if s.tp == 1:  # F.cross_entropy: the log-softmax, the targets, the mean's total weight
             per += s.b * s.t * s.vocab * loss + loss
@@ -284,8 +306,9 @@ def transient_bytes(config: GPTConfig, layout: Layout, *, tp_rank: int = 0, stag
 def _parameter_sizes(config: GPTConfig, layout: Layout, s: _Shapes, stage: int) -> list[int]:
     """Elements of this rank's parameter tensors, in the model's order (an optimizer's)."""
     c, b, rows, k = s.c, int(config.bias), (s.h + 2 * s.h_kv) * s.d, 2 if config.mlp == "swiglu" else 1
-    norm = [c] + [c] * b
-    sizes = [s.vocab * c, partition_sizes(config.block_size, s.tp, name="block_size")[0] * c] if stage == 0 else []
+    norm = [c] + [c] * int(_norm_bias(config))
+    positions = partition_sizes(config.block_size, s.tp, name="block_size")[0] * c
+    sizes = [s.vocab * c, *[positions] * (config.positions == "learned")] if stage == 0 else []
     block = [*norm, rows * c, *[rows] * b, c * s.h * s.d, *[c] * b, *norm,
              *[s.hidden * c, *[s.hidden] * b] * k, c * s.hidden, *[c] * b]
     sizes += block * len(stage_blocks(config.n_layer, layout.pp)[stage])
@@ -325,10 +348,10 @@ def _block_nodes(config: GPTConfig, s: _Shapes, device_type: str) -> list[Node]:
     k = 2 if config.mlp == "swiglu" else 1
     copies = s.a if s.autocast else 0  # the weights' autocast copies (the joined KV weight: a copy anyway)
     mask = _mask(s, rows_in, s.a, config.dropout, device_type)
-    norm = (_layer_norm(s, bias), c * (1 + bias) * s.p, 2 * rows_in * s.p)
+    norm = (_layer_norm(s, config), c * (1 + _norm_bias(config)) * s.p, 2 * rows_in * s.p)
     mlp_inputs = 2 if k == 2 and s.autocast and not s.sp else 1
     hidden = tokens * s.hidden
-    attention = _attention(s, config.dropout, device_type)
+    attention = _attention(s, config.dropout, device_type) + _rotary(config, s, device_type)
     scores = 2 * b * s.h * s.t * s.t * max(4, s.a) if config.dropout and device_type == "cpu" else 0
     regathered = tokens * c if s.sp else 0  # a column map's input, gathered again from this rank's tokens
     return [
@@ -362,7 +385,7 @@ def _head_nodes(config: GPTConfig, s: _Shapes) -> list[Node]:
     grads = s.vocab * s.c * s.p
     head = (softmax + head_input + (s.vocab * s.c * s.a if s.autocast else 0), grads,
             incoming + s.b * s.t * s.c * s.a + (s.vocab * s.c * s.a if s.a != s.p else 0))
-    norm = (_layer_norm(s, config.bias), s.c * (1 + config.bias) * s.p, 2 * rows_in * s.p)
+    norm = (_layer_norm(s, config), s.c * (1 + _norm_bias(config)) * s.p, 2 * rows_in * s.p)
     return [ce, head, norm]
 
 
@@ -383,7 +406,8 @@ def _backward(config: GPTConfig, layout: Layout, s: _Shapes, stage: int, device_
         block = [(-recomputed, 0, ahead), *block, (s.b * s.t_r * s.c * s.p + 2 * rng, 0, 0)]
     nodes += block * blocks
     if stage == 0:
-        positions = partition_sizes(config.block_size, s.tp, name="block_size")[0] * s.c * s.p
+        learned = config.positions == "learned"
+        positions = partition_sizes(config.block_size, s.tp, name="block_size")[0] * s.c * s.p * learned
         tied = s.vocab * s.c * s.p  # the lookup's dense gradient, added to the head's
         nodes.append((0, positions + (0 if stage == layout.pp - 1 else tied), tied + s.b * s.t * s.c * s.p))
     live, most = 0, 0
@@ -397,8 +421,9 @@ def _backward(config: GPTConfig, layout: Layout, s: _Shapes, stage: int, device_
 def _first_stage(config: GPTConfig, s: _Shapes, device_type: str) -> int:
     """The embedding's saved bytes for one micro-batch: ids and positions (at tp > 1 the masked ids and
     the masks of foreign rows), the dropout mask, the padding of the first block's input."""
-    ids = s.b * s.t * 8 + s.t * 8
-    masks = ids if s.tp == 1 else ids + s.b * s.t + s.t
+    table = config.positions == "learned"  # rotary positions: no lookup
+    ids = s.b * s.t * 8 + s.t * 8 * table
+    masks = ids if s.tp == 1 else ids + s.b * s.t + s.t * table
     return masks + _mask(s, s.b * s.t_r * s.c, s.p, config.dropout, device_type) + _padded_tokens(config, s)
 
 
