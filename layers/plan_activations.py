@@ -35,10 +35,7 @@ Only the default numerics are counted: the bitwise mode is refused.
 
 :func:`peak_bytes` adds what the hooks do not see and a step holds besides: the logits while the forward
 ends, the backward's gradients and working buffers step by step, AdamW's temporaries, the tp stream's
-generator state that each checkpointed block keeps with dropout, and with sequence parallelism the
-gathered ``(B, T, C)`` input of each block's two column regions, which
-:func:`tensorpar.save_sequence_shard`'s pack hook closure keeps alive until backward although autograd
-saves only this rank's tokens.
+generator state that each checkpointed block keeps with dropout.
 """
 
 from __future__ import annotations
@@ -451,8 +448,6 @@ def peak_bytes(config: GPTConfig, layout: Layout, *, params: int, grads: int, op
     blocks = len(stage_blocks(config.n_layer, layout.pp)[stage])
     if layout.activation_checkpointing and config.dropout:  # each checkpointed block's tp stream state
         acts += in_flight(layout, stage) * blocks * RNG_STATE_BYTES[DEVICE_TYPES.index(device_type)]
-    if s.sp:  # the gathered tokens of each block's two column regions: save_sequence_shard's hook holds them
-        acts += in_flight(layout, stage) * blocks * 2 * s.b * s.t * s.c * s.a
     batch = 16 * s.b * s.t * layout.microbatches  # int64 ids and targets of the step
     earlier = grads if layout.microbatches > 1 else 0
     held = params + optimizer + batch + acts

@@ -9,6 +9,7 @@ gradients over the group must fail that comparison.
 """
 
 import math
+import weakref
 
 import pytest
 import torch
@@ -164,6 +165,14 @@ def shard_saving_cases():
         found["in-place"] = "no error"
     except RuntimeError as e:
         found["in-place"] = str(e)
+
+    gathered = tensorpar.all_gather_sequence(h, t)  # (2, 7, 8)
+    kept = weakref.ref(gathered)
+    with tensorpar.save_sequence_shard(gathered, h):
+        y = torch.nn.functional.linear(gathered, mlp.c_fc.weight[:, :8])
+    del gathered
+    found["gathered kept until backward"] = kept() is not None  # the hook holds this rank's tokens only
+    y.sum().backward()
     return found
 
 
@@ -172,6 +181,7 @@ def test_the_kept_shard_under_autocast_two_backward_passes_and_in_place_changes(
         assert found["tokens kept"] == 2 * (4, 3)[rank], found  # 7 tokens: 4 + 3
         assert found["gathers per backward"] == 2, found
         assert "modified in place" in found["in-place"], found
+        assert not found["gathered kept until backward"], found
 
 
 def unbalanced_shards():

@@ -91,11 +91,12 @@ def save_sequence_shard(full: torch.Tensor, local: torch.Tensor,
     outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
     outer_pack, outer_unpack = outer if outer is not None else (lambda t: t, lambda t: t)
     local = local.detach().to(full.dtype)  # a copy only where autocast cast the tokens before gathering them
-    regather, storage = _Regather(full, local, group), full.untyped_storage()
+    # autograd keeps the hooks as long as what they saved: they hold the gathered tokens' address, not them
+    regather, dtype, device = _Regather(full, local, group), full.dtype, full.device
+    address = full.untyped_storage().data_ptr()
 
     def pack(t: torch.Tensor) -> Any:
-        if t.dtype == full.dtype and t.device == full.device and t.numel() and \
-                t.untyped_storage().data_ptr() == storage.data_ptr():
+        if t.dtype == dtype and t.device == device and t.numel() and t.untyped_storage().data_ptr() == address:
             regather.users += 1
             return _SavedShard(regather, outer_pack(local), t)  # as many as the outer policy will be asked for
         return outer_pack(t)
