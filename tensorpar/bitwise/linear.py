@@ -32,8 +32,8 @@ ALIGNMENT = MappingProxyType({"cpu": 64, "cuda": 256})
 #: the fewest rows a product is computed with: CPU GEMMs (torch 2.13) give row ``i`` of a product of ``M >= 4``
 #: rows the same bits whatever ``M`` is, while ``M < 4`` (one token decoding) takes another code path
 MIN_ROWS = 8
-#: the fewest output features a product is computed with: one feature is a matrix-vector product, whose rows' bits
-#: depend on how many there are (a one-token segment of a tiny vocabulary)
+#: the fewest output features a product has: one (a vocabulary segment of one token) runs as a matrix-vector
+#: product, whose rows' bits depend on how many rows there are
 MIN_FEATURES = 2
 #: elementwise kernels run a flat tensor in vector chunks and its last ``< 2 * vector width`` elements in scalar
 #: code, whose ``exp``, ``log`` and ``tanh`` differ in the last bit; a multiple of this has no scalar tail
