@@ -54,7 +54,7 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
              prompt_lengths: torch.Tensor | Iterable[int] | None = None, pad_token: int = 0,
              return_logprobs: bool = False, use_cache: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:meth:`layers.GPT.generate` (see there)."""
-    b, t = idx.shape
+    b = idx.shape[0]
     lengths = _lengths(idx, prompt_lengths)
     stops = sorted({int(s) for s in stop_tokens or ()})
     for token in [*stops, pad_token]:
@@ -66,10 +66,10 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
     if ragged and longest + max_new_tokens > block:
         raise ValueError(f"prompts of different lengths need room for every token: the longest ({longest}) and "
                          f"max_new_tokens ({max_new_tokens}) exceed block_size ({block})")
-    out = idx.new_full((b, longest + max_new_tokens), pad_token)
-    out[:, :t] = idx
     rows = torch.arange(b, device=idx.device)
     at = torch.tensor(lengths, device=idx.device)  # (B,) where each row's next token goes
+    out = idx.new_full((b, longest + max_new_tokens), pad_token)  # each row's prompt, not the padding after it
+    out[:, :longest] = idx[:, :longest].masked_fill(torch.arange(longest, device=idx.device) >= at[:, None], pad_token)
     logprobs = []
     stop_set = torch.tensor(stops, dtype=out.dtype, device=idx.device)
     done = torch.zeros(b, dtype=torch.bool, device=idx.device)

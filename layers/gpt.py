@@ -221,9 +221,9 @@ class GPT(nn.Module):
         than ``block_size`` (which keeps nanoGPT's window of the last ``block_size`` tokens), recomputes
         the context at every step instead.
 
-        * ``prompt_lengths`` (B,): prompts of different lengths, given right-padded in ``idx``; each row
-          continues at its own length (per-row positions), and the result is ``(B, max length +
-          max_new_tokens)``, each row's tokens left-aligned, ``pad_token`` after them.
+        * ``prompt_lengths`` (B,): prompts of different lengths, given right-padded in ``idx`` (whatever the
+          padding holds); each row continues at its own length (per-row positions), and the result is
+          ``(B, max length + max_new_tokens)``, each row's tokens left-aligned, ``pad_token`` after them.
         * ``stop_tokens``: a row that samples one stops; it keeps emitting that stop token (log-prob 0),
           and generation ends when every row has stopped (the rest filled the same way).
         * ``return_logprobs=True`` returns ``(idx, logprobs)``, ``logprobs`` (B, max_new_tokens) float

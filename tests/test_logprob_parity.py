@@ -4,6 +4,7 @@
 alone, or among prompts of other lengths) and however the sequence was cut (prefill and decode from the KV
 cache, against one forward of the whole). Without the mode they agree to round-off only."""
 
+import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -49,8 +50,11 @@ def score(cfg, out, lengths, new, temperature, autocast, seed):
 @given(a=st.integers(1, 4), b=st.integers(1, 4), data=st.data())
 @example(a=3, b=2, data=None)
 @example(a=1, b=4, data="llama")  # RMSNorm and rotary positions: a token's angles alike in prefill and decode
+@example(a=1, b=1, data="vocab 4")  # one-token segments of the vocabulary: products of one output feature
 def test_generation_log_probs_are_the_training_log_probs_bit_for_bit(worlds, a, b, data):
-    if data is None or data == "llama":
+    if data == "vocab 4":
+        cfg, lengths, new, temperature, autocast, key_block = CFG | dict(vocab_size=4), [1], 10, 1.0, False, 64
+    elif data is None or data == "llama":
         cfg, lengths, new, temperature, autocast, key_block = CFG | dict(sequence_parallel=True), [5, 2, 7], 9, 1.0, \
             True, 4
         if data == "llama":
@@ -71,6 +75,26 @@ def test_generation_log_probs_are_the_training_log_probs_bit_for_bit(worlds, a, 
     (batch_tokens, batch_lp), (alone_tokens, alone_lp) = alone
     assert torch.equal(batch_tokens, alone_tokens) and torch.equal(batch_lp, alone_lp), \
         "a row alone and inside the batch differ"
+
+
+def lm_head_rows(vocab_size, counts):
+    """The bitwise LM head's logits of the first ``n`` of 40 hidden states, together, for each ``n`` of
+    ``counts``; and of each state alone (a batch of one decoding)."""
+    tensorpar.manual_seed(0)
+    head = GPT(GPTConfig(**CFG | dict(vocab_size=vocab_size))).eval().lm_head
+    h = torch.randn(40, CFG["n_embd"], generator=torch.Generator().manual_seed(0))  # (40, C)
+    with torch.no_grad():
+        return [head(h[:n]) for n in counts], torch.cat([head(h[i:i + 1]) for i in range(40)])
+
+
+@pytest.mark.parametrize("vocab_size", [1, 4, 6, 9, 41])
+def test_a_rows_logits_have_the_same_bits_alone_or_among_any_number_of_rows(worlds, vocab_size):
+    """Small vocabularies have segments of one token (at the mode's tp 1-4): their products too."""
+    counts = [*range(1, 17), 23, 31, 33, 40]
+    for tp in [t for t in (1, 3) if t <= vocab_size]:
+        for together, alone in worlds[tp].run(lm_head_rows, vocab_size, counts, bitwise=Bitwise()):
+            for n, logits in zip(counts, together, strict=True):
+                assert torch.equal(logits, alone[:n]), f"tp {tp}, {n} rows"
 
 
 def test_without_the_mode_they_agree_to_round_off_only(worlds):

@@ -32,6 +32,9 @@ ALIGNMENT = MappingProxyType({"cpu": 64, "cuda": 256})
 #: the fewest rows a product is computed with: CPU GEMMs (torch 2.13) give row ``i`` of a product of ``M >= 4``
 #: rows the same bits whatever ``M`` is, while ``M < 4`` (one token decoding) takes another code path
 MIN_ROWS = 8
+#: the fewest output features a product has: one (a vocabulary segment of one token) runs as a matrix-vector
+#: product, whose rows' bits depend on how many rows there are
+MIN_FEATURES = 2
 #: elementwise kernels run a flat tensor in vector chunks and its last ``< 2 * vector width`` elements in scalar
 #: code, whose ``exp``, ``log`` and ``tanh`` differ in the last bit; a multiple of this has no scalar tail
 LANES = 64
@@ -46,11 +49,11 @@ def fixed(t: torch.Tensor) -> torch.Tensor:
     return t if aligned and t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
 
 
-def padded_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (N, k) with zero rows after it up to :data:`MIN_ROWS` (itself when it has as many): each row's
+def padded_rows(x: torch.Tensor, least: int = MIN_ROWS) -> torch.Tensor:
+    """``x`` (N, ...) with zero rows after it up to ``least`` (itself when it has as many): each row's
     product then has the same bits whatever the number of rows (a batch of one decoding, or training)."""
     n = x.shape[0]
-    return x if n >= MIN_ROWS else torch.cat([x, x.new_zeros(MIN_ROWS - n, *x.shape[1:])])
+    return x if n >= least else torch.cat([x, x.new_zeros(least - n, *x.shape[1:])])
 
 
 def lanewise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -132,8 +135,9 @@ class _SegmentedColumnLinear(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             for leaf in sorted(placed.held(placed.rank)):  # one product per leaf, its segments' rows gathered
                 pieces = placed.pieces(leaf)
-                b = None if bias is None else gathered(bias, pieces, 0)
-                y = F.linear(rows, gathered(weight, pieces, 0), b)[:n]  # (N, rows of the leaf)
+                w = padded_rows(gathered(weight, pieces, 0), MIN_FEATURES)  # (max(rows of the leaf, 2), in)
+                b = None if bias is None else padded_rows(gathered(bias, pieces, 0), MIN_FEATURES)
+                y = F.linear(rows, w, b)[:n, :sum(k for _, k in pieces)]  # (N, rows of the leaf)
                 outputs |= zip(placed.tree.leaves[leaf], y.split([n for _, n in pieces], -1), strict=True)
         parts = [outputs[s] for s, _, _ in placed.local]
         return torch.cat(parts, -1).reshape(*x.shape[:-1], -1)  # (*, out / tp)
@@ -181,7 +185,8 @@ class _SegmentedRowLinear(torch.autograd.Function):
 
         def part(leaf: int) -> torch.Tensor:
             x_leaf = by_leaf[leaf]
-            return F.linear(padded_rows(x_leaf), gathered(weight, placed.pieces(leaf), 1))[:x_leaf.shape[0]]  # (N, out)
+            w = padded_rows(gathered(weight, placed.pieces(leaf), 1), MIN_FEATURES)  # (max(out, 2), n)
+            return F.linear(padded_rows(x_leaf), w)[:x_leaf.shape[0], :weight.shape[0]]  # (N, out)
 
         with torch.autocast(x.device.type, enabled=False):
             y = tree_sum(part, placed, group, (x2.shape[0], weight.shape[0]), x2)
