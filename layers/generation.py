@@ -1,9 +1,10 @@
 """Sampling from a :class:`~layers.GPT`: prefill the prompts into its KV cache, then one token per step.
 
-Each step takes this rank's vocabulary slice of the last position's logits, samples from the gathered
-logits on every rank (the first rank's choice is broadcast) and scores the sampled token with the model's
-own vocab-parallel cross-entropy, the training path's: in the bitwise mode the log-probabilities are the
-bits ``-model(seq, targets, reduction="none", temperature=τ)`` gives at any tp of the mode.
+Each step takes this rank's vocabulary slice of the last position's logits, samples from the gathered logits
+on every rank (a sample is the first rank's, broadcast; a greedy pick, the same on every rank, is not) and
+scores the sampled token with the model's own vocab-parallel cross-entropy, the training path's: in the
+bitwise mode the log-probabilities are the bits ``-model(seq, targets, reduction="none", temperature=τ)``
+gives at any tp of the mode.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def _sample(model: GPT, logits: torch.Tensor, temperature: float, top_k: int | N
             kth = torch.topk(scaled, min(top_k, scaled.shape[-1])).values[:, [-1]]
             scaled = scaled.masked_fill(scaled < kth, -torch.inf)
         nxt = torch.multinomial(F.softmax(scaled, dim=-1), num_samples=1)[:, 0]  # (B,)
-    if not alone:
+    if not alone and temperature != 0:  # a greedy pick is the same on every rank, as the gathered logits are
         nxt = broadcast_from_first_(nxt.contiguous(), model.tp_group)
     if not scored:
         return nxt, logits.new_zeros(())  # unused

@@ -216,10 +216,10 @@ class GPT(nn.Module):
         """Append ``max_new_tokens`` sampled tokens to ``idx`` (B, T), as nanoGPT does, with a KV cache.
 
         ``temperature=0`` picks the most likely token. Every rank returns the same tokens: the group's
-        first rank's samples are broadcast. The prompt runs once (prefill) into a cache sharded by heads
-        (:meth:`new_cache`), then each new token alone (decode); ``use_cache=False``, or a sequence longer
-        than ``block_size`` (which keeps nanoGPT's window of the last ``block_size`` tokens), recomputes
-        the context at every step instead.
+        first rank's samples are broadcast (a greedy pick needs none). The prompt runs once (prefill)
+        into a cache sharded by heads (:meth:`new_cache`), then each new token alone (decode);
+        ``use_cache=False``, or a sequence longer than ``block_size`` (which keeps nanoGPT's window of
+        the last ``block_size`` tokens), recomputes the context at every step instead.
 
         * ``prompt_lengths`` (B,): prompts of different lengths, given right-padded in ``idx`` (whatever the
           padding holds); each row continues at its own length (per-row positions), and the result is
