@@ -54,7 +54,7 @@ def _peak(device: str | None, peak_flops: float | None, layout: Layout) -> float
 
 
 def _ranks(config: GPTConfig, layout: Layout, held: list[HeldParameter], tp_rank: int, stage: int,
-           dp_ranks: range | None = None) -> list[RankPlan]:
+           dp_ranks: range | None = None, device_type: str = "cpu") -> list[RankPlan]:
     """The plans of the ranks (``tp_rank``, ``stage``, each of ``dp_ranks``, default all) holding ``held``."""
     states = dp_state_bytes(held, DTYPE_BYTES[layout.dtype], dp=layout.dp, dp_sharding=layout.dp_sharding,
                             optimizer=layout.optimizer, offload=layout.offload_optimizer)
@@ -62,7 +62,8 @@ def _ranks(config: GPTConfig, layout: Layout, held: list[HeldParameter], tp_rank
     flops = rank_flops_per_token(config, held, heads, layout.seq_len or config.block_size,
                                  recompute=layout.activation_checkpointing, tp=layout.tp) * layout.tokens(config)
     where = dict(tp_rank=tp_rank, stage=stage)
-    activations, transient = activation_bytes(config, layout, **where), transient_bytes(config, layout, **where)
+    activations, transient = activation_bytes(config, layout, **where, device_type=device_type), \
+        transient_bytes(config, layout, **where, device_type=device_type)
     # examples/train_gpt.py wraps a GPT (pp=1) in DDP at dp > 1 unless FSDP2 shards it: its reducer's buckets
     # (gradient_as_bucket_view=False) hold every gradient once more, for as long as the model lives
     ddp = layout.pp == 1 and layout.dp > 1 and layout.dp_sharding != "fsdp"
@@ -73,7 +74,7 @@ def _ranks(config: GPTConfig, layout: Layout, held: list[HeldParameter], tp_rank
         buckets = state.grads if ddp else 0
         if state not in peaks:
             peaks[state] = buckets + peak_bytes(config, layout, params=state.params, grads=state.grads,
-                                                optimizer=state.optimizer, **where)
+                                                optimizer=state.optimizer, **where, device_type=device_type)
         found.append(RankPlan(tp_rank, stage, dp_rank, state.params, state.grads, state.optimizer, activations,
                               transient, peaks[state], state.host_params, state.host_grads, state.host_optimizer,
                               flops, buckets))
@@ -95,7 +96,8 @@ def plan(config: GPTConfig, layout: Layout, *, device: str | None = None,
          peak_flops: float | None = None) -> Plan:
     """The plan of training ``config`` laid out as ``layout``: every rank's bytes and FLOPs, and with
     ``device`` (``"H100"``, ``"H200"``, ``"A100"``, ``"H100 PCIe"``: their dense peak in the layout's
-    dtype) or ``peak_flops`` (FLOP/s per device) a lower bound on the step's time.
+    dtype) or ``peak_flops`` (FLOP/s per device) a lower bound on the step's time. A named ``device`` is a
+    GPU, whose dropout masks and attention kernels save other bytes than the CPU's (the default).
 
     Example::
 
@@ -108,7 +110,7 @@ def plan(config: GPTConfig, layout: Layout, *, device: str | None = None,
         for tp_rank in range(layout.tp):
             held = held_parameters(config, tp=layout.tp, tp_rank=tp_rank, pp=layout.pp, pp_rank=stage,
                                    stages_per_rank=layout.stages_per_rank)
-            ranks += _ranks(config, layout, held, tp_rank, stage)
+            ranks += _ranks(config, layout, held, tp_rank, stage, device_type="cpu" if device is None else "cuda")
     ranks.sort(key=lambda r: (r.pp_stage, r.dp_rank, r.tp_rank))  # global rank order: (pp, dp, tp) row-major
     seq = layout.seq_len or config.block_size
     model = model_flops_per_token(config.parameter_count(), config.n_layer, config.n_head,
@@ -145,7 +147,8 @@ def plan_rank(model: nn.Module, layout: Layout, *, mesh: tensorpar.Mesh | None =
                          f"{layout.dtype!r} {DTYPE_BYTES[layout.dtype]}")
     # a DTensor's shape is the tp shard FSDP2 splits over dp; a plain parameter is the tp shard itself
     held = [HeldParameter(name, tuple(p.shape)) for name, p in params.items()]
-    (rank,) = _ranks(config, layout, held, mesh.tp_rank, mesh.pp_rank, range(mesh.dp_rank, mesh.dp_rank + 1))
+    (rank,) = _ranks(config, layout, held, mesh.tp_rank, mesh.pp_rank, range(mesh.dp_rank, mesh.dp_rank + 1),
+                     "cuda" if next(iter(params.values())).device.type == "cuda" else "cpu")
     return rank
 
 
