@@ -1,7 +1,7 @@
 """The plan's saved activations and step peak per rank against what real ranks measure (CPU, gloo).
 
     python benchmarks/plan.py [--n-layer 2] [--n-embd 128] [--n-head 6] [--vocab-size 1001] [--batch 2]
-                              [--tokens 96] [--dropout 0.0] [--tp 1 2 3 4]
+                              [--tokens 96] [--dropout 0.0] [--tp 1 2 3 4] [--llama]
 
 For each tp, with sequence parallelism and activation checkpointing on and off, in float32 and under
 bfloat16 autocast, every rank trains the GPT one AdamW step and measures a second one
@@ -92,9 +92,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 3, 4])
+    parser.add_argument("--llama", action="store_true", help="RMSNorm, rotary positions, SwiGLU, 2 KV heads, no bias")
     args = parser.parse_args()
     config = dict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, vocab_size=args.vocab_size,
                   block_size=args.tokens, dropout=args.dropout)
+    if args.llama:
+        config.update(norm="rmsnorm", positions="rope", mlp="swiglu", n_kv_head=2, bias=False)
     print(f"GPT {config}, B={args.batch}, T={args.tokens}, AdamW; each row the largest rank "
           "(the ratios: the worst rank)\n")
     print(table(measure(config, args.tp, args.batch, args.tokens)))
