@@ -92,10 +92,9 @@ class BoxSavePlanner(dcp.DefaultSavePlanner):
     def create_local_plan(self) -> dcp.SavePlan:
         parts = [p for name, tensor in self.state_dict.items() for p in _parts(name, tensor, self.boxes, True)]
         self.views = {index: view for index, view, _ in parts}
-        self.plan = dcp.SavePlan([dcp.WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=TensorWriteData(
+        return dcp.SavePlan([dcp.WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=TensorWriteData(
             chunk=box.chunk(), size=torch.Size(box.size), properties=TensorProperties.create_from_tensor(view)))
             for index, view, box in parts])
-        return self.plan
 
     def lookup_object(self, index: MetadataIndex) -> torch.Tensor:
         return self.views[index]  # DCP's writer copies a view of a larger storage to its own
