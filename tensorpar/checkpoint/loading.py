@@ -23,7 +23,7 @@ from ..random import tracker as tp_streams
 from . import files
 from .files import MANIFEST, CheckpointError
 from .layout import Box, BoxLoadPlanner
-from .saving import MODEL, OPTIM, agree, config_dict, grouped_names, pieces
+from .saving import MODEL, OPTIM, agree, config_dict, grouped_names, local_state
 
 Stored = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (full size, dtype), from DCP's metadata
 _RNG = re.compile(r"rng\.rank(\d+)\.(cpu|cuda|tp\.base|tp\.(?:cpu|cuda(?::\d+)?))")
@@ -192,7 +192,7 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
             raise CheckpointError(f"{where}: config does not match the model's (" + ", ".join(f"{k}: checkpoint "
                                   f"{theirs.get(k)!r}, model {ours.get(k)!r}" for k in sorted(ours | theirs)
                                   if ours.get(k) != theirs.get(k)) + ")")
-        stored, (local, boxes) = _stored(directory, meta), pieces(model, None, mesh)  # boxes: the model's
+        stored, (local, boxes) = _stored(directory, meta), local_state(model, None, mesh)  # boxes: the model's
         if (other := sorted(k for k in stored if k.startswith(MODEL) and k not in boxes)) and mesh.pp == 1:
             raise CheckpointError(f"{where}: the checkpoint holds {other[:4]}, which the model lacks")
         tensors = {k: torch.empty(box.sizes, dtype=local[k].dtype) for k, box in boxes.items()}

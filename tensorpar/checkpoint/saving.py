@@ -57,8 +57,8 @@ def grouped_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[li
     return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
 
 
-def pieces(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: Mesh
-           ) -> tuple[dict[str, torch.Tensor], dict[str, Box]]:
+def local_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: Mesh
+                ) -> tuple[dict[str, torch.Tensor], dict[str, Box]]:
     """``(tensors, boxes)`` of this rank's model, optimizer state and generator states (whole: no box), by name."""
     where, tensors, boxes = placements(model), {}, {}
     for key, value in model.state_dict().items():
@@ -103,7 +103,7 @@ class PendingSave:
             fields = json.loads(json.dumps({"format": FORMAT, "step": step, "tp": mesh.tp, "dp": mesh.dp, "pp": mesh.pp,
                                             "config": config_dict(model), "extra": dict(extra or {}),
                                             "param_groups": groups}))  # a TypeError names what JSON cannot hold
-            tensors, boxes = pieces(model, optimizer, mesh)
+            tensors, boxes = local_state(model, optimizer, mesh)
             if bad := [n for n, v in tensors.items() if v.is_floating_point() and not bool(v.isfinite().all())]:
                 raise CheckpointError(f"the checkpoint of step {step} would hold NaN or infinite values (in "
                                       f"{', '.join(bad[:4])}{f' and {len(bad) - 4} more' * (len(bad) > 4)}): not "
