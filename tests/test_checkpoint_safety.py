@@ -302,6 +302,33 @@ def test_a_save_refuses_an_optimizer_it_cannot_store_and_writes_nothing(worlds, 
     assert left == [], left  # refused before the directory is made
 
 
+def a_save_whose_write_fails_on_rank_1(root):
+    """A save whose data file cannot be written on rank 1 (a full disk): what each rank raises, what is left."""
+    model, optimizer = trained(0)
+    write = torch.distributed.checkpoint.FileSystemWriter.write_data
+
+    def full_disk(self, plan, planner):
+        raise OSError(28, "No space left on device")
+
+    if tensorpar.current_mesh().rank == 1:
+        torch.distributed.checkpoint.FileSystemWriter.write_data = full_disk
+    try:
+        checkpoint.save(Path(root), model, optimizer, step=3)
+        said = "saved"
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        said = f"{type(e).__name__}: {e}"
+    finally:
+        torch.distributed.checkpoint.FileSystemWriter.write_data = write
+    torch.distributed.barrier()
+    return said, sorted(os.listdir(root))
+
+
+def test_a_write_that_fails_on_one_rank_fails_the_save_on_every_rank_and_publishes_nothing(worlds, tmp_path):
+    for said, left in worlds[2].run(a_save_whose_write_fails_on_rank_1, str(tmp_path)):
+        assert said.startswith("CheckpointException") and "No space left on device" in said, said
+        assert left == [], left  # no checkpoint, no temporary directory, no latest
+
+
 def test_checkpoint_code_unpickles_nothing_from_disk():
     """DCP pickles its ``.metadata`` (hashed before it is read); tensorpar's own files are JSON. The ranks'
     agreement is an ``all_gather_object`` (it unpickles only what the ranks themselves sent)."""
