@@ -175,6 +175,8 @@ DAMAGES = {
     "forged world": (in_meta(lambda m: m.update(tp=2)), ["meta.json: tp x dp x pp = 2 ranks, the checkpoint holds "
                                                          "the files of 1"]),
     "forged huge world": (in_meta(lambda m: m.update(tp=2**20)), ["meta.json: tp x dp x pp = 1048576 ranks"]),
+    "forged group count": (in_meta(lambda m: m["param_groups"].append(dict(m["param_groups"][0]))),
+                           ["meta.json: param_groups lists 2 groups, the optimizer has 1"]),
     "forged groups": (in_meta(lambda m: m.update(param_groups={})),
                       ["meta.json: param_groups must be a list (it is {})"]),
     "forged files": (in_meta(lambda m: m["files"].pop(SHARD)), [FILES, "the directory holds ['.metadata', '__0_0"]),
@@ -217,6 +219,9 @@ DAMAGES = {
                              ["meta.json: rng.rank0.cpu is no valid generator state (", "size to be 100"]),
     "rng state garbage": (rewrite(lambda t: t["rng.rank0.tp.cpu"].fill_(255)),
                           ["meta.json: rng.rank0.tp.cpu is no valid generator state"]),
+    "seed misshapen": (rewrite(lambda t: t.update({"rng.rank0.tp.base": torch.zeros(2, dtype=torch.int64)})),
+                       ["meta.json: rng.rank0.tp.base is no valid generator state (a seed is one int64, not "
+                        "torch.int64 of shape (2,))"]),
     "rng state of 2**40 bytes": (in_metadata(huge_cuda_state),
                                  [f"{METADATA}: rng.rank0.cuda of size [1099511627776] would hold more than the"]),
     "model config forged": (in_meta(lambda m: m["config"].update(n_embd=24)),

@@ -280,6 +280,55 @@ def test_zero_optimizer_state_travels(worlds, tmp_path):
     assert same_optimizer and same_model and every_parameter
 
 
+def saves_of_unsupported_optimizer_states(root):
+    """What saving refuses about an optimizer: a tensor outside the model, a state shaped unlike its parameter."""
+    model, optimizer = trained(0)
+    stranger = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    optimizer.state[next(model.parameters())]["factored"] = torch.zeros(3)
+    said = []
+    for options in ({"optimizer": stranger}, {"optimizer": optimizer}):
+        try:
+            checkpoint.save(Path(root) / "run", model, step=1, **options)
+        except checkpoint.CheckpointError as e:
+            said.append(str(e))
+    return said, os.listdir(root)
+
+
+def test_a_save_refuses_an_optimizer_it_cannot_store_and_writes_nothing(worlds, tmp_path):
+    said, left = worlds[1].run(saves_of_unsupported_optimizer_states, str(tmp_path))[0]
+    assert said[0] == "rank 0: the optimizer holds a tensor that is not a parameter of the model", said
+    assert re.fullmatch(r"rank 0: optim\.state\.\S+\.factored has shape \(3,\), its parameter \(\d+(, \d+)*\): only "
+                        r"states shaped like their parameter, and scalars, are checkpointed", said[1]), said
+    assert left == [], left  # refused before the directory is made
+
+
+def a_save_whose_write_fails_on_rank_1(root):
+    """A save whose data file cannot be written on rank 1 (a full disk): what each rank raises, what is left."""
+    model, optimizer = trained(0)
+    write = torch.distributed.checkpoint.FileSystemWriter.write_data
+
+    def full_disk(self, plan, planner):
+        raise OSError(28, "No space left on device")
+
+    if tensorpar.current_mesh().rank == 1:
+        torch.distributed.checkpoint.FileSystemWriter.write_data = full_disk
+    try:
+        checkpoint.save(Path(root), model, optimizer, step=3)
+        said = "saved"
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        said = f"{type(e).__name__}: {e}"
+    finally:
+        torch.distributed.checkpoint.FileSystemWriter.write_data = write
+    torch.distributed.barrier()
+    return said, sorted(os.listdir(root))
+
+
+def test_a_write_that_fails_on_one_rank_fails_the_save_on_every_rank_and_publishes_nothing(worlds, tmp_path):
+    for said, left in worlds[2].run(a_save_whose_write_fails_on_rank_1, str(tmp_path)):
+        assert said.startswith("CheckpointException") and "No space left on device" in said, said
+        assert left == [], left  # no checkpoint, no temporary directory, no latest
+
+
 def test_checkpoint_code_unpickles_nothing_from_disk():
     """DCP pickles its ``.metadata`` (hashed before it is read); tensorpar's own files are JSON. The ranks'
     agreement is an ``all_gather_object`` (it unpickles only what the ranks themselves sent)."""

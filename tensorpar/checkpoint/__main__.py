@@ -2,7 +2,6 @@
 safetensors file, without a process group (torch's ``dcp_to_torch_save`` reads a checkpoint as it is)."""
 
 import argparse
-import sys
 
 from . import CheckpointError, export_safetensors
 
@@ -22,4 +21,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

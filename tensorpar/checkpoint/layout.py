@@ -22,9 +22,8 @@ from ..sharding import Shard
 
 @dataclass(frozen=True)
 class Box:
-    """``sizes`` elements from ``offsets`` of a full tensor of size ``size``; a local tensor made of several boxes
-    along ``dim`` lists ``pieces``: ``(start in the local tensor, start in the full tensor, length, whether this
-    rank writes it)`` (a fused projection's replicated tail is written by tp rank 0 alone)."""
+    """``sizes`` elements from ``offsets`` of a full tensor of size ``size``; a local tensor of several boxes along
+    ``dim`` lists ``pieces``: ``(start in the local tensor, start in the full tensor, length, whether written)``."""
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -47,13 +46,9 @@ class Box:
 def locate(value: torch.Tensor, placement: Shard | None, group: ProcessGroup | None) -> tuple[torch.Tensor, Box]:
     """``(local tensor, its box in the full tensor)`` for ``value``, a plain tensor or an FSDP2 ``DTensor``,
     whose tp placement is ``placement`` over ``group`` (None: replicated over tp)."""
-    if is_dtensor(value):
-        local = value.to_local()
-        (chunk,) = value.__create_chunk_list__()  # this rank's chunk of the tp shard
-        offsets = list(chunk.offsets)
-    else:
-        local, offsets = value, [0] * value.dim()
-    full = list(value.shape)  # the tp shard's shape (a DTensor's global shape)
+    local = value.to_local() if is_dtensor(value) else value
+    offsets = list(value.__create_chunk_list__()[0].offsets) if is_dtensor(value) else [0] * value.dim()
+    full = list(value.shape)  # the tp shard's shape (a DTensor's global shape); offsets: this rank's chunk in it
     if placement is None or group is None:
         return local, Box(tuple(offsets), tuple(local.shape), tuple(full))
     rank, n = group_rank_size(group)
@@ -87,10 +82,6 @@ def _parts(name: str, tensor: torch.Tensor, boxes: Mapping[str, Box], writing: b
              else tensor, part) for at, part, written in box.parts() if written or not writing]
 
 
-def _view(state_dict: Mapping[str, torch.Tensor], boxes: Mapping[str, Box], index: MetadataIndex) -> torch.Tensor:
-    return next(view for i, view, _ in _parts(index.fqn, state_dict[index.fqn], boxes, False) if i == index)
-
-
 class BoxSavePlanner(dcp.DefaultSavePlanner):
     """Writes each tensor of the flat state dict as the box ``boxes[name]`` of its full tensor (or whole)."""
 
@@ -100,33 +91,31 @@ class BoxSavePlanner(dcp.DefaultSavePlanner):
 
     def create_local_plan(self) -> dcp.SavePlan:
         parts = [p for name, tensor in self.state_dict.items() for p in _parts(name, tensor, self.boxes, True)]
-        self.plan = dcp.SavePlan([dcp.WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=TensorWriteData(
+        self.views = {index: view for index, view, _ in parts}
+        return dcp.SavePlan([dcp.WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=TensorWriteData(
             chunk=box.chunk(), size=torch.Size(box.size), properties=TensorProperties.create_from_tensor(view)))
             for index, view, box in parts])
-        return self.plan
 
     def lookup_object(self, index: MetadataIndex) -> torch.Tensor:
-        view = _view(self.state_dict, self.boxes, index).detach()
-        return view.clone(memory_format=torch.contiguous_format) if view.is_cuda or view.untyped_storage().nbytes() \
-            != view.numel() * view.element_size() else view  # torch.save writes a view's whole storage
+        return self.views[index]  # DCP's writer copies a view of a larger storage to its own
 
 
 class BoxLoadPlanner(dcp.DefaultLoadPlanner):
-    """Reads into each tensor of the flat state dict the box ``boxes[name]`` of its full tensor (or all of it), its
-    size and dtype checked against the checkpoint's metadata before."""
+    """Reads into each tensor of the flat state dict the box ``boxes[name]`` of its full tensor (or all of it)."""
 
     def __init__(self, boxes: Mapping[str, Box]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.boxes = boxes
+        self.boxes, self.views = boxes, dict[MetadataIndex, torch.Tensor]()
 
     def create_local_plan(self) -> dcp.LoadPlan:
         assert self.metadata is not None
         items: list[dcp.ReadItem] = []
         for name, tensor in self.state_dict.items():
-            chunks = [box.chunk() for _, _, box in _parts(name, tensor, self.boxes, False)]
+            parts = _parts(name, tensor, self.boxes, False)
+            self.views |= {index: view for index, view, _ in parts}
             stored = cast(dcp.TensorStorageMetadata, self.metadata.state_dict_metadata[name])
-            items += create_read_items_for_chunk_list(name, stored, chunks)
+            items += create_read_items_for_chunk_list(name, stored, [box.chunk() for _, _, box in parts])
         return dcp.LoadPlan(items)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        return _view(self.state_dict, self.boxes, index)
+        return self.views[index]

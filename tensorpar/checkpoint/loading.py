@@ -17,13 +17,13 @@ from torch import nn
 from torch.distributed.checkpoint.default_planner import _check_box_bounds, _check_box_overlap
 from torch.distributed.tensor import DTensor
 
-from ..full import is_dtensor, placements
+from ..full import is_dtensor
 from ..mesh import Mesh, current_mesh
 from ..random import tracker as tp_streams
 from . import files
 from .files import MANIFEST, CheckpointError
-from .layout import Box, BoxLoadPlanner, locate
-from .saving import MODEL, OPTIM, agree, config_dict, grouped_names, model_pieces
+from .layout import Box, BoxLoadPlanner
+from .saving import MODEL, OPTIM, agree, config_dict, grouped_names, local_state
 
 Stored = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (full size, dtype), from DCP's metadata
 _RNG = re.compile(r"rng\.rank(\d+)\.(cpu|cuda|tp\.base|tp\.(?:cpu|cuda(?::\d+)?))")
@@ -80,11 +80,10 @@ def _fits(saved: Any, current: Any) -> bool:
         {type(saved), type(current)} == {bool, type(None)}
 
 
-def _optimizer(meta: Mapping[str, Any], stored: Stored, where: object, model: nn.Module,
-               optimizer: torch.optim.Optimizer
-               ) -> tuple[dict[str, torch.Tensor], dict[str, Box], Callable[[], dict[str, Any]]]:
-    """``(tensors to read into, their boxes, the optimizer's state dict once they are read)``, after checking
-    the groups and that every parameter's state holds the same fields as the optimizer's."""
+def _optimizer(meta: Mapping[str, Any], stored: Stored, where: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+               tensors: dict[str, torch.Tensor], boxes: dict[str, Box]) -> Callable[[], dict[str, Any]]:
+    """What makes the optimizer's state dict once its tensors, added to ``tensors`` (to read into) and ``boxes``,
+    are read, after checking the groups and that every parameter's state holds the same fields as the optimizer's."""
     saved, copies, own = meta["param_groups"], getattr(model, "tied_copies", {}), grouped_names(model, optimizer)
     known = {n for g in saved if isinstance(g, dict) for n in g.get("params", ())}
     source = {n: n if n in known else copies.get(n, n) for g in own for n in g}  # a tied copy's: the original's
@@ -118,12 +117,12 @@ def _optimizer(meta: Mapping[str, Any], stored: Stored, where: object, model: nn
             frozenset(k for k, v in state.items() if v is not None) for state in local.state.values() if state}))) > 1:
         raise CheckpointError(f"{where}: the states of the parameters hold the fields {kinds} (the checkpoint's and "
                               "the optimizer's must match)")
-    params, found, tensors, boxes, into = dict(model.named_parameters()), placements(model), {}, {}, {}
+    params, into = dict(model.named_parameters()), {}
     wanted = {id(p) for g in local.param_groups for p in g["params"]}  # a ZeroRedundancyOptimizer's: its own
     for name, i in index.items():
         for field in sorted(fields.get(source[name], ()) if id(param := params[name]) in wanted else ()):
             (size, dtype), key = stored[f"{OPTIM}{source[name]}.{field}"], f"{OPTIM}{source[name]}.{field}"
-            boxes[key] = locate(param, *found.get(name, (None, None)))[1] if size else Box((), (), ())
+            boxes[key] = boxes[MODEL + name] if size else Box((), (), ())  # its parameter's
             want = param.dtype if size and param.is_floating_point() and dtype.is_floating_point else dtype
             tensors[key], into[key] = torch.empty(boxes[key].sizes, dtype=want), (i, field, param if size else None)
 
@@ -133,14 +132,12 @@ def _optimizer(meta: Mapping[str, Any], stored: Stored, where: object, model: nn
             state.setdefault(i, {})[field] = tensors[key] if home is None else like(tensors[key], home)
         return {"state": state, "param_groups": groups}
 
-    return tensors, boxes, state_dict
+    return state_dict
 
 
-def _generators(states: Mapping[str, torch.Tensor], saved: tuple[int, ...], mesh: Mesh,
-                where: Path) -> Callable[[], None]:
-    """What restores this rank's generator states (checked: each saving rank's, accepted by a generator): its
-    own at the saving layout; at another, each stream equal on every saving rank (the bitwise mode's tp streams
-    are), with a warning naming the others."""
+def _generators(states: dict[str, torch.Tensor], saved: tuple[int, ...], mesh: Mesh, where: Path) -> Callable[[], None]:
+    """What restores this rank's generator states (each saving rank's checked first): its own at the saving layout;
+    at another, the streams equal on every saving rank (the bitwise mode's tp streams), warning of the rest."""
     world, by_stream = math.prod(saved), dict[str, dict[int, torch.Tensor]](cpu={})
     for key, state in sorted(states.items()):
         if not (match := _RNG.fullmatch(key)) or int(match[1]) >= world:
@@ -153,9 +150,8 @@ def _generators(states: Mapping[str, torch.Tensor], saved: tuple[int, ...], mesh
                 torch.Generator("cuda" if "cuda" in stream else "cpu").set_state(state)
         except (RuntimeError, ValueError, TypeError) as e:
             raise CheckpointError(f"{where}: {key} is no valid generator state ({e})") from None
-    for stream, by in sorted(by_stream.items()):
-        if missing := sorted(set(range(world)) - set(by)):
-            raise CheckpointError(f"{where}: rng.rank{missing[0]}.{stream} is missing")
+    if missing := sorted(f"rng.rank{r}.{s}" for s, by in by_stream.items() for r in range(world) if r not in by):
+        raise CheckpointError(f"{where}: {missing[0]} is missing")
     same = saved == (mesh.tp, mesh.dp, mesh.pp)
     mine = {s: by[mesh.rank] if same else by[0] for s, by in by_stream.items()
             if same or all(torch.equal(v, by[0]) for v in by.values())}
@@ -166,10 +162,9 @@ def _generators(states: Mapping[str, torch.Tensor], saved: tuple[int, ...], mesh
                           f"{(mesh.tp, mesh.dp, mesh.pp)}: the generator streams {lost} differ by rank and are not "
                           "restored" + " (the tp streams restart from their base seed)" * any("tp." in s for s in lost),
                           stacklevel=3)
-        if "cpu" in mine:
-            torch.set_rng_state(mine["cpu"])
-        if "cuda" in mine and torch.cuda.is_available():
-            torch.cuda.set_rng_state(mine["cuda"])
+        for stream, set_state in (("cpu", torch.set_rng_state), ("cuda", torch.cuda.set_rng_state)):
+            if stream in mine and (stream == "cpu" or torch.cuda.is_available()):
+                set_state(mine[stream])
         tp, base = {k[3:]: v for k, v in mine.items() if k.startswith("tp.") and k != "tp.base"}, mine.get("tp.base")
         if base is not None or tp:
             tp_streams(mesh).load_state_dict({"rank": mesh.tp_rank, "states": tp,
@@ -197,13 +192,12 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
             raise CheckpointError(f"{where}: config does not match the model's (" + ", ".join(f"{k}: checkpoint "
                                   f"{theirs.get(k)!r}, model {ours.get(k)!r}" for k in sorted(ours | theirs)
                                   if ours.get(k) != theirs.get(k)) + ")")
-        stored, (local, boxes) = _stored(directory, meta), model_pieces(model)
+        stored, (local, boxes) = _stored(directory, meta), local_state(model, None, mesh)  # boxes: the model's
         if (other := sorted(k for k in stored if k.startswith(MODEL) and k not in boxes)) and mesh.pp == 1:
             raise CheckpointError(f"{where}: the checkpoint holds {other[:4]}, which the model lacks")
         tensors = {k: torch.empty(box.sizes, dtype=local[k].dtype) for k, box in boxes.items()}
         if optimizer is not None:
-            more, more_boxes, optimizer_state = _optimizer(meta, stored, where, model, optimizer)
-            tensors, boxes = tensors | more, boxes | more_boxes
+            optimizer_state = _optimizer(meta, stored, where, model, optimizer, tensors, boxes)
         for key, value in tensors.items():
             (size, dtype), want = stored.get(key, ((), None)), (value.dtype, boxes[key].size)
             if key not in stored or size != want[1] or (dtype != want[0] and not cast):

@@ -57,18 +57,12 @@ def grouped_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[li
     return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
 
 
-def model_pieces(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Box]]:
-    """``(tensors, boxes)`` of the model's state on this rank, by name."""
+def local_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: Mesh
+                ) -> tuple[dict[str, torch.Tensor], dict[str, Box]]:
+    """``(tensors, boxes)`` of this rank's model, optimizer state and generator states (whole: no box), by name."""
     where, tensors, boxes = placements(model), {}, {}
     for key, value in model.state_dict().items():
         tensors[MODEL + key], boxes[MODEL + key] = locate(value.detach(), *where.get(key, (None, None)))
-    return tensors, boxes
-
-
-def _pieces(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: Mesh
-            ) -> tuple[dict[str, torch.Tensor], dict[str, Box]]:
-    """``(tensors, boxes)`` of this rank's model, optimizer state and generator states (whole: no box), by name."""
-    (tensors, boxes), where = model_pieces(model), placements(model)
     names = {id(p): n for n, p in model.named_parameters()}
     for param, fields in getattr(optimizer, "optim", optimizer).state.items() if optimizer else ():  # ZeRO's: local
         for field, value in ((f, torch.as_tensor(v).detach()) for f, v in fields.items() if v is not None):
@@ -109,7 +103,7 @@ class PendingSave:
             fields = json.loads(json.dumps({"format": FORMAT, "step": step, "tp": mesh.tp, "dp": mesh.dp, "pp": mesh.pp,
                                             "config": config_dict(model), "extra": dict(extra or {}),
                                             "param_groups": groups}))  # a TypeError names what JSON cannot hold
-            tensors, boxes = _pieces(model, optimizer, mesh)
+            tensors, boxes = local_state(model, optimizer, mesh)
             if bad := [n for n, v in tensors.items() if v.is_floating_point() and not bool(v.isfinite().all())]:
                 raise CheckpointError(f"the checkpoint of step {step} would hold NaN or infinite values (in "
                                       f"{', '.join(bad[:4])}{f' and {len(bad) - 4} more' * (len(bad) > 4)}): not "
@@ -133,8 +127,7 @@ class PendingSave:
             group["params"] = list(dict.fromkeys(n for row in rows for n in row[1][i]))
         self._final, self._fields, self._keep, self._mesh = final, fields, keep, mesh
         self._tmp = files.scratch(final, rows[0][2])
-        writer: dict[str, Any] = {"planner": BoxSavePlanner(boxes), "storage_writer": dcp.FileSystemWriter(
-            self._tmp, single_file_per_rank=True, sync_files=True)}
+        writer: dict[str, Any] = {"planner": BoxSavePlanner(boxes), "storage_writer": dcp.FileSystemWriter(self._tmp)}
         try:
             if background:
                 self._group = dist.new_group(backend="gloo")  # DCP's collectives run in a thread
@@ -178,10 +171,9 @@ class PendingSave:
 
 def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
          step: int, extra: Mapping[str, Any] | None = None, keep: int = 2, mesh: Mesh | None = None) -> Path:
-    """Write ``directory/step-NNNNNN`` (a collective: each rank its chunks of the model, of the optimizer's state,
-    ``ZeroRedundancyOptimizer``'s too, and its generator states; ``extra``, JSON, to ``meta.json``), keep the newest
-    ``keep``, return its path. A NaN or an infinity on any rank, or ranks passing different ``step``, ``keep`` or
-    ``extra``, raise the same :class:`CheckpointError` on every rank, and nothing on disk changes."""
+    """Write ``directory/step-NNNNNN`` (a collective; ``extra``, JSON, goes to ``meta.json``), keep the newest ``keep``,
+    return its path. A NaN or an infinity on any rank, or ranks passing different ``step``, ``keep`` or ``extra``,
+    raise the same :class:`CheckpointError` on every rank, and nothing on disk changes."""
     return PendingSave(directory, model, optimizer, step=step, extra=extra, keep=keep, mesh=mesh or current_mesh(),
                        background=False).wait()
 
