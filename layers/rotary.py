@@ -63,6 +63,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, t: int, positions: torch.Tensor | None = None) -> torch.Tensor:
         """The ``[cos | sin]`` rows of ``t`` tokens at ``positions`` (``None``: ``0..t-1``; else ``(B, t)``):
         ``(t, 2d)`` or ``(B, 1, t, 2d)``, for :func:`rotate`."""
+        if t > self.block_size:
+            raise ValueError(f"rotary positions cover block_size ({self.block_size}) tokens, got {t}")
         return self.table[:t] if positions is None else self.table[positions][:, None]
 
     def extra_repr(self) -> str:

@@ -1,5 +1,6 @@
 """Bad input gets a clear error naming the numbers, on every rank alike (so no rank hangs)."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -12,6 +13,7 @@ from layers import (
     ParallelMLP,
     ParallelSelfAttention,
     ReplicatedLinear,
+    RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
@@ -219,3 +221,8 @@ def test_collective_arguments_get_the_same_clear_error_at_every_tp(worlds):
     assert m["bool logits"] == "TypeError: logits must be floating point, got torch.bool"
     assert m["bool targets"] == "TypeError: targets must be integer token ids, got torch.bool"
     assert m["float targets"] == "TypeError: targets must be integer token ids, got torch.float32"
+
+
+def test_rotary_positions_beyond_block_size_are_refused():
+    with pytest.raises(ValueError, match=r"rotary positions cover block_size \(4\) tokens, got 5"):
+        RotaryEmbedding(8, block_size=4)(5)
