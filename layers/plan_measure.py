@@ -8,18 +8,36 @@
   while it is alive (a weak reference finalizer takes it off), from given starting tensors, and keeps
   the peak: the step's tensors' high-water mark on any device, the CPU included (where no allocator
   statistics exist). Storages made outside the dispatcher (inside a collective's backend) are not seen.
+* :func:`build_for_layout` and :func:`measure_state`: the model and optimizer ``examples/train_gpt.py``
+  builds for a :class:`~layers.Layout`, and the bytes of its parameters, gradients and optimizer state
+  (and DDP's buckets, and the host's under offload) after one optimizer step: the plan's
+  (:mod:`layers.plan_state`) check, field by field of :class:`~layers.RankPlan`.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+import tensorpar
+
+from .config import GPTConfig
+from .gpt import GPT
+from .pipeline import PipelinedGPT
+from .plan_layout import Layout
+
+#: the :class:`~layers.RankPlan` fields :func:`measure_state` measures
+STATE_FIELDS = ("params_bytes", "grads_bytes", "optimizer_bytes", "host_params_bytes", "host_grads_bytes",
+                "host_optimizer_bytes", "ddp_bucket_bytes")
 
 
 def saved_bytes(model: nn.Module, forward: Callable[[], Any], *, blocks: Iterable[nn.Module] = ()) -> int:
@@ -134,10 +152,6 @@ def measure_step(config: Any, micro_batch: int, seq_len: int, *, autocast: torch
     parameters, their gradients and the optimizer state."""
     import contextlib
 
-    import tensorpar
-
-    from .gpt import GPT
-
     tensorpar.manual_seed(seed)
     model = GPT(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -166,3 +180,94 @@ def measure_step(config: Any, micro_batch: int, seq_len: int, *, autocast: torch
         del loss
     return dict(saved=saved, peak=live.peak, params=_storage_bytes(model.parameters()), grads=grads,
                 optimizer=_storage_bytes(state))
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind these tensors' local parts (FSDP2's padding included)."""
+    found = {}
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        found[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return sum(found.values())
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of these tensors' local elements (no padding)."""
+    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
+
+
+def build_for_layout(config: GPTConfig, layout: Layout, mesh: tensorpar.Mesh | None = None
+                     ) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model and optimizer as ``examples/train_gpt.py`` builds them for ``layout`` on ``mesh`` (default:
+    the current one): a :class:`~layers.GPT`, or a :class:`~layers.PipelinedGPT` where ``pp > 1``, in the
+    layout's dtype; FSDP2 over dp on its blocks (with ``CPUOffloadPolicy`` under ``offload_optimizer``)
+    where ``dp_sharding`` is ``"fsdp"``; the layout's optimizer over two groups (matrices, vectors), under
+    ``ZeroRedundancyOptimizer`` where ``dp_sharding`` is ``"zero"`` and dp > 1. DDP's wrapper is the
+    caller's (:func:`measure_state` adds it)."""
+    mesh = mesh or tensorpar.current_mesh()
+    dtype = getattr(torch, layout.dtype)
+    offload: dict[str, Any] = {}
+    if layout.offload_optimizer:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        offload["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device.type == "cuda")
+    model: nn.Module
+    if layout.pp > 1:
+        model = PipelinedGPT(config, mesh=mesh, dtype=dtype)
+        if layout.dp_sharding == "fsdp":
+            for stage in model.stages:
+                tensorpar.fully_shard_dp(stage, mesh, modules=stage.blocks, **offload)
+    else:
+        model = GPT(config, dtype=dtype)
+        if layout.dp_sharding == "fsdp":
+            blocks = cast(nn.ModuleList, model.transformer.h)
+            tensorpar.fully_shard_dp(model, mesh, modules=blocks, **offload)
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if p.dim() >= 2]}, {"params": [p for p in params if p.dim() < 2]}]
+    kind = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[layout.optimizer]
+    optimizer: torch.optim.Optimizer
+    if layout.dp_sharding == "zero" and mesh.dp > 1:
+        optimizer = ZeroRedundancyOptimizer(groups, optimizer_class=kind, process_group=mesh.dp_group, lr=1e-3)
+    else:
+        optimizer = kind(groups, lr=1e-3)
+    return model, optimizer
+
+
+def measure_state(config: GPTConfig, layout: Layout, idx: torch.Tensor, targets: torch.Tensor, *, seed: int = 0,
+                  mesh: tensorpar.Mesh | None = None) -> tuple[dict[str, int], nn.Module]:
+    """On this rank of ``mesh`` (default: the current one; every rank calls it): the model and optimizer of
+    :func:`build_for_layout`, seeded with ``seed``, stepped once on this rank's batch ``idx``, ``targets``
+    (a 1F1B pipeline step of ``layout.microbatches`` where ``pp > 1``; DDP around the model where dp > 1
+    and the layout is not FSDP2's). Returns the bytes it then holds, keyed by :data:`STATE_FIELDS` (the
+    distinct storages of the parameters, the gradients and the optimizer state; DDP's flat gradient
+    buckets; under offload each in host memory, the device's 0), and the model stepped (DDP's wrapper
+    where there is one: what :func:`~layers.plan_rank` reads)."""
+    mesh = mesh or tensorpar.current_mesh()
+    tensorpar.manual_seed(seed, mesh)
+    model, optimizer = build_for_layout(config, layout, mesh)
+    stepped = model
+    if isinstance(model, PipelinedGPT):
+        model.pipeline("1f1b", microbatches=layout.microbatches).step(idx, targets)
+        model.finish_gradients()
+    else:
+        if mesh.dp > 1 and layout.dp_sharding != "fsdp":
+            stepped = DistributedDataParallel(model, process_group=mesh.dp_group)
+        stepped(idx, targets).backward()
+    optimizer.step()
+    params = list(model.parameters())
+    local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    states = [v for s in local.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    grads = [p.grad for p in params]
+    missing = [name for name, p in model.named_parameters() if p.grad is None]
+    if missing:
+        raise RuntimeError(f"no gradient after the step for {missing}")
+    held = [g for g in grads if g is not None]
+    buckets = sum(int(n) for n in stepped._get_ddp_logging_data()["bucket_sizes"].split(",")) \
+        if isinstance(stepped, DistributedDataParallel) else 0  # the reducer's flat gradient buckets
+    if layout.offload_optimizer:
+        # A GPU run copies each gradient chunk to the host (unpadded, its own tensor); on a CPU that copy is
+        # a no-op and the chunks stay views of the reduce-scatter's padded output: count their elements.
+        values = (0, 0, 0, storage_bytes(params), tensor_bytes(held), storage_bytes(states), 0)
+    else:
+        values = (storage_bytes(params), storage_bytes(held), storage_bytes(states), 0, 0, 0, buckets)
+    return dict(zip(STATE_FIELDS, values, strict=True)), stepped

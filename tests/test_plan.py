@@ -12,15 +12,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.flop_counter import FlopCounterMode
 
 import tensorpar
 from gpt_cases import batch, gpt_configs
 from layers import GPT, GPTConfig, Layout, PipelinedGPT, nearest_fits, plan, plan_flops, plan_rank, suggest
 from layers.plan import VARIED, check_layout
+from layers.plan_measure import STATE_FIELDS, measure_state
 from layers.plan_state import held_parameters, zero_owners
 
 GPT2 = dict(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
@@ -29,86 +28,19 @@ MESHES = [(1, 1, 1), (2, 1, 1), (3, 1, 1), (4, 1, 1), (1, 1, 2), (1, 1, 3), (1, 
           (2, 2, 1), (1, 2, 2)]
 
 
-def storage_bytes(tensors):
-    """Bytes of the distinct storages behind these tensors' local parts (FSDP2's padding included)."""
-    found = {}
-    for t in tensors:
-        local = t.to_local() if isinstance(t, DTensor) else t
-        found[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
-    return sum(found.values())
-
-
-def tensor_bytes(tensors):
-    """Bytes of these tensors' local elements (no padding)."""
-    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
-
-
-def build(config, layout, mesh):
-    """The model and optimizer as ``examples/train_gpt.py`` builds them for ``layout``."""
-    dtype = getattr(torch, layout.dtype)
-    offload = {}
-    if layout.offload_optimizer:
-        from torch.distributed.fsdp import CPUOffloadPolicy
-        offload["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
-    if layout.pp > 1:
-        model = PipelinedGPT(config, mesh=mesh, dtype=dtype)
-        if layout.dp_sharding == "fsdp":
-            for stage in model.stages:
-                tensorpar.fully_shard_dp(stage, mesh, modules=stage.blocks, **offload)
-    else:
-        model = GPT(config, dtype=dtype)
-        if layout.dp_sharding == "fsdp":
-            tensorpar.fully_shard_dp(model, mesh, modules=model.transformer.h, **offload)
-    params = list(model.parameters())
-    groups = [{"params": [p for p in params if p.dim() >= 2]}, {"params": [p for p in params if p.dim() < 2]}]
-    kind = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[layout.optimizer]
-    if layout.dp_sharding == "zero" and mesh.dp > 1:
-        optimizer = ZeroRedundancyOptimizer(groups, optimizer_class=kind, process_group=mesh.dp_group, lr=1e-3)
-    else:
-        optimizer = kind(groups, lr=1e-3)
-    return model, optimizer
-
-
 def measure_step(cfg, layout_fields, seed):
     """One optimizer step of the layout's model on this rank; then the bytes it holds, this rank's entry
     of ``plan`` and ``plan_rank``'s."""
     mesh = tensorpar.current_mesh()
     config, layout = GPTConfig(**cfg), Layout(**layout_fields)
-    tensorpar.manual_seed(seed)
-    model, optimizer = build(config, layout, mesh)
     idx, targets = batch(cfg, 2, cfg["block_size"], seed + mesh.dp_rank)
-    ddp = model
-    if layout.pp > 1:
-        model.pipeline("1f1b", microbatches=layout.microbatches).step(idx, targets)
-        model.finish_gradients()
-    else:
-        ddp = DistributedDataParallel(model, process_group=mesh.dp_group) \
-            if mesh.dp > 1 and layout.dp_sharding != "fsdp" else model
-        ddp(idx, targets).backward()
-    optimizer.step()
-    params = list(model.parameters())
-    local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
-    states = [v for s in local.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    grads = [p.grad for p in params]
-    assert all(g is not None for g in grads)
-    buckets = sum(int(n) for n in ddp._get_ddp_logging_data()["bucket_sizes"].split(",")) \
-        if isinstance(ddp, DistributedDataParallel) else 0  # the reducer's flat gradient buckets
-    if layout.offload_optimizer:
-        # A GPU run copies each gradient chunk to the host (unpadded, its own tensor); on a CPU that copy is
-        # a no-op and the chunks stay views of the reduce-scatter's padded output: count their elements.
-        measured = dict(params=0, grads=0, optimizer=0, host_params=storage_bytes(params),
-                        host_grads=tensor_bytes(grads), host_optimizer=storage_bytes(states), ddp_buckets=0)
-    else:
-        measured = dict(params=storage_bytes(params), grads=storage_bytes(grads), optimizer=storage_bytes(states),
-                        host_params=0, host_grads=0, host_optimizer=0, ddp_buckets=buckets)
+    measured, stepped = measure_state(config, layout, idx, targets, seed=seed)
     planned = plan(config, layout).rank(mesh.tp_rank, mesh.pp_rank, mesh.dp_rank)
-    return measured, dataclasses.asdict(planned), dataclasses.asdict(plan_rank(ddp, layout))  # DDP: unwrapped
+    return measured, dataclasses.asdict(planned), dataclasses.asdict(plan_rank(stepped, layout))  # DDP: unwrapped
 
 
 def state_of(rank):
-    return dict(params=rank["params_bytes"], grads=rank["grads_bytes"], optimizer=rank["optimizer_bytes"],
-                host_params=rank["host_params_bytes"], host_grads=rank["host_grads_bytes"],
-                host_optimizer=rank["host_optimizer_bytes"], ddp_buckets=rank["ddp_bucket_bytes"])
+    return {k: rank[k] for k in STATE_FIELDS}
 
 
 @st.composite
