@@ -113,8 +113,9 @@ def test_rotary_generation_with_the_cache_is_generation_without_it(worlds, tp, d
     results = worlds[tp].run(generated, cfg, 0, sp, lengths, new)
     for out, logprobs, training, ragged, ragged_lp, alone, steps, chunks, whole in results:
         assert out["cached"].tolist() == out["recomputed"].tolist() == out["reference"].tolist()
-        for r, n in enumerate(lengths):
-            assert ragged[r, :n + new].tolist() == alone[r][0][0].tolist(), (r, n)
+        for path, tokens in ragged.items():  # the cache's and recomputation's, each row as generated alone
+            for r, n in enumerate(lengths):
+                assert tokens[r, :n + new].tolist() == alone[r][0][0].tolist(), (path, r, n)
         assert_all_close({"log-probs": (logprobs, training), "steps": (steps, whole), "chunks": (chunks, whole),
                           "ragged log-probs": (ragged_lp, torch.cat([a[1] for a in alone]))},
                          rtol=TOLERANCES[torch.float64])
