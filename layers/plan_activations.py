@@ -439,18 +439,16 @@ def peak_bytes(config: GPTConfig, layout: Layout, *, params: int, grads: int, op
       square root of the second moment and its quotient, a parameter at a time on the CPU, every
       parameter at once with CUDA's foreach kernels).
 
-    With activation checkpointing and dropout the checkpointed blocks also keep generator states.
+    With activation checkpointing and dropout each checkpointed block also keeps the tp stream's state (a few
+    KB: the generator states a recomputation keeps vary by a state or two with the layout, not modelled).
     """
     _check(config, layout, stage, device_type)
     s = _shapes(config, layout, tp_rank)
     last = stage == layout.pp - 1
     acts = activation_bytes(config, layout, tp_rank=tp_rank, stage=stage, device_type=device_type)
     blocks = len(stage_blocks(config.n_layer, layout.pp)[stage])
-    # with dropout, checkpointed blocks keep generator states for their recomputation (as measured: one per block
-    # and one more), and one lives on with the step's loss (its graph) through the optimizer's step
-    rng = RNG_STATE_BYTES[DEVICE_TYPES.index(device_type)] if layout.activation_checkpointing and config.dropout \
-        else 0
-    acts += in_flight(layout, stage) * (blocks + 1) * rng
+    if layout.activation_checkpointing and config.dropout:  # each checkpointed block's tp stream state
+        acts += in_flight(layout, stage) * blocks * RNG_STATE_BYTES[DEVICE_TYPES.index(device_type)]
     batch = 16 * s.b * s.t * layout.microbatches  # int64 ids and targets of the step
     earlier = grads if layout.microbatches > 1 else 0
     held = params + optimizer + batch + acts
@@ -460,5 +458,5 @@ def peak_bytes(config: GPTConfig, layout: Layout, *, params: int, grads: int, op
         temporaries = _adamw_temporaries(config, layout, s, stage, device_type, params)
     else:
         temporaries = 0
-    step = params + grads + optimizer + batch + temporaries + rng
+    step = params + grads + optimizer + batch + temporaries
     return max(forward_end, backward, step)
