@@ -78,7 +78,9 @@ def test_generation_with_the_cache_is_generation_without_it(worlds, tp, data):
         n_head = data.draw(st.integers(tp, 6))
         cfg = GEN_CFG | dict(n_head=n_head, n_embd=2 * n_head, n_kv_head=data.draw(
             st.sampled_from([d for d in range(1, n_head + 1) if n_head % d == 0])),
-            mlp=data.draw(st.sampled_from(["gelu", "swiglu"])), vocab_size=data.draw(st.integers(tp, 53)))
+            mlp=data.draw(st.sampled_from(["gelu", "swiglu"])), vocab_size=data.draw(st.integers(tp, 53)),
+            norm=data.draw(st.sampled_from(["layernorm", "rmsnorm"])),
+            positions=data.draw(st.sampled_from(["learned", "rope"])))  # rotary: each row at its own positions
         lengths = data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=3), label="prompt lengths")
         new = data.draw(st.integers(1, cfg["block_size"] - max(lengths)))
         sp = data.draw(st.booleans(), label="sequence_parallel")

@@ -32,13 +32,14 @@ def random_full_state(model, seed):
     return state
 
 
-def load_hf(directory):
-    from transformers import GPT2LMHeadModel
+def load_hf(directory, architecture="GPT2LMHeadModel"):
+    import transformers
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    model, info = GPT2LMHeadModel.from_pretrained(directory, local_files_only=True, output_loading_info=True)
+    model, info = getattr(transformers, architecture).from_pretrained(directory, local_files_only=True,
+                                                                      output_loading_info=True)
     assert not any(info.values()), f"keys transformers did not load as saved: {info}"  # none initialised afresh
     return model
 

@@ -1,8 +1,8 @@
 """The GPT's Llama options (RMSNorm, rotary positions, SwiGLU, grouped-query attention) and their export:
 a sharded GPT saved by ``layers.hf.export_hf`` / ``export_llama`` loads into transformers'
 ``LlamaForCausalLM.from_pretrained`` with our logits and our greedy tokens, at tp 1-3, and reads back
-through ``GPT.from_hf`` bitwise; generation with the KV cache at each row's own positions equals
-recomputing and the plain reference; what Llama cannot express is refused, naming the option."""
+through ``GPT.from_hf`` bitwise; what Llama cannot express is refused, naming the option (generation with
+the KV cache at each row's own rotary positions: tests/test_generation.py, which draws these options)."""
 
 import dataclasses
 import json
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from layers import GPT, GPTConfig
 from layers.hf import export_gpt2, export_hf, export_llama
 from tensorpar.testing import TOLERANCES, assert_all_close, count_collectives
-from test_generation import generated
+from test_hf_export import load_hf
 
 pytest.importorskip("transformers", reason="the hf extra is not installed")
 
@@ -46,17 +46,6 @@ def random_state(model, seed):
     return state
 
 
-def load_llama(directory):
-    from transformers import LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    model, info = LlamaForCausalLM.from_pretrained(directory, local_files_only=True, output_loading_info=True)
-    assert not any(info.values()), f"keys transformers did not load as saved: {info}"  # none initialised afresh
-    return model.eval()
-
-
 def check_llama_export(cfg, seed, directory, new):
     """On every rank: export a GPT with random weights, load it with transformers, compare logits, greedy
     tokens and the weights read back."""
@@ -65,7 +54,7 @@ def check_llama_export(cfg, seed, directory, new):
     state = random_state(model, seed)
     model.load_full_state_dict(state)
     written = export_hf(model, directory)  # Llama's options: a Llama directory
-    hf = load_llama(written)
+    hf = load_hf(written, "LlamaForCausalLM")
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, config.vocab_size, (2, config.block_size - new), generator=g)
     with torch.no_grad():
@@ -95,30 +84,6 @@ def test_exported_llama_gives_our_logits_and_greedy_tokens(worlds, tmp_path_fact
         assert err <= TOLERANCES[torch.float32] and tokens and same and same_config
         assert architectures == ["LlamaForCausalLM"]
     assert sorted(p.name for p in directory.iterdir()) == ["config.json", "model.safetensors"]
-
-
-@settings(max_examples=6)
-@given(tp=st.integers(1, 4), data=st.data())
-def test_rotary_generation_with_the_cache_is_generation_without_it(worlds, tp, data):
-    """Llama's options: greedy tokens with the cache, recomputed and from the plain reference agree;
-    prompts of different lengths (each row rotated at its own positions) equal each row alone; the cache's
-    logits, prefill then decode, equal one forward of the whole, with or without sequence parallelism."""
-    n_head = data.draw(st.integers(tp, 6))
-    cfg = dict(LLAMA, n_layer=2, n_head=n_head, n_embd=2 * n_head, bias=data.draw(st.booleans()),
-               n_kv_head=data.draw(st.sampled_from([d for d in range(1, n_head + 1) if n_head % d == 0])),
-               vocab_size=data.draw(st.integers(max(tp, 8), 53)), block_size=24)
-    lengths = data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=3), label="prompt lengths")
-    new = data.draw(st.integers(1, cfg["block_size"] - max(lengths)))
-    sp = data.draw(st.booleans(), label="sequence_parallel")
-    results = worlds[tp].run(generated, cfg, 0, sp, lengths, new)
-    for out, logprobs, training, ragged, ragged_lp, alone, steps, chunks, whole in results:
-        assert out["cached"].tolist() == out["recomputed"].tolist() == out["reference"].tolist()
-        for path, tokens in ragged.items():  # the cache's and recomputation's, each row as generated alone
-            for r, n in enumerate(lengths):
-                assert tokens[r, :n + new].tolist() == alone[r][0][0].tolist(), (path, r, n)
-        assert_all_close({"log-probs": (logprobs, training), "steps": (steps, whole), "chunks": (chunks, whole),
-                          "ragged log-probs": (ragged_lp, torch.cat([a[1] for a in alone]))},
-                         rtol=TOLERANCES[torch.float64])
 
 
 def test_a_gpt_without_positions_has_no_position_table():
@@ -195,7 +160,7 @@ def test_train_gpt_with_llama_options_exports_a_llama(worlds, monkeypatch, tmp_p
                                  "--norm", "rmsnorm", "--positions", "rope", "--mlp", "swiglu",
                                  "--sample-tokens", 0, "--no-progress", "--out", out, "--export-hf", hf_dir)
     assert line_starting(stdout, "Hugging Face Llama: ").startswith(f"Hugging Face Llama: {hf_dir} ")
-    hf = load_llama(hf_dir)
+    hf = load_hf(hf_dir, "LlamaForCausalLM")
     plain = RefGPT(RefConfig(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=16, bias=False,
                              **LLAMA)).eval()
     plain.load_state_dict(checkpoint.export_state_dict(out))  # the weights the run ended with
