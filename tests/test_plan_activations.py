@@ -70,7 +70,8 @@ def small_configs(draw, tp):
     n_head = draw(st.integers(tp, 6))
     n_kv_head = draw(st.sampled_from([d for d in range(1, n_head + 1) if n_head % d == 0]))
     return dict(n_layer=draw(st.integers(1, 3)), n_head=n_head, n_kv_head=n_kv_head,
-                n_embd=n_head * draw(st.integers(-(-32 // n_head), -(-64 // n_head))), vocab_size=draw(st.integers(32, 96)),
+                n_embd=n_head * draw(st.integers(-(-32 // n_head), -(-64 // n_head))),
+                vocab_size=draw(st.integers(32, 96)),
                 block_size=draw(st.integers(24, 40)), bias=draw(st.booleans()),
                 mlp=draw(st.sampled_from(["gelu", "swiglu"])))
 
