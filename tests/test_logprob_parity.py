@@ -51,9 +51,13 @@ def score(cfg, out, lengths, new, temperature, autocast, seed):
 @example(a=3, b=2, data=None)
 @example(a=1, b=4, data="llama")  # RMSNorm and rotary positions: a token's angles alike in prefill and decode
 @example(a=1, b=1, data="vocab 4")  # one-token segments of the vocabulary: products of one output feature
+@example(a=1, b=1, data="bf16 rows")  # bf16 products of 39 rows and of 8: row-count-dependent bf16 GEMMs
 def test_generation_log_probs_are_the_training_log_probs_bit_for_bit(worlds, a, b, data):
     if data == "vocab 4":
         cfg, lengths, new, temperature, autocast, key_block = CFG | dict(vocab_size=4), [1], 10, 1.0, False, 64
+    elif data == "bf16 rows":
+        cfg, lengths, new, temperature, autocast, key_block = CFG | dict(mlp="swiglu", vocab_size=43), [7, 4, 1], 6, \
+            0.7, True, 4
     elif data is None or data == "llama":
         cfg, lengths, new, temperature, autocast, key_block = CFG | dict(sequence_parallel=True), [5, 2, 7], 9, 1.0, \
             True, 4

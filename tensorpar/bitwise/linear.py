@@ -56,6 +56,14 @@ def padded_rows(x: torch.Tensor, least: int = MIN_ROWS) -> torch.Tensor:
     return x if n >= least else torch.cat([x, x.new_zeros(least - n, *x.shape[1:])])
 
 
+def exact_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, with 16-bit operands multiplied in float32 and the result rounded back: CPU bf16 GEMMs
+    give a row other bits as the number of rows changes (seen at 39 rows against 8), float32's do not."""
+    if x.element_size() >= 4:
+        return F.linear(x, w, b)
+    return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+
+
 def lanewise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """An elementwise ``fn`` of ``x`` with every element computed by the vector code: flattened and padded
     (with ones) to a multiple of :data:`LANES` elements, so that an element's bits depend neither on the
@@ -137,7 +145,7 @@ class _SegmentedColumnLinear(torch.autograd.Function):
                 pieces = placed.pieces(leaf)
                 w = padded_rows(gathered(weight, pieces, 0), MIN_FEATURES)  # (max(rows of the leaf, 2), in)
                 b = None if bias is None else padded_rows(gathered(bias, pieces, 0), MIN_FEATURES)
-                y = F.linear(rows, w, b)[:n, :sum(k for _, k in pieces)]  # (N, rows of the leaf)
+                y = exact_linear(rows, w, b)[:n, :sum(k for _, k in pieces)]  # (N, rows of the leaf)
                 outputs |= zip(placed.tree.leaves[leaf], y.split([n for _, n in pieces], -1), strict=True)
         parts = [outputs[s] for s, _, _ in placed.local]
         return torch.cat(parts, -1).reshape(*x.shape[:-1], -1)  # (*, out / tp)
@@ -186,7 +194,7 @@ class _SegmentedRowLinear(torch.autograd.Function):
         def part(leaf: int) -> torch.Tensor:
             x_leaf = by_leaf[leaf]
             w = padded_rows(gathered(weight, placed.pieces(leaf), 1), MIN_FEATURES)  # (max(out, 2), n)
-            return F.linear(padded_rows(x_leaf), w)[:x_leaf.shape[0], :weight.shape[0]]  # (N, out)
+            return exact_linear(padded_rows(x_leaf), w)[:x_leaf.shape[0], :weight.shape[0]]  # (N, out)
 
         with torch.autocast(x.device.type, enabled=False):
             y = tree_sum(part, placed, group, (x2.shape[0], weight.shape[0]), x2)
