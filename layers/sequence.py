@@ -140,10 +140,9 @@ def layer_norm(n_embd: int, *, bias: bool, sequence_parallel: bool, group: Proce
     ``nn.LayerNorm`` / ``nn.RMSNorm``, or where the tokens its gradients add are split (sequence
     parallelism) or added by segments (bitwise mode), a :class:`ParallelLayerNorm` / :class:`ParallelRMSNorm`."""
     if kind == "rmsnorm":
-        if sequence_parallel or tensorpar.current_bitwise() is not None:
-            return ParallelRMSNorm(n_embd, eps, sequence_parallel=sequence_parallel, group=group, device=device,
-                                   dtype=dtype)
-        return nn.RMSNorm(n_embd, eps, device=device, dtype=dtype)
+        parallel = functools.partial(ParallelRMSNorm, sequence_parallel=sequence_parallel, group=group)
+        rms = parallel if sequence_parallel else numerics.chosen(nn.RMSNorm, lambda: parallel)
+        return rms(n_embd, eps, device=device, dtype=dtype)
     if sequence_parallel:
         return SequenceParallelLayerNorm(n_embd, eps, bias=bias, group=group, device=device, dtype=dtype)
     cls = numerics.chosen(nn.LayerNorm, lambda: functools.partial(ParallelLayerNorm, sequence_parallel=False,

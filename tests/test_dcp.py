@@ -25,11 +25,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 import tensorpar
 from checkpoint_cases import BLOCKED, bitwise_equal, blocked
+from examples.export_safetensors import main as export_command
 from gpt_cases import batch, gpt_configs
 from layers import GPT, GPTConfig
 from reference_gpt import RefConfig, RefGPT
 from tensorpar import checkpoint
-from tensorpar.checkpoint.__main__ import main as checkpoint_command
 from tensorpar.checkpoint.layout import locate
 from tensorpar.full import placements, unshard
 from tensorpar.testing import assert_all_close
@@ -346,7 +346,7 @@ def test_torch_s_dcp_tools_read_a_checkpoint_as_it_is(worlds, tmp_path):
         dcp.load(plain, checkpoint_id=checkpoint.resolve(tmp_path / "run"), no_dist=True)
     assert bitwise_equal({f"model.{k}": v for k, v in exported.items()}, plain)
     assert bitwise_equal(plain, {k: v for k, v in live.items() if k.startswith("model.")})
-    assert checkpoint_command(["safetensors", str(tmp_path / "run"), str(tmp_path / "cli.safetensors")]) == 0
+    assert export_command([str(tmp_path / "run"), str(tmp_path / "cli.safetensors")]) == 0
     assert bitwise_equal(safetensors.torch.load_file(tmp_path / "cli.safetensors"), exported)
 
 
