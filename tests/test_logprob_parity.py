@@ -52,12 +52,15 @@ def score(cfg, out, lengths, new, temperature, autocast, seed):
 @example(a=1, b=4, data="llama")  # RMSNorm and rotary positions: a token's angles alike in prefill and decode
 @example(a=1, b=1, data="vocab 4")  # one-token segments of the vocabulary: products of one output feature
 @example(a=1, b=1, data="bf16 rows")  # bf16 products of 39 rows and of 8: row-count-dependent bf16 GEMMs
+@example(a=2, b=1, data="odd width")  # n_embd 30, head size 5: a row's bits would depend on where it lies
 def test_generation_log_probs_are_the_training_log_probs_bit_for_bit(worlds, a, b, data):
     if data == "vocab 4":
         cfg, lengths, new, temperature, autocast, key_block = CFG | dict(vocab_size=4), [1], 10, 1.0, False, 64
     elif data == "bf16 rows":
         cfg, lengths, new, temperature, autocast, key_block = CFG | dict(mlp="swiglu", vocab_size=43), [7, 4, 1], 6, \
             0.7, True, 4
+    elif data == "odd width":
+        cfg, lengths, new, temperature, autocast, key_block = CFG | dict(n_embd=30), [5, 2, 7], 9, 1.0, False, 3
     elif data is None or data == "llama":
         cfg, lengths, new, temperature, autocast, key_block = CFG | dict(sequence_parallel=True), [5, 2, 7], 9, 1.0, \
             True, 4
@@ -68,10 +71,12 @@ def test_generation_log_probs_are_the_training_log_probs_bit_for_bit(worlds, a, 
                          sequence_parallel=data.draw(st.booleans(), label="sequence_parallel"),
                          norm=data.draw(st.sampled_from(["layernorm", "rmsnorm"])),
                          positions=data.draw(st.sampled_from(["learned", "rope"])))
+        cfg["n_embd"] = CFG["n_head"] * data.draw(st.integers(1, 7).filter(  # rotary positions: an even head size
+            lambda d: d % 2 == 0 or cfg["positions"] == "learned"), label="head size")
         lengths = data.draw(st.lists(st.integers(1, 8), min_size=1, max_size=3), label="prompt lengths")
         new = data.draw(st.integers(1, cfg["block_size"] - max(lengths)))
         temperature = data.draw(st.sampled_from([1.0, 0.7]))
-        autocast, key_block = data.draw(st.booleans(), label="bfloat16 autocast"), data.draw(st.sampled_from([4, 64]))
+        autocast, key_block = data.draw(st.booleans(), label="bfloat16 autocast"), data.draw(st.sampled_from([3, 4, 64]))
     mode = Bitwise(key_block=key_block)
     out, logprobs, alone = worlds[a].run(sample, cfg, lengths, new, temperature, autocast, 0, bitwise=mode)[0]
     for trained in worlds[b].run(score, cfg, out, lengths, new, temperature, autocast, 0, bitwise=mode):

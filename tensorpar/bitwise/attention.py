@@ -17,7 +17,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from ..comm.collectives import all_gather_along
-from .linear import MIN_ROWS, blockwise, lanewise
+from .linear import MIN_ROWS, WIDTH_MULTIPLE, blockwise, lanewise
 
 #: the fewest matrices attention's batched products use: CPU ``bmm`` (torch 2.13) gives each of N >= 2 matrices
 #: the same bits for any N, but runs N = 1 as ``mm``, whose one-column product (a one-feature head) adds otherwise
@@ -41,8 +41,9 @@ def attention_by_key_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
     (``None``: ``0..S-1``), each reading the keys and values ``(B, h, L, d)`` of slots ``0..position``.
 
     The keys are taken in blocks of ``key_block`` slots, in order: each block's scores are one product of
-    fixed shape (queries padded to :data:`~.linear.MIN_ROWS` rows, and a zero head added where ``B * h`` is
-    less than :data:`MIN_MATRICES`), masked past the query's position; the
+    fixed shape (queries padded to :data:`~.linear.MIN_ROWS` rows, a zero head added where ``B * h`` is
+    less than :data:`MIN_MATRICES`, the head size and the block's slots zero-padded to a multiple of
+    :data:`~.linear.WIDTH_MULTIPLE`), masked past the query's position; the
     maximum is exact in any order; each block's exponentials (:func:`~.linear.lanewise`) are summed alone
     and the blocks' sums, and their products with the values, added block after block. Blocks past a
     query's position add exact zeros, so a query alone (decoding), in a batch, or in a whole sequence
@@ -54,18 +55,19 @@ def attention_by_key_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
     rows = max(s, MIN_ROWS)
     heads = h if b * h >= MIN_MATRICES else MIN_MATRICES  # one (B, h) matrix alone gets a zero head beside it
     wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    width, slots_held = d + -d % WIDTH_MULTIPLE, key_block + -key_block % WIDTH_MULTIPLE
     with torch.autocast(q.device.type, enabled=False):
-        q = F.pad(q.to(wide), (0, 0, 0, rows - s, 0, heads - h))  # (B, heads, rows, d): padded queries read slot 0
-        positions = F.pad(positions, (0, rows - s))
+        q = F.pad(q.to(wide), (0, width - d, 0, rows - s, 0, heads - h))  # (B, heads, rows, width): padded queries
+        positions = F.pad(positions, (0, rows - s))  # read slot 0
         scale = 1 / math.sqrt(d)
         scores, values = [], []
         for lo in range(0, length, key_block):
             n = min(key_block, length - lo)
-            kb, vb = (F.pad(t.narrow(2, lo, n).to(wide), (0, 0, 0, key_block - n, 0, heads - h)).contiguous()
-                      for t in (k, v))  # (B, heads, key_block, d)
-            slots = torch.arange(lo, lo + key_block, device=q.device)
-            keep = (slots <= positions[:, None, :, None]) & (slots < length)  # (B, 1, rows, key_block)
-            scores.append((q @ kb.transpose(-2, -1) * scale).masked_fill(~keep, -math.inf))  # (B, heads, rows, kb)
+            kb, vb = (F.pad(t.narrow(2, lo, n).to(wide), (0, width - d, 0, slots_held - n, 0, heads - h)).contiguous()
+                      for t in (k, v))  # (B, heads, slots_held, width)
+            slots = torch.arange(lo, lo + slots_held, device=q.device)
+            keep = (slots <= positions[:, None, :, None]) & (slots < lo + n)  # (B, 1, rows, slots_held)
+            scores.append((q @ kb.transpose(-2, -1) * scale).masked_fill(~keep, -math.inf))  # (B, heads, rows, slots)
             values.append(vb)
         top = functools.reduce(torch.maximum, [sc.amax(-1) for sc in scores]).detach()  # (B, heads, rows)
         total = y = None
@@ -75,7 +77,7 @@ def attention_by_key_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
             total = part if total is None else total + part
             y = weighted if y is None else y + weighted  # (B, heads, rows, d)
         assert y is not None and total is not None
-        return (y / total[..., None])[:, :h, :s].to(dtype)
+        return (y / total[..., None])[:, :h, :s, :d].to(dtype)
 
 
 class _ExpandKV(torch.autograd.Function):

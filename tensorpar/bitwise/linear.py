@@ -35,6 +35,10 @@ MIN_ROWS = 8
 #: the fewest output features a product has: one (a vocabulary segment of one token) runs as a matrix-vector
 #: product, whose rows' bits depend on how many rows there are
 MIN_FEATURES = 2
+#: a product's inner width is zero-padded to a multiple of this (as are attention's head size and key blocks):
+#: CPU GEMMs give a row of a narrower or odd-width product bits that depend on where it lies among the rows
+#: (``n_embd=30``: 9e-8 apart), and none at multiples of 4 (attention's batched products: 8)
+WIDTH_MULTIPLE = 8
 #: elementwise kernels run a flat tensor in vector chunks and its last ``< 2 * vector width`` elements in scalar
 #: code, whose ``exp``, ``log`` and ``tanh`` differ in the last bit; a multiple of this has no scalar tail
 LANES = 64
@@ -57,8 +61,11 @@ def padded_rows(x: torch.Tensor, least: int = MIN_ROWS) -> torch.Tensor:
 
 
 def exact_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, with 16-bit operands multiplied in float32 and the result rounded back: CPU bf16 GEMMs
-    give a row other bits as the number of rows changes (seen at 39 rows against 8), float32's do not."""
+    """``F.linear`` of ``x`` and ``w`` zero-padded to an inner width of a multiple of :data:`WIDTH_MULTIPLE`, with
+    16-bit operands multiplied in float32 and the result rounded back: CPU bf16 GEMMs give a row other bits
+    as the number of rows changes (seen at 39 rows against 8), float32's do not."""
+    if pad := -x.shape[-1] % WIDTH_MULTIPLE:
+        x, w = F.pad(x, (0, pad)), F.pad(w, (0, pad))  # exact zeros in every row's sums
     if x.element_size() >= 4:
         return F.linear(x, w, b)
     return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
