@@ -76,7 +76,8 @@ def test_generation_log_probs_are_the_training_log_probs_bit_for_bit(worlds, a, 
         lengths = data.draw(st.lists(st.integers(1, 8), min_size=1, max_size=3), label="prompt lengths")
         new = data.draw(st.integers(1, cfg["block_size"] - max(lengths)))
         temperature = data.draw(st.sampled_from([1.0, 0.7]))
-        autocast, key_block = data.draw(st.booleans(), label="bfloat16 autocast"), data.draw(st.sampled_from([3, 4, 64]))
+        autocast = data.draw(st.booleans(), label="bfloat16 autocast")
+        key_block = data.draw(st.sampled_from([3, 4, 64]), label="key block")
     mode = Bitwise(key_block=key_block)
     out, logprobs, alone = worlds[a].run(sample, cfg, lengths, new, temperature, autocast, 0, bitwise=mode)[0]
     for trained in worlds[b].run(score, cfg, out, lengths, new, temperature, autocast, 0, bitwise=mode):
