@@ -28,7 +28,8 @@ the fused tensor-parallel maps (their forward casts them each call). Dropout mas
 on the CPU (``x * noise``) and bool on CUDA. With sequence parallelism at tp > 1 a rank holding fewer
 tokens than the first keeps the embedding's reduce-scatter output as a view of its padded buffer (the
 first block's input), unless dropout copied it. Pipelines hold their stage's bytes for every micro-batch
-in flight (:func:`in_flight`). These are what ``saved_tensors_hooks`` sees on the CPU, to the byte in
+in flight (:func:`in_flight`); a stage after the first also keeps the receive buffers of its input of
+the step's other micro-batches (torch allocates one per micro-batch, once). These are what ``saved_tensors_hooks`` sees on the CPU, to the byte in
 every measured case. On CUDA (``device_type="cuda"``, not measured here) SDPA's flash or efficient
 kernels keep ``[Q|K|V]``, the log-sum-exp and the output with or without dropout, and masks are bool.
 Only the default numerics are counted: the bitwise mode is refused.
@@ -234,9 +235,12 @@ def activation_bytes(config: GPTConfig, layout: Layout, *, tp_rank: int = 0, sta
     s = _shapes(config, layout, tp_rank)
     blocks = len(stage_blocks(config.n_layer, layout.pp)[stage])
     first, last = stage == 0, stage == layout.pp - 1
-    per, targets = 0, 0
+    per, views = 0, 0  # views: the storages of the whole batch's ids and targets, held once
     if first:
         per += _first_stage(config, s, device_type)
+        if s.tp == 1 and layout.pp > 1:  # the ids as given: a pipeline's micro-batch of them is a view of the batch's
+            per -= 8 * s.b * s.t
+            views += 8 * s.b * s.t * layout.microbatches
     if layout.activation_checkpointing:
         per += blocks * s.b * s.t_r * s.c * s.p  # each block's input; its insides are recomputed
     else:
@@ -247,11 +251,19 @@ def activation_bytes(config: GPTConfig, layout: Layout, *, tp_rank: int = 0, sta
         if s.tp == 1:  # F.cross_entropy: the log-softmax, the targets, the mean's total weight
             per += s.b * s.t * s.vocab * loss + loss
             # the targets as given: a pipeline's micro-batch of them is a view of the whole batch's
-            targets = 8 * s.b * s.t * (layout.microbatches if layout.pp > 1 else 1)
+            views += 8 * s.b * s.t * (layout.microbatches if layout.pp > 1 else 1)
         else:  # the softmax, the local targets, the owned and valid masks
             per += s.b * s.t * s.vocab * loss + 8 * s.b * s.t + 2 * s.b * s.t
     once, each = _weights(config, s, 0 if layout.activation_checkpointing else blocks, last)
-    return in_flight(layout, stage) * (per + each) + once + targets
+    flying = in_flight(layout, stage)
+    return flying * (per + each) + once + views + (layout.microbatches - flying) * _received(layout, s, stage)
+
+
+def _received(layout: Layout, s: _Shapes, stage: int) -> int:
+    """One micro-batch's receive buffer of a pipeline stage's input (none on the first stage):
+    torch.distributed.pipelining allocates one per micro-batch of the step when it builds the schedule and
+    keeps them; a micro-batch's is its first block's saved input while it is in flight, and stays after."""
+    return s.b * s.t_r * s.c * s.p if layout.pp > 1 and stage > 0 else 0
 
 
 def _loss_bytes(s: _Shapes) -> int:

@@ -109,19 +109,23 @@ def pipeline_saved(cfg, schedule, microbatches, b, t):
     idx, targets = (torch.randint(0, config.vocab_size, (b * microbatches, t), generator=g) for _ in range(2))
     pipe.step(idx, targets)  # the schedule is built
     measured = peak_saved_bytes(model, lambda: pipe.step(idx, targets))
-    layout = Layout(tp=mesh.tp, pp=mesh.pp, micro_batch=b, microbatches=microbatches, seq_len=t, schedule=schedule)
+    layout = Layout(tp=mesh.tp, pp=mesh.pp, micro_batch=b, microbatches=microbatches, seq_len=t, schedule=schedule,
+                    sequence_parallel=config.sequence_parallel, activation_checkpointing=config.activation_checkpointing)
     return measured, activation_bytes(config, layout, tp_rank=mesh.tp_rank, stage=mesh.pp_rank)
 
 
-def test_pipeline_stages_hold_their_micro_batches_in_flight(worlds):
-    cfg = dict(n_layer=3, n_head=2, n_embd=16, vocab_size=40, block_size=8)  # 2 blocks, then 1
-    (gpipe_first, gpipe_last) = worlds[2].run(pipeline_saved, cfg, "gpipe", 4, 2, 7, tp=1, pp=2)
-    (first, last) = worlds[2].run(pipeline_saved, cfg, "1f1b", 4, 2, 7, tp=1, pp=2)
-    for measured, planned in (gpipe_first, gpipe_last, first):  # all 4 micro-batches; 2 on 1F1B's first stage
-        assert abs(planned / measured - 1) <= SAVED_BOUND, (measured, planned)
-    # 1F1B's last stage holds one micro-batch's activations and, at its peak, three (B, T, C) float32
-    # storages more (of another micro-batch, it seems): not planned, 14% here
-    assert last[1] < last[0] <= 1.15 * last[1], last
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_pipeline_stages_hold_their_micro_batches_in_flight(worlds, tp, schedule, recompute):
+    """GPipe holds all 4 micro-batches on each stage, 1F1B 2 on the first and 1 on the last; a stage after
+    the first also keeps torch's receive buffers of the other micro-batches' inputs (the pack hook sees each
+    as its first block's saved input, and it lives on)."""
+    cfg = dict(n_layer=3, n_head=3, n_embd=24, vocab_size=41, block_size=9, dropout=0.1,  # 2 blocks, then 1
+               sequence_parallel=tp > 1, activation_checkpointing=recompute)
+    for rank, (measured, planned) in enumerate(worlds[2 * tp].run(pipeline_saved, cfg, schedule, 4, 2, 7, tp=tp,
+                                                                  pp=2)):
+        assert abs(planned / measured - 1) <= SAVED_BOUND, (rank, measured, planned)
 
 
 def test_pipeline_schedules_hold_their_micro_batches_in_flight():
