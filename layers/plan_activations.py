@@ -29,9 +29,10 @@ on the CPU (``x * noise``) and bool on CUDA. With sequence parallelism at tp > 1
 tokens than the first keeps the embedding's reduce-scatter output as a view of its padded buffer (the
 first block's input), unless dropout copied it. Pipelines hold their stage's bytes for every micro-batch
 in flight (:func:`in_flight`); a stage after the first also keeps the receive buffers of its input of
-the step's other micro-batches (torch allocates one per micro-batch, once). These are what ``saved_tensors_hooks`` sees on the CPU, to the byte in
-every measured case. On CUDA (``device_type="cuda"``, not measured here) SDPA's flash or efficient
-kernels keep ``[Q|K|V]``, the log-sum-exp and the output with or without dropout, and masks are bool.
+the step's other micro-batches (torch allocates one per micro-batch, once). These are what
+``saved_tensors_hooks`` sees on the CPU, to the byte in every measured case. On CUDA
+(``device_type="cuda"``, not measured here) SDPA's flash or efficient kernels keep ``[Q|K|V]``, the
+log-sum-exp and the output with or without dropout, and masks are bool.
 Only the default numerics are counted: the bitwise mode is refused.
 
 :func:`peak_bytes` adds what the hooks do not see and a step holds besides: the logits while the forward

@@ -109,8 +109,9 @@ def pipeline_saved(cfg, schedule, microbatches, b, t):
     idx, targets = (torch.randint(0, config.vocab_size, (b * microbatches, t), generator=g) for _ in range(2))
     pipe.step(idx, targets)  # the schedule is built
     measured = peak_saved_bytes(model, lambda: pipe.step(idx, targets))
-    layout = Layout(tp=mesh.tp, pp=mesh.pp, micro_batch=b, microbatches=microbatches, seq_len=t, schedule=schedule,
-                    sequence_parallel=config.sequence_parallel, activation_checkpointing=config.activation_checkpointing)
+    layout = Layout(tp=mesh.tp, pp=mesh.pp, micro_batch=b, microbatches=microbatches, seq_len=t,
+                    schedule=schedule, sequence_parallel=config.sequence_parallel,
+                    activation_checkpointing=config.activation_checkpointing)
     return measured, activation_bytes(config, layout, tp_rank=mesh.tp_rank, stage=mesh.pp_rank)
 
 
