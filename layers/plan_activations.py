@@ -37,7 +37,7 @@ Only the default numerics are counted: the bitwise mode is refused.
 
 :func:`peak_bytes` adds what the hooks do not see and a step holds besides: the logits while the forward
 ends, the backward's gradients and working buffers step by step, AdamW's temporaries, the tp stream's
-generator state that each checkpointed block keeps with dropout.
+generators' states that the tp stream and each checkpointed block keep.
 """
 
 from __future__ import annotations
@@ -55,8 +55,16 @@ from .heads import head_layout
 from .plan_layout import Layout
 
 DEVICE_TYPES = ("cpu", "cuda")
-#: a default generator's state, in DEVICE_TYPES' order: the CPU's Mersenne twister, CUDA's Philox seed and offset
-RNG_STATE_BYTES = (5056, 16)
+#: the CPU generator's state (its Mersenne twister) as ``torch.get_rng_state()`` returns it: checkpoints note one
+#: per block, the tp streams keep theirs; on CUDA every state (the GPU's too) is a host tensor, no device memory
+CPU_RNG_STATE_BYTES = 5056
+
+
+def _generator_states(config: GPTConfig, device_type: str) -> tuple[int, int]:
+    """Bytes of ``(a generator state, the tp stream's state)`` in ``device_type``'s memory: the stream has
+    one once a dropout has drawn from it."""
+    state = CPU_RNG_STATE_BYTES if device_type == "cpu" else 0
+    return state, state if config.dropout else 0
 
 
 def _itemsize(name: str | None, what: str) -> int:
@@ -247,17 +255,33 @@ def activation_bytes(config: GPTConfig, layout: Layout, *, tp_rank: int = 0, sta
     else:
         per += blocks * _block(config, s, device_type)
     if last:
-        per += _layer_norm(s, config) + s.b * (s.t if s.tp == 1 else s.t_r) * s.c * s.a
-        loss = _loss_bytes(s)
-        if s.tp == 1:  # F.cross_entropy: the log-softmax, the targets, the mean's total weight
-            per += s.b * s.t * s.vocab * loss + loss
-            # the targets as given: a pipeline's micro-batch of them is a view of the whole batch's
+        per += _head_saved(config, s)
+        if s.tp == 1:  # the targets as given: a pipeline's micro-batch of them is a view of the whole batch's
             views += 8 * s.b * s.t * (layout.microbatches if layout.pp > 1 else 1)
-        else:  # the softmax, the local targets, the owned and valid masks
-            per += s.b * s.t * s.vocab * loss + 8 * s.b * s.t + 2 * s.b * s.t
     once, each = _weights(config, s, 0 if layout.activation_checkpointing else blocks, last)
     flying = in_flight(layout, stage)
     return flying * (per + each) + once + views + (layout.microbatches - flying) * _received(layout, s, stage)
+
+
+def _head_saved(config: GPTConfig, s: _Shapes) -> int:
+    """One micro-batch's saved bytes of the last stage's final LayerNorm, head and loss (at tp = 1
+    ``F.cross_entropy``'s log-softmax and the mean's total weight; else the softmax, the local targets, the
+    owned and valid masks), the targets as given apart."""
+    loss = _loss_bytes(s)
+    found = _layer_norm(s, config) + s.b * (s.t if s.tp == 1 else s.t_r) * s.c * s.a + s.b * s.t * s.vocab * loss
+    return found + (loss if s.tp == 1 else 8 * s.b * s.t + 2 * s.b * s.t)
+
+
+def _saved_after_last_fork(config: GPTConfig, layout: Layout, s: _Shapes, stage: int, device_type: str) -> int:
+    """What one micro-batch's forward saves after its last fork of the tp stream (with dropout): the last
+    stage's head and loss, and the last block's MLP half unless a sequence-parallel dropout forks at the end
+    of each block (inside checkpointed blocks nothing is saved)."""
+    after = _head_saved(config, s) if stage == layout.pp - 1 else 0
+    if layout.activation_checkpointing or s.sp:
+        return after
+    attention = _layer_norm(s, config) + s.b * s.t_r * s.c * s.a + _attention(s, config.dropout, device_type) \
+        + _rotary(config, s, device_type)
+    return after + _block(config, s, device_type) - attention
 
 
 def _received(layout: Layout, s: _Shapes, stage: int) -> int:
@@ -407,13 +431,17 @@ def _backward(config: GPTConfig, layout: Layout, s: _Shapes, stage: int, device_
     blocks = len(stage_blocks(config.n_layer, layout.pp)[stage])
     nodes: list[Node] = _head_nodes(config, s) if stage == layout.pp - 1 else []
     block = _block_nodes(config, s, device_type)
-    if layout.activation_checkpointing:  # the block's forward again, the tp stream's state noted and replayed
-        rng = RNG_STATE_BYTES[DEVICE_TYPES.index(device_type)] if config.dropout else 0
-        recomputed = sum(n[0] for n in block) + rng
+    if layout.activation_checkpointing:  # the block's forward again, the generators' states noted and replayed
+        state, stream = _generator_states(config, device_type)
+        recomputed = sum(n[0] for n in block)
         # the recomputation's own transients: a row map's partial sums, the residual stream's sum, the gathered
-        # tokens of the column regions (held with the recomputed graph, dropped with it)
-        ahead = s.b * s.t * s.c * s.a + s.b * s.t_r * s.c * s.p + (2 * s.b * s.t * s.c * s.a if s.sp else 0)
-        block = [(-recomputed, 0, ahead), *block, (s.b * s.t_r * s.c * s.p + 2 * rng, 0, 0)]
+        # tokens of the column regions (held with the recomputed graph, dropped with it); fork_rng's note of the
+        # live generator, the tp stream's live state noted and, inside a dropout's fork, the state outside it
+        ahead = s.b * s.t * s.c * s.a + s.b * s.t_r * s.c * s.p + (2 * s.b * s.t * s.c * s.a if s.sp else 0) \
+            + state + 2 * stream
+        # (all on top of the recomputed activations, as the recomputation ends); after the block's backward
+        # its input and the states its checkpoint noted at the forward go
+        block = [(-recomputed, 0, recomputed + ahead), *block, (s.b * s.t_r * s.c * s.p + state + stream, 0, 0)]
     nodes += block * blocks
     if stage == 0:
         learned = config.positions == "learned"
@@ -452,20 +480,25 @@ def peak_bytes(config: GPTConfig, layout: Layout, *, params: int, grads: int, op
       square root of the second moment and its quotient, a parameter at a time on the CPU, every
       parameter at once with CUDA's foreach kernels).
 
-    With activation checkpointing and dropout each checkpointed block also keeps the tp stream's state (a few
-    KB: the generator states a recomputation keeps vary by a state or two with the layout, not modelled).
+    On the CPU the generators' states count too (5 KB each): with dropout the tp stream's own, and with
+    activation checkpointing the states each checkpointed block notes at its forward (the CPU generator's,
+    and with dropout the tp stream's) and those its recomputation notes while it runs.
     """
     _check(config, layout, stage, device_type)
     s = _shapes(config, layout, tp_rank)
     last = stage == layout.pp - 1
     acts = activation_bytes(config, layout, tp_rank=tp_rank, stage=stage, device_type=device_type)
     blocks = len(stage_blocks(config.n_layer, layout.pp)[stage])
-    if layout.activation_checkpointing and config.dropout:  # each checkpointed block's tp stream state
-        acts += in_flight(layout, stage) * blocks * RNG_STATE_BYTES[DEVICE_TYPES.index(device_type)]
-    batch = 16 * s.b * s.t * layout.microbatches  # int64 ids and targets of the step
+    state, stream = _generator_states(config, device_type)
+    if layout.activation_checkpointing:  # the generator states each checkpointed block notes at its forward
+        acts += in_flight(layout, stage) * blocks * (state + stream)
+    batch = 16 * s.b * s.t * layout.microbatches + stream  # int64 ids and targets of the step; the tp stream
     earlier = grads if layout.microbatches > 1 else 0
     held = params + optimizer + batch + acts
-    forward_end = held + earlier + (_forward_transient(s) if last else 0)
+    forward_end = held + earlier + (_forward_transient(s) if last else 0)  # the logits
+    if stream:  # the forward's last fork of the tp stream as it ends: the states outside it and after it
+        forward_end = max(forward_end, held + earlier + 2 * stream
+                          - _saved_after_last_fork(config, layout, s, stage, device_type))
     backward = held + earlier + _backward(config, layout, s, stage, device_type, accumulating=bool(earlier))
     if layout.optimizer == "adamw":
         temporaries = _adamw_temporaries(config, layout, s, stage, device_type, params)

@@ -7,7 +7,8 @@
 * :class:`LiveBytes`: a ``TorchDispatchMode`` that counts the bytes of every storage an op creates
   while it is alive (a weak reference finalizer takes it off), from given starting tensors, and keeps
   the peak: the step's tensors' high-water mark on any device, the CPU included (where no allocator
-  statistics exist). Storages made outside the dispatcher (inside a collective's backend) are not seen.
+  statistics exist). Storages made outside the dispatcher (inside a collective's backend) are not seen,
+  but for the CPU generator's states ``torch.get_rng_state()`` returns (the mode wraps it while entered).
 * :func:`build_for_layout` and :func:`measure_state`: the model and optimizer ``examples/train_gpt.py``
   builds for a :class:`~layers.Layout`, and the bytes of its parameters, gradients and optimizer state
   (and DDP's buckets, and the host's under offload) after one optimizer step: the plan's
@@ -106,6 +107,24 @@ class LiveBytes(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self._seen: dict[int, int] = {}  # data pointer -> bytes
+
+    def __enter__(self) -> LiveBytes:
+        # the CPU generator's states that torch.get_rng_state() returns are made outside the dispatcher:
+        # counted by wrapping it while the mode is on (checkpoints, fork_rng and the tp streams call it)
+        get_state = self._get_rng_state = torch.get_rng_state
+
+        def noted() -> torch.Tensor:
+            state = get_state()
+            self._add(state)
+            return state
+
+        torch.get_rng_state = noted
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.get_rng_state = self._get_rng_state
+        super().__exit__(*exc)
 
     def track(self, tensors: Iterable[torch.Tensor | None]) -> None:
         """Count the storages of ``tensors`` (made before the mode was entered) while they live."""
