@@ -277,11 +277,19 @@ def _saved_after_last_fork(config: GPTConfig, layout: Layout, s: _Shapes, stage:
     stage's head and loss, and the last block's MLP half unless a sequence-parallel dropout forks at the end
     of each block (inside checkpointed blocks nothing is saved)."""
     after = _head_saved(config, s) if stage == layout.pp - 1 else 0
-    if layout.activation_checkpointing or s.sp:
+    if layout.activation_checkpointing:
         return after
+    return after + _block_after_last_fork(config, s, device_type)
+
+
+def _block_after_last_fork(config: GPTConfig, s: _Shapes, device_type: str) -> int:
+    """A block's saved bytes after its last fork of the tp stream: none where a sequence-parallel dropout
+    forks at its end; else its MLP half, after the attention's dropout."""
+    if s.sp:
+        return 0
     attention = _layer_norm(s, config) + s.b * s.t_r * s.c * s.a + _attention(s, config.dropout, device_type) \
         + _rotary(config, s, device_type)
-    return after + _block(config, s, device_type) - attention
+    return _block(config, s, device_type) - attention
 
 
 def _received(layout: Layout, s: _Shapes, stage: int) -> int:
@@ -435,13 +443,16 @@ def _backward(config: GPTConfig, layout: Layout, s: _Shapes, stage: int, device_
         state, stream = _generator_states(config, device_type)
         recomputed = sum(n[0] for n in block)
         # the recomputation's own transients: a row map's partial sums, the residual stream's sum, the gathered
-        # tokens of the column regions (held with the recomputed graph, dropped with it); fork_rng's note of the
-        # live generator, the tp stream's live state noted and, inside a dropout's fork, the state outside it
-        ahead = s.b * s.t * s.c * s.a + s.b * s.t_r * s.c * s.p + (2 * s.b * s.t * s.c * s.a if s.sp else 0) \
-            + state + 2 * stream
-        # (all on top of the recomputed activations, as the recomputation ends); after the block's backward
-        # its input and the states its checkpoint noted at the forward go
-        block = [(-recomputed, 0, recomputed + ahead), *block, (s.b * s.t_r * s.c * s.p + state + stream, 0, 0)]
+        # tokens of the column regions (held with the recomputed graph, dropped with it); and the states: fork_rng's
+        # note of the live generator, the tp stream's live state noted, inside a dropout's fork the state outside it
+        ahead = s.b * s.t * s.c * s.a + s.b * s.t_r * s.c * s.p + (2 * s.b * s.t * s.c * s.a if s.sp else 0)
+        # all on top of the recomputed activations as the recomputation ends, the stream's state put back; or
+        # as its last fork ends (the states outside it and after it too), before the rest of the block
+        ended = recomputed + ahead + state + 2 * stream
+        if stream:
+            ended = max(ended, recomputed - _block_after_last_fork(config, s, device_type) + ahead + state + 3 * stream)
+        # after the block's backward its input and the states its checkpoint noted at the forward go
+        block = [(-recomputed, 0, ended), *block, (s.b * s.t_r * s.c * s.p + state + stream, 0, 0)]
     nodes += block * blocks
     if stage == 0:
         learned = config.positions == "learned"

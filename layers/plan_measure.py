@@ -167,8 +167,8 @@ def measure_step(config: Any, micro_batch: int, seq_len: int, *, autocast: torch
     step on ``micro_batch`` random sequences of ``seq_len`` tokens (under ``autocast`` where given), then
     measured over a second step: the bytes saved for backward by its forward (:func:`saved_bytes`), the
     peak of the step's live tensors from the forward through ``optimizer.step()`` (:class:`LiveBytes`,
-    tracking the parameters, the optimizer state and the batch from the start), and the bytes of the
-    parameters, their gradients and the optimizer state."""
+    tracking the parameters, the optimizer state, the batch and the tp stream's state from the start), and
+    the bytes of the parameters, their gradients and the optimizer state."""
     import contextlib
 
     tensorpar.manual_seed(seed)
@@ -192,6 +192,9 @@ def measure_step(config: Any, micro_batch: int, seq_len: int, *, autocast: torch
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     with LiveBytes() as live:
         live.track([*model.parameters(), *state, idx, targets])
+        if config.dropout:  # the tp stream's state, made before: renewed under the mode (nothing drawn), counted
+            with tensorpar.random.tracker().fork():
+                pass
         loss = forward()
         loss.backward()
         grads = _storage_bytes(p.grad for p in model.parameters())
