@@ -62,17 +62,14 @@ def test_saved_activations_are_planned_within_5_percent(worlds, tp, data, extra,
 
 @st.composite
 def small_configs(draw, tp):
-    """GPTs small enough for a fast test, not so small that a few stray bytes (a 5 KB generator state, a
-    loss) make a tenth of the peak: 32-64 features in all, 32-96 tokens of vocabulary, and 24-40 tokens,
-    so the activations weigh as much as the weights, as in training. (With fewer tokens, under bf16
-    autocast with dropout and checkpointing, the backward's autocast weight copies and gradients, which the
-    plan counts as held at once, make the plan up to 11% high: measured at 2 x 7 tokens, 32 features.)"""
+    """GPTs small enough for a fast test, down to toy sizes where fixed overheads weigh (the generators'
+    5 KB states, a loss's scalars): 8-48 features in all, 16-96 tokens of vocabulary, 4-32 tokens."""
     n_head = draw(st.integers(tp, 6))
     n_kv_head = draw(st.sampled_from([d for d in range(1, n_head + 1) if n_head % d == 0]))
     return dict(n_layer=draw(st.integers(1, 3)), n_head=n_head, n_kv_head=n_kv_head,
-                n_embd=n_head * draw(st.integers(-(-32 // n_head), -(-64 // n_head))),
-                vocab_size=draw(st.integers(32, 96)),
-                block_size=draw(st.integers(24, 40)), bias=draw(st.booleans()),
+                n_embd=n_head * draw(st.integers(-(-8 // n_head), max(1, 48 // n_head))),
+                vocab_size=draw(st.integers(16, 96)),
+                block_size=draw(st.integers(4, 32)), bias=draw(st.booleans()),
                 mlp=draw(st.sampled_from(["gelu", "swiglu"])))
 
 
@@ -80,7 +77,7 @@ def small_configs(draw, tp):
 @given(tp=tp_sizes(), data=st.data(), extra=options(), autocast=st.booleans(), seed=st.integers(0, 2**31))
 def test_the_peak_of_a_step_is_planned_within_10_percent(worlds, tp, data, extra, autocast, seed):
     cfg = dict(data.draw(small_configs(tp)), **extra)
-    b, t = data.draw(st.integers(1, 3)), data.draw(st.integers(cfg["block_size"] // 2, cfg["block_size"]))
+    b, t = data.draw(st.integers(1, 3)), data.draw(st.integers(max(2, cfg["block_size"] // 2), cfg["block_size"]))
     for rank, (found, _, peak) in enumerate(worlds[tp].run(planned_and_measured, cfg, b, t, autocast, seed)):
         assert abs(peak / found["peak"] - 1) <= PEAK_BOUND, (rank, peak, found)
 
