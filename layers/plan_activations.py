@@ -292,6 +292,18 @@ def _block_after_last_fork(config: GPTConfig, s: _Shapes, device_type: str) -> i
     return _block(config, s, device_type) - attention
 
 
+def _pipeline_buffers(layout: Layout, s: _Shapes, stage: int) -> int:
+    """What a pipeline stage holds besides its saved activations: the outputs of the micro-batches in flight,
+    which the schedule keeps for their backward (the last stage's: the logits), and before the last stage
+    the receive buffers of its output's gradient, one per micro-batch of the step (kept as those of the
+    inputs are)."""
+    if layout.pp == 1:
+        return 0
+    if stage == layout.pp - 1:
+        return in_flight(layout, stage) * s.b * s.t * s.vocab * s.a
+    return (layout.microbatches + in_flight(layout, stage)) * s.b * s.t_r * s.c * s.p
+
+
 def _received(layout: Layout, s: _Shapes, stage: int) -> int:
     """One micro-batch's receive buffer of a pipeline stage's input (none on the first stage):
     torch.distributed.pipelining allocates one per micro-batch of the step when it builds the schedule and
@@ -434,8 +446,8 @@ def _head_nodes(config: GPTConfig, s: _Shapes) -> list[Node]:
 def _backward(config: GPTConfig, layout: Layout, s: _Shapes, stage: int, device_type: str,
               accumulating: bool) -> int:
     """The most the backward of one micro-batch adds to what the forward's end holds, step by step in
-    backward order: each step's working buffers and new gradients (none where ``accumulating`` into those
-    of earlier micro-batches) while it runs, its saved tensors let go after."""
+    backward order: each step's working buffers and new gradients while it runs (which stay unless
+    ``accumulating`` into those of earlier micro-batches), its saved tensors let go after."""
     blocks = len(stage_blocks(config.n_layer, layout.pp)[stage])
     nodes: list[Node] = _head_nodes(config, s) if stage == layout.pp - 1 else []
     block = _block_nodes(config, s, device_type)
@@ -461,9 +473,8 @@ def _backward(config: GPTConfig, layout: Layout, s: _Shapes, stage: int, device_
         nodes.append((0, positions + (0 if stage == layout.pp - 1 else tied), tied + s.b * s.t * s.c * s.p))
     live, most = 0, 0
     for freed, grads, working in nodes:
-        grads = 0 if accumulating else grads
-        most = max(most, live + grads + working)
-        live += grads - freed
+        most = max(most, live + grads + working)  # accumulating, a new gradient is made, then added
+        live += (0 if accumulating else grads) - freed
     return most
 
 
@@ -482,8 +493,9 @@ def peak_bytes(config: GPTConfig, layout: Layout, *, params: int, grads: int, op
     ``optimizer`` state: the largest of
 
     * the forward's end: parameters, optimizer state, the step's token ids and targets, the saved
-      activations of every micro-batch in flight, the logits, and the gradients where earlier
-      micro-batches made them (pipelines, gradient accumulation);
+      activations of every micro-batch in flight, the logits, a pipeline's buffers (the outputs in flight,
+      the gradients' receive buffers), and the gradients where a micro-batch's backward made them before
+      another's forward with as many in flight (1F1B's steady state, gradient accumulation; not GPipe);
     * the backward: the same, then layer by layer in backward order each layer's new gradients and
       working buffers (the loss's and the head's gradient buffers; with activation checkpointing the
       block's recomputed activations), its saved tensors let go after it;
@@ -504,9 +516,14 @@ def peak_bytes(config: GPTConfig, layout: Layout, *, params: int, grads: int, op
     if layout.activation_checkpointing:  # the generator states each checkpointed block notes at its forward
         acts += in_flight(layout, stage) * blocks * (state + stream)
     batch = 16 * s.b * s.t * layout.microbatches + stream  # int64 ids and targets of the step; the tp stream
-    earlier = grads if layout.microbatches > 1 else 0
-    held = params + optimizer + batch + acts
-    forward_end = held + earlier + (_forward_transient(s) if last else 0)  # the logits
+    # the gradients (set to None before the step) made by a micro-batch's backward while others are still to
+    # run forward with as many in flight (1F1B's steady state, accumulation); GPipe's backwards all come after
+    earlier = grads if layout.microbatches > in_flight(layout, stage) else 0
+    held = params + optimizer + batch + acts + _pipeline_buffers(layout, s, stage)
+    logits = _forward_transient(s) if last else 0
+    if layout.pp > 1:  # the logits are a pipeline's held output (see _pipeline_buffers)
+        logits -= s.b * s.t * s.vocab * s.a if last else 0
+    forward_end = held + earlier + logits
     if stream:  # the forward's last fork of the tp stream as it ends: the states outside it and after it
         forward_end = max(forward_end, held + earlier + 2 * stream
                           - _saved_after_last_fork(config, layout, s, stage, device_type))
