@@ -95,6 +95,16 @@ def test_live_bytes_follow_storages_until_they_are_freed():
     assert (live.live, live.peak) == (400, 4000 + 400 + 4)  # the sum's 4 bytes while both lived
 
 
+def test_live_bytes_count_the_generator_states_made_outside_the_dispatcher():
+    get_state = torch.get_rng_state
+    with LiveBytes() as live:
+        state = torch.get_rng_state()  # the CPU generator's, 5056 bytes
+        assert live.live == state.untyped_storage().nbytes() > 0
+        del state
+        assert live.live == 0
+    assert torch.get_rng_state is get_state  # unwrapped again
+
+
 def pipeline_step(cfg, schedule, microbatches, b, t):
     """On every rank of a pp=2 pipeline (no optimizer): (the peak of the live tensors over its first step,
     the schedule's buffers made in it, and the plan's; the most bytes held saved at once over a second
