@@ -28,14 +28,16 @@ the fused tensor-parallel maps (their forward casts them each call). Dropout mas
 on the CPU (``x * noise``) and bool on CUDA. With sequence parallelism at tp > 1 a rank holding fewer
 tokens than the first keeps the embedding's reduce-scatter output as a view of its padded buffer (the
 first block's input), unless dropout copied it. Pipelines hold their stage's bytes for every micro-batch
-in flight (:func:`in_flight`). These are what ``saved_tensors_hooks`` sees on the CPU, to the byte in
-every measured case. On CUDA (``device_type="cuda"``, not measured here) SDPA's flash or efficient
-kernels keep ``[Q|K|V]``, the log-sum-exp and the output with or without dropout, and masks are bool.
+in flight (:func:`in_flight`); a stage after the first also keeps the receive buffers of its input of
+the step's other micro-batches (torch allocates one per micro-batch, once). These are what
+``saved_tensors_hooks`` sees on the CPU, to the byte in every measured case. On CUDA
+(``device_type="cuda"``, not measured here) SDPA's flash or efficient kernels keep ``[Q|K|V]``, the
+log-sum-exp and the output with or without dropout, and masks are bool.
 Only the default numerics are counted: the bitwise mode is refused.
 
 :func:`peak_bytes` adds what the hooks do not see and a step holds besides: the logits while the forward
 ends, the backward's gradients and working buffers step by step, AdamW's temporaries, the tp stream's
-generator state that each checkpointed block keeps with dropout.
+generators' states that the tp stream and each checkpointed block keep.
 """
 
 from __future__ import annotations
@@ -53,8 +55,16 @@ from .heads import head_layout
 from .plan_layout import Layout
 
 DEVICE_TYPES = ("cpu", "cuda")
-#: a default generator's state, in DEVICE_TYPES' order: the CPU's Mersenne twister, CUDA's Philox seed and offset
-RNG_STATE_BYTES = (5056, 16)
+#: the CPU generator's state (its Mersenne twister) as ``torch.get_rng_state()`` returns it: checkpoints note one
+#: per block, the tp streams keep theirs; on CUDA every state (the GPU's too) is a host tensor, no device memory
+CPU_RNG_STATE_BYTES = 5056
+
+
+def _generator_states(config: GPTConfig, device_type: str) -> tuple[int, int]:
+    """Bytes of ``(a generator state, the tp stream's state)`` in ``device_type``'s memory: the stream has
+    one once a dropout has drawn from it."""
+    state = CPU_RNG_STATE_BYTES if device_type == "cpu" else 0
+    return state, state if config.dropout else 0
 
 
 def _itemsize(name: str | None, what: str) -> int:
@@ -234,24 +244,71 @@ def activation_bytes(config: GPTConfig, layout: Layout, *, tp_rank: int = 0, sta
     s = _shapes(config, layout, tp_rank)
     blocks = len(stage_blocks(config.n_layer, layout.pp)[stage])
     first, last = stage == 0, stage == layout.pp - 1
-    per, targets = 0, 0
+    per, views = 0, 0  # views: the storages of the whole batch's ids and targets, held once
     if first:
         per += _first_stage(config, s, device_type)
+        if s.tp == 1 and layout.pp > 1:  # the ids as given: a pipeline's micro-batch of them is a view of the batch's
+            per -= 8 * s.b * s.t
+            views += 8 * s.b * s.t * layout.microbatches
     if layout.activation_checkpointing:
         per += blocks * s.b * s.t_r * s.c * s.p  # each block's input; its insides are recomputed
     else:
         per += blocks * _block(config, s, device_type)
     if last:
-        per += _layer_norm(s, config) + s.b * (s.t if s.tp == 1 else s.t_r) * s.c * s.a
-        loss = _loss_bytes(s)
-        if s.tp == 1:  # F.cross_entropy: the log-softmax, the targets, the mean's total weight
-            per += s.b * s.t * s.vocab * loss + loss
-            # the targets as given: a pipeline's micro-batch of them is a view of the whole batch's
-            targets = 8 * s.b * s.t * (layout.microbatches if layout.pp > 1 else 1)
-        else:  # the softmax, the local targets, the owned and valid masks
-            per += s.b * s.t * s.vocab * loss + 8 * s.b * s.t + 2 * s.b * s.t
+        per += _head_saved(config, s)
+        if s.tp == 1:  # the targets as given: a pipeline's micro-batch of them is a view of the whole batch's
+            views += 8 * s.b * s.t * (layout.microbatches if layout.pp > 1 else 1)
     once, each = _weights(config, s, 0 if layout.activation_checkpointing else blocks, last)
-    return in_flight(layout, stage) * (per + each) + once + targets
+    flying = in_flight(layout, stage)
+    return flying * (per + each) + once + views + (layout.microbatches - flying) * _received(layout, s, stage)
+
+
+def _head_saved(config: GPTConfig, s: _Shapes) -> int:
+    """One micro-batch's saved bytes of the last stage's final LayerNorm, head and loss (at tp = 1
+    ``F.cross_entropy``'s log-softmax and the mean's total weight; else the softmax, the local targets, the
+    owned and valid masks), the targets as given apart."""
+    loss = _loss_bytes(s)
+    found = _layer_norm(s, config) + s.b * (s.t if s.tp == 1 else s.t_r) * s.c * s.a + s.b * s.t * s.vocab * loss
+    return found + (loss if s.tp == 1 else 8 * s.b * s.t + 2 * s.b * s.t)
+
+
+def _saved_after_last_fork(config: GPTConfig, layout: Layout, s: _Shapes, stage: int, device_type: str) -> int:
+    """What one micro-batch's forward saves after its last fork of the tp stream (with dropout): the last
+    stage's head and loss, and the last block's MLP half unless a sequence-parallel dropout forks at the end
+    of each block (inside checkpointed blocks nothing is saved)."""
+    after = _head_saved(config, s) if stage == layout.pp - 1 else 0
+    if layout.activation_checkpointing:
+        return after
+    return after + _block_after_last_fork(config, s, device_type)
+
+
+def _block_after_last_fork(config: GPTConfig, s: _Shapes, device_type: str) -> int:
+    """A block's saved bytes after its last fork of the tp stream: none where a sequence-parallel dropout
+    forks at its end; else its MLP half, after the attention's dropout."""
+    if s.sp:
+        return 0
+    attention = _layer_norm(s, config) + s.b * s.t_r * s.c * s.a + _attention(s, config.dropout, device_type) \
+        + _rotary(config, s, device_type)
+    return _block(config, s, device_type) - attention
+
+
+def _pipeline_buffers(layout: Layout, s: _Shapes, stage: int) -> int:
+    """What a pipeline stage holds besides its saved activations: the outputs of the micro-batches in flight,
+    which the schedule keeps for their backward (the last stage's: the logits), and before the last stage
+    the receive buffers of its output's gradient, one per micro-batch of the step (kept as those of the
+    inputs are)."""
+    if layout.pp == 1:
+        return 0
+    if stage == layout.pp - 1:
+        return in_flight(layout, stage) * s.b * s.t * s.vocab * s.a
+    return (layout.microbatches + in_flight(layout, stage)) * s.b * s.t_r * s.c * s.p
+
+
+def _received(layout: Layout, s: _Shapes, stage: int) -> int:
+    """One micro-batch's receive buffer of a pipeline stage's input (none on the first stage):
+    torch.distributed.pipelining allocates one per micro-batch of the step when it builds the schedule and
+    keeps them; a micro-batch's is its first block's saved input while it is in flight, and stays after."""
+    return s.b * s.t_r * s.c * s.p if layout.pp > 1 and stage > 0 else 0
 
 
 def _loss_bytes(s: _Shapes) -> int:
@@ -389,18 +446,25 @@ def _head_nodes(config: GPTConfig, s: _Shapes) -> list[Node]:
 def _backward(config: GPTConfig, layout: Layout, s: _Shapes, stage: int, device_type: str,
               accumulating: bool) -> int:
     """The most the backward of one micro-batch adds to what the forward's end holds, step by step in
-    backward order: each step's working buffers and new gradients (none where ``accumulating`` into those
-    of earlier micro-batches) while it runs, its saved tensors let go after."""
+    backward order: each step's working buffers and new gradients while it runs (which stay unless
+    ``accumulating`` into those of earlier micro-batches), its saved tensors let go after."""
     blocks = len(stage_blocks(config.n_layer, layout.pp)[stage])
     nodes: list[Node] = _head_nodes(config, s) if stage == layout.pp - 1 else []
     block = _block_nodes(config, s, device_type)
-    if layout.activation_checkpointing:  # the block's forward again, the tp stream's state noted and replayed
-        rng = RNG_STATE_BYTES[DEVICE_TYPES.index(device_type)] if config.dropout else 0
-        recomputed = sum(n[0] for n in block) + rng
+    if layout.activation_checkpointing:  # the block's forward again, the generators' states noted and replayed
+        state, stream = _generator_states(config, device_type)
+        recomputed = sum(n[0] for n in block)
         # the recomputation's own transients: a row map's partial sums, the residual stream's sum, the gathered
-        # tokens of the column regions (held with the recomputed graph, dropped with it)
+        # tokens of the column regions (held with the recomputed graph, dropped with it); and the states: fork_rng's
+        # note of the live generator, the tp stream's live state noted, inside a dropout's fork the state outside it
         ahead = s.b * s.t * s.c * s.a + s.b * s.t_r * s.c * s.p + (2 * s.b * s.t * s.c * s.a if s.sp else 0)
-        block = [(-recomputed, 0, ahead), *block, (s.b * s.t_r * s.c * s.p + 2 * rng, 0, 0)]
+        # all on top of the recomputed activations as the recomputation ends, the stream's state put back; or
+        # as its last fork ends (the states outside it and after it too), before the rest of the block
+        ended = recomputed + ahead + state + 2 * stream
+        if stream:
+            ended = max(ended, recomputed - _block_after_last_fork(config, s, device_type) + ahead + state + 3 * stream)
+        # after the block's backward its input and the states its checkpoint noted at the forward go
+        block = [(-recomputed, 0, ended), *block, (s.b * s.t_r * s.c * s.p + state + stream, 0, 0)]
     nodes += block * blocks
     if stage == 0:
         learned = config.positions == "learned"
@@ -409,9 +473,8 @@ def _backward(config: GPTConfig, layout: Layout, s: _Shapes, stage: int, device_
         nodes.append((0, positions + (0 if stage == layout.pp - 1 else tied), tied + s.b * s.t * s.c * s.p))
     live, most = 0, 0
     for freed, grads, working in nodes:
-        grads = 0 if accumulating else grads
-        most = max(most, live + grads + working)
-        live += grads - freed
+        most = max(most, live + grads + working)  # accumulating, a new gradient is made, then added
+        live += (0 if accumulating else grads) - freed
     return most
 
 
@@ -430,8 +493,9 @@ def peak_bytes(config: GPTConfig, layout: Layout, *, params: int, grads: int, op
     ``optimizer`` state: the largest of
 
     * the forward's end: parameters, optimizer state, the step's token ids and targets, the saved
-      activations of every micro-batch in flight, the logits, and the gradients where earlier
-      micro-batches made them (pipelines, gradient accumulation);
+      activations of every micro-batch in flight, the logits, a pipeline's buffers (the outputs in flight,
+      the gradients' receive buffers), and the gradients where a micro-batch's backward made them before
+      another's forward with as many in flight (1F1B's steady state, gradient accumulation; not GPipe);
     * the backward: the same, then layer by layer in backward order each layer's new gradients and
       working buffers (the loss's and the head's gradient buffers; with activation checkpointing the
       block's recomputed activations), its saved tensors let go after it;
@@ -439,20 +503,30 @@ def peak_bytes(config: GPTConfig, layout: Layout, *, params: int, grads: int, op
       square root of the second moment and its quotient, a parameter at a time on the CPU, every
       parameter at once with CUDA's foreach kernels).
 
-    With activation checkpointing and dropout each checkpointed block also keeps the tp stream's state (a few
-    KB: the generator states a recomputation keeps vary by a state or two with the layout, not modelled).
+    On the CPU the generators' states count too (5 KB each): with dropout the tp stream's own, and with
+    activation checkpointing the states each checkpointed block notes at its forward (the CPU generator's,
+    and with dropout the tp stream's) and those its recomputation notes while it runs.
     """
     _check(config, layout, stage, device_type)
     s = _shapes(config, layout, tp_rank)
     last = stage == layout.pp - 1
     acts = activation_bytes(config, layout, tp_rank=tp_rank, stage=stage, device_type=device_type)
     blocks = len(stage_blocks(config.n_layer, layout.pp)[stage])
-    if layout.activation_checkpointing and config.dropout:  # each checkpointed block's tp stream state
-        acts += in_flight(layout, stage) * blocks * RNG_STATE_BYTES[DEVICE_TYPES.index(device_type)]
-    batch = 16 * s.b * s.t * layout.microbatches  # int64 ids and targets of the step
-    earlier = grads if layout.microbatches > 1 else 0
-    held = params + optimizer + batch + acts
-    forward_end = held + earlier + (_forward_transient(s) if last else 0)
+    state, stream = _generator_states(config, device_type)
+    if layout.activation_checkpointing:  # the generator states each checkpointed block notes at its forward
+        acts += in_flight(layout, stage) * blocks * (state + stream)
+    batch = 16 * s.b * s.t * layout.microbatches + stream  # int64 ids and targets of the step; the tp stream
+    # the gradients (set to None before the step) made by a micro-batch's backward while others are still to
+    # run forward with as many in flight (1F1B's steady state, accumulation); GPipe's backwards all come after
+    earlier = grads if layout.microbatches > in_flight(layout, stage) else 0
+    held = params + optimizer + batch + acts + _pipeline_buffers(layout, s, stage)
+    logits = _forward_transient(s) if last else 0
+    if layout.pp > 1:  # the logits are a pipeline's held output (see _pipeline_buffers)
+        logits -= s.b * s.t * s.vocab * s.a if last else 0
+    forward_end = held + earlier + logits
+    if stream:  # the forward's last fork of the tp stream as it ends: the states outside it and after it
+        forward_end = max(forward_end, held + earlier + 2 * stream
+                          - _saved_after_last_fork(config, layout, s, stage, device_type))
     backward = held + earlier + _backward(config, layout, s, stage, device_type, accumulating=bool(earlier))
     if layout.optimizer == "adamw":
         temporaries = _adamw_temporaries(config, layout, s, stage, device_type, params)

@@ -7,7 +7,8 @@
 * :class:`LiveBytes`: a ``TorchDispatchMode`` that counts the bytes of every storage an op creates
   while it is alive (a weak reference finalizer takes it off), from given starting tensors, and keeps
   the peak: the step's tensors' high-water mark on any device, the CPU included (where no allocator
-  statistics exist). Storages made outside the dispatcher (inside a collective's backend) are not seen.
+  statistics exist). Storages made outside the dispatcher (inside a collective's backend) are not seen,
+  but for the CPU generator's states ``torch.get_rng_state()`` returns (the mode wraps it while entered).
 * :func:`build_for_layout` and :func:`measure_state`: the model and optimizer ``examples/train_gpt.py``
   builds for a :class:`~layers.Layout`, and the bytes of its parameters, gradients and optimizer state
   (and DDP's buckets, and the host's under offload) after one optimizer step: the plan's
@@ -107,6 +108,24 @@ class LiveBytes(TorchDispatchMode):
         self.peak = 0
         self._seen: dict[int, int] = {}  # data pointer -> bytes
 
+    def __enter__(self) -> LiveBytes:
+        # the CPU generator's states that torch.get_rng_state() returns are made outside the dispatcher:
+        # counted by wrapping it while the mode is on (checkpoints, fork_rng and the tp streams call it)
+        get_state = self._get_rng_state = torch.get_rng_state
+
+        def noted() -> torch.Tensor:
+            state = get_state()
+            self._add(state)
+            return state
+
+        torch.get_rng_state = noted
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.get_rng_state = self._get_rng_state
+        super().__exit__(*exc)
+
     def track(self, tensors: Iterable[torch.Tensor | None]) -> None:
         """Count the storages of ``tensors`` (made before the mode was entered) while they live."""
         for t in tensors:
@@ -148,8 +167,8 @@ def measure_step(config: Any, micro_batch: int, seq_len: int, *, autocast: torch
     step on ``micro_batch`` random sequences of ``seq_len`` tokens (under ``autocast`` where given), then
     measured over a second step: the bytes saved for backward by its forward (:func:`saved_bytes`), the
     peak of the step's live tensors from the forward through ``optimizer.step()`` (:class:`LiveBytes`,
-    tracking the parameters, the optimizer state and the batch from the start), and the bytes of the
-    parameters, their gradients and the optimizer state."""
+    tracking the parameters, the optimizer state, the batch and the tp stream's state from the start), and
+    the bytes of the parameters, their gradients and the optimizer state."""
     import contextlib
 
     tensorpar.manual_seed(seed)
@@ -173,6 +192,9 @@ def measure_step(config: Any, micro_batch: int, seq_len: int, *, autocast: torch
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     with LiveBytes() as live:
         live.track([*model.parameters(), *state, idx, targets])
+        if config.dropout:  # the tp stream's state, made before: renewed under the mode (nothing drawn), counted
+            with tensorpar.random.tracker().fork():
+                pass
         loss = forward()
         loss.backward()
         grads = _storage_bytes(p.grad for p in model.parameters())
