@@ -1,10 +1,11 @@
 """Sampling from a :class:`~layers.GPT`: prefill the prompts into its KV cache, then one token per step.
 
-Each step takes this rank's vocabulary slice of the last position's logits, samples from the gathered logits
-on every rank (a sample is the first rank's, broadcast; a greedy pick, the same on every rank, is not) and
-scores the sampled token with the model's own vocab-parallel cross-entropy, the training path's: in the
-bitwise mode the log-probabilities are the bits ``-model(seq, targets, reduction="none", temperature=τ)``
-gives at any tp of the mode.
+Each step takes this rank's vocabulary slice of the last position's logits and picks the next token with
+one all-gather of a few numbers per rank (:mod:`layers.sampling`: greedy, or Gumbel-max sampling, the same
+draw at every tp), which also carries the statistics of the token's log-probability in the default
+numerics. In the bitwise mode the token is scored by the model's own vocab-parallel cross-entropy, the
+training path's: the log-probabilities are the bits ``-model(seq, targets, reduction="none",
+temperature=τ)`` gives at any tp of the mode.
 """
 
 from __future__ import annotations
@@ -13,12 +14,10 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-import tensorpar
 from tensorpar.checks import check_int
-from tensorpar.comm.collectives import broadcast_from_first_
 
+from . import sampling
 from .kv_cache import KVCache
 
 GPT = Any  # a layers.GPT (which imports this module)
@@ -115,24 +114,12 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
 
 def _sample(model: GPT, logits: torch.Tensor, temperature: float, top_k: int | None, scored: bool
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The next token of each row from this rank's logits (B, V / tp), the same on every rank, and when
-    ``scored`` its log-probability (B,) under the distribution it was drawn from (greedy: under the model
-    itself; else zeros)."""
-    alone = model.tp_group.size() == 1
-    full = logits if alone else tensorpar.gather_from_tp(logits, -1, model.config.vocab_size, model.tp_group)  # (B, V)
-    if temperature == 0:
-        nxt = full.argmax(-1)
-    else:
-        scaled = full / temperature
-        if top_k is not None:
-            kth = torch.topk(scaled, min(top_k, scaled.shape[-1])).values[:, [-1]]
-            scaled = scaled.masked_fill(scaled < kth, -torch.inf)
-        nxt = torch.multinomial(F.softmax(scaled, dim=-1), num_samples=1)[:, 0]  # (B,)
-    if not alone and temperature != 0:  # a greedy pick is the same on every rank, as the gathered logits are
-        nxt = broadcast_from_first_(nxt.contiguous(), model.tp_group)
-    if not scored:
-        return nxt, logits.new_zeros(())  # unused
-    if top_k is not None and temperature != 0:  # renormalised over the top k (not bit-matched to training)
-        return nxt, F.log_softmax(scaled.float(), -1).gather(-1, nxt[:, None])[:, 0]
-    # the training path's cross-entropy of the sampled token (the bitwise mode's bits, when on)
-    return nxt, -model._loss(logits, nxt, "none", temperature or 1.0)
+    """The next token of each row from this rank's logits (B, V / tp), the same on every rank
+    (:func:`~layers.sampling.sample`), and when ``scored`` its log-probability (B,) under the distribution
+    it was drawn from (greedy: under the model itself; else zeros)."""
+    bitwise = scored and model.numerics is not None and not (top_k is not None and temperature != 0)
+    nxt, logprob = sampling.sample(logits, model.config.vocab_size, temperature, top_k, model.tp_group,
+                                   scored and not bitwise)
+    if bitwise:  # the training path's cross-entropy of the sampled token: the mode's bits
+        logprob = -model._loss(logits, nxt, "none", temperature or 1.0)
+    return nxt, logits.new_zeros(()) if logprob is None else logprob

@@ -215,8 +215,11 @@ class GPT(nn.Module):
                  return_logprobs: bool = False, use_cache: bool = True) -> Any:
         """Append ``max_new_tokens`` sampled tokens to ``idx`` (B, T), as nanoGPT does, with a KV cache.
 
-        ``temperature=0`` picks the most likely token. Every rank returns the same tokens: the group's
-        first rank's samples are broadcast (a greedy pick needs none). The prompt runs once (prefill)
+        ``temperature=0`` picks the most likely token; otherwise tokens are drawn by Gumbel-max with
+        uniforms for the whole vocabulary from the default generator (:mod:`layers.sampling`): reproducible
+        from ``torch.manual_seed`` (:func:`tensorpar.manual_seed`), and the same draw at every tp, so the
+        bitwise mode samples the same tokens at tp 1-4. Every rank returns the same tokens, picked with one
+        all-gather of a few numbers per rank (the logits are never gathered). The prompt runs once (prefill)
         into a cache sharded by heads (:meth:`new_cache`), then each new token alone (decode);
         ``use_cache=False``, or a sequence longer than ``block_size`` (which keeps nanoGPT's window of
         the last ``block_size`` tokens), recomputes the context at every step instead.
