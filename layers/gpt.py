@@ -161,11 +161,16 @@ class GPT(nn.Module):
         if ids.dim() != 2:
             raise ValueError(f"GPT expects {name} of shape (B, T), got {tuple(ids.shape)}")
 
-    def _hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def _hidden(self, idx: torch.Tensor, cache: KVCache | None = None, embedded: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """Token ids ``(B, T)`` (checked) -> final hidden states ``(B, T, C)``, replicated (with
-        sequence parallelism, this rank's tokens ``(B, T_r, C)``); after the tokens ``cache`` holds."""
+        sequence parallelism, this rank's tokens ``(B, T_r, C)``); after the tokens ``cache`` holds.
+        ``embedded``: their embeddings' sum ``(B, T, C)``, already known (no sequence parallelism)."""
         positions = None if cache is None else cache.begin(idx.shape[1])
-        x = embed(self.transformer, self.config, idx, positions)
+        if embedded is None:
+            x = embed(self.transformer, self.config, idx, positions)
+        else:
+            x = self.transformer.drop(embedded)
         x = run_blocks(self.transformer.h, x, idx.shape[1], self.config, cache)  # (B, T, C) or (B, T_r, C)
         if cache is not None:
             cache.advance(idx.shape[1])

@@ -18,7 +18,9 @@ travels:
   log Σ_r s_r exp(m_r - M)`` needs no other collective. (The bitwise mode scores the token with the
   training path's cross-entropy instead, for its bits.)
 
-Every rank computes the same result from the same gathered numbers: no broadcast.
+Every rank computes the same result from the same gathered numbers: no broadcast. Decoding, the same
+gather also carries each rank's candidate's row of the token embedding (and its share of the position
+table's lookup), so the next step's input needs no all-reduce of its own.
 """
 
 from __future__ import annotations
@@ -41,11 +43,17 @@ def gumbel_noise(uniform: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, vocab_size: int, temperature: float, top_k: int | None, group: ProcessGroup,
-           scored: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+           scored: bool, embedding: tuple[torch.Tensor, torch.Tensor | None] | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The next token of each row (B,), the same on every rank, from this rank's logits (B, V / tp): the
     most likely at ``temperature == 0``, else a draw from ``softmax(logits / temperature)`` (over the top
     ``top_k``). With ``scored`` its log-probability (B,) under that distribution (greedy: at temperature
-    1), float32 for 16-bit logits; else ``None``."""
+    1), float32 for 16-bit logits; else ``None``.
+
+    ``embedding``: this rank's rows of the token embedding table (V / tp, C) and its share (B, C) of the
+    other lookups the next token adds (a vocab-parallel position table's: zero off this rank's rows), or
+    ``None``. The same gather then carries the winner's row and the shares, and the third result is the
+    next token's embedding (B, C), the sum the embeddings' all-reduce would give (no top-k: ``None``)."""
     rank, tp = group.rank(), group.size()
     lo, n = partition_bounds(vocab_size, tp, rank, name="vocab_size")
     b = logits.shape[0]
@@ -55,7 +63,7 @@ def sample(logits: torch.Tensor, vocab_size: int, temperature: float, top_k: int
     if temperature != 0:
         uniform = torch.rand(b, vocab_size, device=logits.device, dtype=torch.float32)
     if top_k is not None and uniform is not None:
-        return _sample_top_k(z, lo, vocab_size, min(top_k, vocab_size), uniform, group, scored)
+        return (*_sample_top_k(z, lo, vocab_size, min(top_k, vocab_size), uniform, group, scored), None)
     if uniform is None:
         best, at = z.max(-1)  # (B,) the first largest
         key = best
@@ -66,17 +74,32 @@ def sample(logits: torch.Tensor, vocab_size: int, temperature: float, top_k: int
     if scored:
         top = z.amax(-1)  # (B,)
         fields += [top, (z - top[:, None]).exp().sum(-1)]
-    mine = torch.stack([f.double() for f in fields], -1)[:, None]  # (B, 1, F)
-    every = _gathered(mine, [1] * tp, group)  # (B, tp, F)
+    mine = torch.stack([f.double() for f in fields], -1)  # (B, F)
+    if embedding is not None:  # the candidate's row of the table (zero where another rank's), and the shares
+        table, share = embedding
+        rows = [table[at], *([] if share is None else [share])]  # (B, C) each
+        mine = torch.cat([mine, *(r.double() for r in rows)], -1)  # (B, F + C or F + 2C)
+    every = _gathered(mine[:, None], [1] * tp, group)  # (B, tp, ...)
     winner = every[..., 0].argmax(-1, keepdim=True)  # (B, 1) the first rank with the largest key
-    chosen = every.gather(1, winner[..., None].expand(b, 1, every.shape[-1]))[:, 0]  # (B, F)
+    chosen = every.gather(1, winner[..., None].expand(b, 1, every.shape[-1]))[:, 0]  # (B, ...)
     token = chosen[:, 1].long()
+    embedded = None
+    if embedding is not None:
+        table, share = embedding
+        c, f = table.shape[-1], len(fields)
+        embedded = chosen[:, f:f + c].to(table.dtype)  # (B, C): the winner's row
+        if share is not None:  # every rank's share added in rank order, as the all-reduce adds the lookups
+            shares = every[..., f + c:].to(share.dtype).unbind(1)
+            total = shares[0]
+            for part in shares[1:]:
+                total = total + part
+            embedded = embedded + total
     if not scored:
-        return token, None
+        return token, None, embedded
     m, s = every[..., 3].to(wide), every[..., 4].to(wide)  # (B, tp)
     top = m.amax(-1)  # (B,)
     total = (s * (m - top[:, None]).exp()).sum(-1)
-    return token, chosen[:, 2].to(wide) - top - total.log()
+    return token, chosen[:, 2].to(wide) - top - total.log(), embedded
 
 
 def _sample_top_k(z: torch.Tensor, lo: int, vocab_size: int, k: int, uniform: torch.Tensor, group: ProcessGroup,

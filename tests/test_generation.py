@@ -129,7 +129,7 @@ def draws(logits, temperature, top_k, seed):
     group = tensorpar.tp_group()
     lo, n = partition_bounds(logits.shape[-1], group.size(), group.rank())
     torch.manual_seed(seed)
-    return sample(logits[:, lo:lo + n], logits.shape[-1], temperature, top_k, group, scored=True)
+    return sample(logits[:, lo:lo + n], logits.shape[-1], temperature, top_k, group, scored=True)[:2]
 
 
 SAMPLED_LOGITS = torch.tensor([1.0, -0.5, 2.0, 0.3, 2.0, -3.0, 0.9], dtype=torch.float64)  # V = 7: uneven at tp 2-4
