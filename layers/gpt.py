@@ -237,9 +237,10 @@ class GPT(nn.Module):
         * ``return_logprobs=True`` returns ``(idx, logprobs)``, ``logprobs`` (B, max_new_tokens) float
           (float32 for 16-bit logits): the log-probability of each sampled token under the distribution it
           was drawn from (logits / ``temperature``; at ``temperature=0`` the model's own, temperature 1),
-          computed by the training path's cross-entropy: ``-self(seq, targets, reduction="none",
-          temperature=temperature)`` at the same positions, in the bitwise mode bit for bit at any tp of
-          the mode. With ``top_k`` the distribution is renormalised over the top k (the default numerics).
+          ``-self(seq, targets, reduction="none", temperature=temperature)`` at the same positions: in the
+          bitwise mode computed by that training path's cross-entropy, bit for bit at any tp of the mode;
+          in the default numerics from statistics the sampling gather carries (to round-off). With
+          ``top_k`` the distribution is renormalised over the top k (the default numerics).
 
         Example::
 
