@@ -1,10 +1,11 @@
 """Sampling from a :class:`~layers.GPT`: prefill the prompts into its KV cache, then one token per step.
 
-Each step takes this rank's vocabulary slice of the last position's logits, samples from the gathered logits
-on every rank (a sample is the first rank's, broadcast; a greedy pick, the same on every rank, is not) and
-scores the sampled token with the model's own vocab-parallel cross-entropy, the training path's: in the
-bitwise mode the log-probabilities are the bits ``-model(seq, targets, reduction="none", temperature=τ)``
-gives at any tp of the mode.
+Each step takes this rank's vocabulary slice of the last position's logits and picks the next token with
+one all-gather of a few numbers per rank (:mod:`layers.sampling`: greedy, or Gumbel-max sampling, the same
+draw at every tp), which also carries the statistics of the token's log-probability in the default
+numerics. In the bitwise mode the token is scored by the model's own vocab-parallel cross-entropy, the
+training path's: the log-probabilities are the bits ``-model(seq, targets, reduction="none",
+temperature=τ)`` gives at any tp of the mode.
 """
 
 from __future__ import annotations
@@ -13,22 +14,21 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-import tensorpar
 from tensorpar.checks import check_int
-from tensorpar.comm.collectives import broadcast_from_first_
 
+from . import sampling
 from .kv_cache import KVCache
 
 GPT = Any  # a layers.GPT (which imports this module)
 
 
-def last_logits(model: GPT, idx: torch.Tensor, last: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
+def last_logits(model: GPT, idx: torch.Tensor, last: torch.Tensor | None, cache: KVCache | None,
+                embedded: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's vocabulary slice of the logits at position ``last[r]`` of each row of ``idx`` (B, S)
-    (``None``: the last position of every row), run after the tokens ``cache`` holds (or from position 0):
-    ``(B, V / tp)``."""
-    h = model._hidden(idx, cache)  # (B, S, C), or with sequence parallelism this rank's (B, S_r, C)
+    (``None``: the last position of every row), run after the tokens ``cache`` holds (or from position 0),
+    from their embeddings ``embedded`` (B, S, C) where given: ``(B, V / tp)``."""
+    h = model._hidden(idx, cache, embedded)  # (B, S, C), or with sequence parallelism this rank's (B, S_r, C)
     if model.config.sequence_parallel:  # the rows' last tokens may lie on any rank: the head gathers them
         h = model.lm_head(h, idx.shape[1])  # (B, S, V / tp)
         return h[:, -1] if last is None else h[torch.arange(idx.shape[0], device=idx.device), last]
@@ -81,14 +81,19 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
         logits = last_logits(model, idx[:, :longest], at - 1 if ragged else None, cache)
         if ragged:
             cache.truncate_(lengths)
+    # decoding at tp > 1, each step's gather brings the next token's embedding: no all-reduce of its own
+    carried = cache is not None and model.tp_group.size() > 1 and not model.config.sequence_parallel
+    embedded = None
     for step in range(max_new_tokens):
         if step and cache is not None:
-            logits = last_logits(model, nxt[:, None], None, cache)  # decode: (B, V / tp)
+            logits = last_logits(model, nxt[:, None], None, cache, embedded)  # decode: (B, V / tp)
         elif cache is None:  # recompute from the start (the last block_size tokens when they are more)
             end = longest + step
             lo = max(0, end - block)
             logits = last_logits(model, out[:, lo:end], at + step - 1 - lo if ragged else None, None)
-        nxt, logprob = _sample(model, logits, temperature, top_k, return_logprobs)
+        last = step == max_new_tokens - 1
+        nxt, logprob, embedded = _sample(model, logits, temperature, top_k, return_logprobs,
+                                         cache if carried and not last else None)
         if stops:
             nxt = torch.where(done, stopped_with, nxt)  # a row that stopped repeats its stop token, log-prob 0
             logprob = logprob.masked_fill(done, 0.0)
@@ -113,26 +118,20 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
     return out, scores
 
 
-def _sample(model: GPT, logits: torch.Tensor, temperature: float, top_k: int | None, scored: bool
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The next token of each row from this rank's logits (B, V / tp), the same on every rank, and when
-    ``scored`` its log-probability (B,) under the distribution it was drawn from (greedy: under the model
-    itself; else zeros)."""
-    alone = model.tp_group.size() == 1
-    full = logits if alone else tensorpar.gather_from_tp(logits, -1, model.config.vocab_size, model.tp_group)  # (B, V)
-    if temperature == 0:
-        nxt = full.argmax(-1)
-    else:
-        scaled = full / temperature
-        if top_k is not None:
-            kth = torch.topk(scaled, min(top_k, scaled.shape[-1])).values[:, [-1]]
-            scaled = scaled.masked_fill(scaled < kth, -torch.inf)
-        nxt = torch.multinomial(F.softmax(scaled, dim=-1), num_samples=1)[:, 0]  # (B,)
-    if not alone and temperature != 0:  # a greedy pick is the same on every rank, as the gathered logits are
-        nxt = broadcast_from_first_(nxt.contiguous(), model.tp_group)
-    if not scored:
-        return nxt, logits.new_zeros(())  # unused
-    if top_k is not None and temperature != 0:  # renormalised over the top k (not bit-matched to training)
-        return nxt, F.log_softmax(scaled.float(), -1).gather(-1, nxt[:, None])[:, 0]
-    # the training path's cross-entropy of the sampled token (the bitwise mode's bits, when on)
-    return nxt, -model._loss(logits, nxt, "none", temperature or 1.0)
+def _sample(model: GPT, logits: torch.Tensor, temperature: float, top_k: int | None, scored: bool,
+            cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The next token of each row from this rank's logits (B, V / tp), the same on every rank
+    (:func:`~layers.sampling.sample`), when ``scored`` its log-probability (B,) under the distribution
+    it was drawn from (greedy: under the model itself; else zeros), and given the ``cache`` the token
+    continues, its embedding (B, 1, C) at the cache's positions, or ``None``."""
+    bitwise = scored and model.numerics is not None and not (top_k is not None and temperature != 0)
+    embedding = None
+    if cache is not None:
+        parts = model.transformer
+        share = parts.wpe(cache.lengths) if "wpe" in parts else None  # (B, C): this rank's rows' lookups
+        embedding = (parts.wte.weight, share)
+    nxt, logprob, embedded = sampling.sample(logits, model.config.vocab_size, temperature, top_k, model.tp_group,
+                                             scored and not bitwise, embedding)
+    if bitwise:  # the training path's cross-entropy of the sampled token: the mode's bits
+        logprob = -model._loss(logits, nxt, "none", temperature or 1.0)
+    return nxt, logits.new_zeros(()) if logprob is None else logprob, None if embedded is None else embedded[:, None]

@@ -161,11 +161,16 @@ class GPT(nn.Module):
         if ids.dim() != 2:
             raise ValueError(f"GPT expects {name} of shape (B, T), got {tuple(ids.shape)}")
 
-    def _hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def _hidden(self, idx: torch.Tensor, cache: KVCache | None = None, embedded: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """Token ids ``(B, T)`` (checked) -> final hidden states ``(B, T, C)``, replicated (with
-        sequence parallelism, this rank's tokens ``(B, T_r, C)``); after the tokens ``cache`` holds."""
+        sequence parallelism, this rank's tokens ``(B, T_r, C)``); after the tokens ``cache`` holds.
+        ``embedded``: their embeddings' sum ``(B, T, C)``, already known (no sequence parallelism)."""
         positions = None if cache is None else cache.begin(idx.shape[1])
-        x = embed(self.transformer, self.config, idx, positions)
+        if embedded is None:
+            x = embed(self.transformer, self.config, idx, positions)
+        else:
+            x = self.transformer.drop(embedded)
         x = run_blocks(self.transformer.h, x, idx.shape[1], self.config, cache)  # (B, T, C) or (B, T_r, C)
         if cache is not None:
             cache.advance(idx.shape[1])
@@ -215,8 +220,11 @@ class GPT(nn.Module):
                  return_logprobs: bool = False, use_cache: bool = True) -> Any:
         """Append ``max_new_tokens`` sampled tokens to ``idx`` (B, T), as nanoGPT does, with a KV cache.
 
-        ``temperature=0`` picks the most likely token. Every rank returns the same tokens: the group's
-        first rank's samples are broadcast (a greedy pick needs none). The prompt runs once (prefill)
+        ``temperature=0`` picks the most likely token; otherwise tokens are drawn by Gumbel-max with
+        uniforms for the whole vocabulary from the default generator (:mod:`layers.sampling`): reproducible
+        from ``torch.manual_seed`` (:func:`tensorpar.manual_seed`), and the same draw at every tp, so the
+        bitwise mode samples the same tokens at tp 1-4. Every rank returns the same tokens, picked with one
+        all-gather of a few numbers per rank (the logits are never gathered). The prompt runs once (prefill)
         into a cache sharded by heads (:meth:`new_cache`), then each new token alone (decode);
         ``use_cache=False``, or a sequence longer than ``block_size`` (which keeps nanoGPT's window of
         the last ``block_size`` tokens), recomputes the context at every step instead.
@@ -229,9 +237,10 @@ class GPT(nn.Module):
         * ``return_logprobs=True`` returns ``(idx, logprobs)``, ``logprobs`` (B, max_new_tokens) float
           (float32 for 16-bit logits): the log-probability of each sampled token under the distribution it
           was drawn from (logits / ``temperature``; at ``temperature=0`` the model's own, temperature 1),
-          computed by the training path's cross-entropy: ``-self(seq, targets, reduction="none",
-          temperature=temperature)`` at the same positions, in the bitwise mode bit for bit at any tp of
-          the mode. With ``top_k`` the distribution is renormalised over the top k (the default numerics).
+          ``-self(seq, targets, reduction="none", temperature=temperature)`` at the same positions: in the
+          bitwise mode computed by that training path's cross-entropy, bit for bit at any tp of the mode;
+          in the default numerics from statistics the sampling gather carries (to round-off). With
+          ``top_k`` the distribution is renormalised over the top k (the default numerics).
 
         Example::
 

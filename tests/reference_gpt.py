@@ -155,6 +155,9 @@ class RefGPT(nn.Module):
                 if top_k is not None:
                     v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
                     logits[logits < v[:, [-1]]] = -float("Inf")
-                nxt = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+                # Gumbel-max: argmax of logits + Gumbel noise drawn per vocabulary entry (B, V) is a draw
+                # from softmax(logits), the draw the sharded GPT makes (the same uniforms at every tp)
+                noise = -torch.log(-torch.log(torch.rand(logits.shape, dtype=torch.float32, device=logits.device)))
+                nxt = (logits + noise).argmax(-1, keepdim=True)
             idx = torch.cat((idx, nxt), dim=1)
         return idx

@@ -2,12 +2,16 @@
 GPT in tests/reference_gpt.py at tp 1-4 (default numerics; the bitwise mode's parity is in
 tests/test_logprob_parity.py)."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+import tensorpar
 from gpt_cases import batch, gpt_configs, twins
+from layers.sampling import sample
+from tensorpar.sharding import partition_bounds
 from tensorpar.testing import TOLERANCES, assert_all_close
 from tensorpar.testing.strategies import tp_sizes
 
@@ -117,3 +121,40 @@ def test_a_row_that_samples_a_stop_token_repeats_it(worlds):
         assert out[r, :end].tolist() == free[r, :end].tolist()
         assert (out[r, end:] == stop).all() and (logprobs[r, end - 2:] == 0).all()
         assert (logprobs[r, :end - 2] < 0).all()
+
+
+def draws(logits, temperature, top_k, seed):
+    """Tokens and log-probs :func:`layers.sampling.sample` draws for the rows of the full ``logits`` (B, V),
+    each rank from its vocabulary slice, the default generator seeded with ``seed`` on every rank."""
+    group = tensorpar.tp_group()
+    lo, n = partition_bounds(logits.shape[-1], group.size(), group.rank())
+    torch.manual_seed(seed)
+    return sample(logits[:, lo:lo + n], logits.shape[-1], temperature, top_k, group, scored=True)[:2]
+
+
+SAMPLED_LOGITS = torch.tensor([1.0, -0.5, 2.0, 0.3, 2.0, -3.0, 0.9], dtype=torch.float64)  # V = 7: uneven at tp 2-4
+
+
+@pytest.mark.parametrize("temperature,top_k", [(0.0, None), (1.0, None), (0.6, None), (1.3, 3)])
+def test_sampling_draws_from_the_distribution_and_the_same_tokens_at_every_tp(worlds, temperature, top_k):
+    rows = 4000
+    logits = SAMPLED_LOGITS.expand(rows, -1)
+    results = {tp: worlds[tp].run(draws, logits, temperature, top_k, 0) for tp in (1, 2, 3)}
+    tokens, logprobs = results[1][0]
+    for tp, per_rank in results.items():  # one all-gather of a few numbers: the same draw everywhere
+        for other_tokens, other_logprobs in per_rank:
+            assert torch.equal(other_tokens, tokens), tp
+            assert_all_close({f"log-probs at tp {tp}": (other_logprobs, logprobs)}, rtol=TOLERANCES[torch.float64])
+    if temperature == 0:  # the first of the largest, as a full argmax picks it
+        assert (tokens == 2).all()
+        expected = F.log_softmax(SAMPLED_LOGITS, -1)[2].expand(rows)
+    else:
+        scaled = SAMPLED_LOGITS / temperature
+        if top_k is not None:
+            scaled = scaled.masked_fill(scaled < scaled.topk(top_k).values[-1], -torch.inf)
+        probs = F.softmax(scaled, -1)
+        freq = torch.bincount(tokens, minlength=len(probs)).double() / rows
+        bound = 4 * (probs * (1 - probs) / rows).sqrt() + 1e-12  # 4 standard deviations
+        assert ((freq - probs).abs() <= bound).all(), (freq.tolist(), probs.tolist())
+        expected = F.log_softmax(scaled, -1)[tokens]
+    assert_all_close({"log-probs": (logprobs, expected)}, rtol=TOLERANCES[torch.float64])

@@ -87,6 +87,15 @@ def test_generation_log_probs_are_the_training_log_probs_bit_for_bit(worlds, a, 
         "a row alone and inside the batch differ"
 
 
+def test_the_mode_samples_the_same_tokens_at_every_tp(worlds):
+    """Gumbel-max sampling draws its noise per vocabulary entry, alike on every rank: the mode's logits, equal
+    at every tp, give the same tokens (and log-probs) at tp 1-4, from the same seed."""
+    runs = {tp: worlds[tp].run(sample, CFG, [5, 2, 7], 8, 1.0, False, 0, bitwise=Bitwise())[0] for tp in (1, 2, 3, 4)}
+    out, logprobs, _ = runs[1]
+    for tp, (other, other_logprobs, _) in runs.items():
+        assert torch.equal(other, out) and torch.equal(other_logprobs, logprobs), f"tp {tp}"
+
+
 def lm_head_rows(vocab_size, counts):
     """The bitwise LM head's logits of the first ``n`` of 40 hidden states, together, for each ``n`` of
     ``counts``; and of each state alone (a batch of one decoding)."""

@@ -164,9 +164,17 @@ class PlacedTree:
     local: tuple[tuple[int, int, int], ...]
     leaf_holders: tuple[frozenset[int], ...] = field(init=False)
     sent: tuple[tuple[Node, ...], ...] = field(init=False)
+    #: each rank's leaves, and this rank's leaves' pieces (every product asks: computed once, here)
+    held_by_rank: tuple[frozenset[int], ...] = field(init=False, repr=False, compare=False)
+    pieces_by_leaf: Mapping[int, list[tuple[int, int]]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "leaf_holders", tuple(self.holders[leaf[0]] for leaf in self.tree.leaves))
+        object.__setattr__(self, "held_by_rank", tuple(frozenset(i for i, h in enumerate(self.leaf_holders) if r in h)
+                                                       for r in range(self.tp)))
+        where = {s: (lo, n) for s, lo, n in self.local}
+        object.__setattr__(self, "pieces_by_leaf", MappingProxyType(
+            {leaf: [where[s] for s in self.tree.leaves[leaf]] for leaf in self.held_by_rank[self.rank]}))
         common = self.common()
         object.__setattr__(self, "sent", tuple(self._maximal(self.held(r), common, self.tree.root)
                                                for r in range(self.tp)))
@@ -191,7 +199,7 @@ class PlacedTree:
 
     def held(self, rank: int) -> frozenset[int]:
         """The leaves ``rank`` holds."""
-        return frozenset(i for i, h in enumerate(self.leaf_holders) if rank in h)
+        return self.held_by_rank[rank]
 
     def common(self) -> frozenset[int]:
         """The leaves every rank holds."""
@@ -203,8 +211,7 @@ class PlacedTree:
 
     def pieces(self, leaf: int) -> list[tuple[int, int]]:
         """``(local offset, length)`` of each segment of ``leaf`` (one this rank holds), in the leaf's order."""
-        where = {s: (lo, n) for s, lo, n in self.local}
-        return [where[s] for s in self.tree.leaves[leaf]]
+        return self.pieces_by_leaf[leaf]
 
     def _maximal(self, held: frozenset[int], common: frozenset[int], node: Node) -> tuple[Node, ...]:
         """The largest nodes under ``node`` whose leaves are all ``held``, leaving out those every rank
