@@ -124,14 +124,15 @@ def _sample(model: GPT, logits: torch.Tensor, temperature: float, top_k: int | N
     (:func:`~layers.sampling.sample`), when ``scored`` its log-probability (B,) under the distribution
     it was drawn from (greedy: under the model itself; else zeros), and given the ``cache`` the token
     continues, its embedding (B, 1, C) at the cache's positions, or ``None``."""
-    bitwise = scored and model.numerics is not None and not (top_k is not None and temperature != 0)
+    # the bitwise mode scores the token with the training path's loss, for its bits (top-k: renormalised)
+    by_loss = scored and model.numerics is not None and not (top_k is not None and temperature != 0)
     embedding = None
     if cache is not None:
         parts = model.transformer
         share = parts.wpe(cache.lengths) if "wpe" in parts else None  # (B, C): this rank's rows' lookups
         embedding = (parts.wte.weight, share)
     nxt, logprob, embedded = sampling.sample(logits, model.config.vocab_size, temperature, top_k, model.tp_group,
-                                             scored and not bitwise, embedding)
-    if bitwise:  # the training path's cross-entropy of the sampled token: the mode's bits
+                                             scored and not by_loss, embedding)
+    if by_loss:  # -(the training path's cross-entropy of the sampled token)
         logprob = -model._loss(logits, nxt, "none", temperature or 1.0)
     return nxt, logits.new_zeros(()) if logprob is None else logprob, None if embedded is None else embedded[:, None]
