@@ -17,7 +17,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from ..comm.collectives import all_gather_along
-from .linear import MIN_ROWS, blockwise, lanewise
+from .linear import MIN_ROWS, blockwise, fixed, lanewise
 
 #: the fewest matrices attention's batched products use: CPU ``bmm`` (torch 2.13) gives each of N >= 2 matrices
 #: the same bits for any N, but runs N = 1 as ``mm``, whose one-column product (a one-feature head) adds otherwise
@@ -49,23 +49,24 @@ def attention_by_key_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
     (training) gets the same bits. Computed in float32 for 16-bit inputs."""
     b, h, s, d = q.shape
     length, dtype = k.shape[2], q.dtype
-    if positions is None:
-        positions = torch.arange(s, device=q.device).expand(b, s)
     rows = max(s, MIN_ROWS)
     heads = h if b * h >= MIN_MATRICES else MIN_MATRICES  # one (B, h) matrix alone gets a zero head beside it
     wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    at = torch.arange(s, device=q.device) if positions is None else positions  # (S,): causal, alike in every row
+    at = F.pad(at, (0, rows - s)) if rows > s else at  # padded queries read slot 0
+    at = at[:, None] if positions is None else at[:, None, :, None]  # (rows, 1) or (B, 1, rows, 1)
     with torch.autocast(q.device.type, enabled=False):
-        q = F.pad(q.to(wide), (0, 0, 0, rows - s, 0, heads - h))  # (B, heads, rows, d): padded queries read slot 0
-        positions = F.pad(positions, (0, rows - s))
+        q = F.pad(q.to(wide), (0, 0, 0, rows - s, 0, heads - h))  # (B, heads, rows, d): a copy, in the pad's layout
         scale = 1 / math.sqrt(d)
         scores, values = [], []
         for lo in range(0, length, key_block):
             n = min(key_block, length - lo)
-            kb, vb = (F.pad(t.narrow(2, lo, n).to(wide), (0, 0, 0, key_block - n, 0, heads - h)).contiguous()
+            kb, vb = (_blocked((t if n == length else t.narrow(2, lo, n)).to(wide), key_block - n, heads - h)
                       for t in (k, v))  # (B, heads, key_block, d)
             slots = torch.arange(lo, lo + key_block, device=q.device)
-            keep = (slots <= positions[:, None, :, None]) & (slots < length)  # (B, 1, rows, key_block)
-            scores.append((q @ kb.transpose(-2, -1) * scale).masked_fill(~keep, -math.inf))  # (B, heads, rows, kb)
+            hidden = (slots > at) | (slots >= length)  # (rows, key_block) or (B, 1, rows, key_block)
+            # (B, heads, rows, key_block): the product is fresh, scaled and masked in place
+            scores.append(torch.matmul(q, kb.transpose(-2, -1)).mul_(scale).masked_fill_(hidden, -math.inf))
             values.append(vb)
         top = functools.reduce(torch.maximum, [sc.amax(-1) for sc in scores]).detach()  # (B, heads, rows)
         total = y = None
@@ -75,7 +76,13 @@ def attention_by_key_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
             total = part if total is None else total + part
             y = weighted if y is None else y + weighted  # (B, heads, rows, d)
         assert y is not None and total is not None
-        return (y / total[..., None])[:, :h, :s].to(dtype)
+        y = y / total[..., None]
+        return (y if heads == h and rows == s else y[:, :h, :s]).to(dtype)
+
+
+def _blocked(t: torch.Tensor, rows: int, heads: int) -> torch.Tensor:
+    """``t`` (B, h, n, d) contiguous and aligned, with ``rows`` zero rows and ``heads`` zero heads after it."""
+    return F.pad(t, (0, 0, 0, rows, 0, heads)).contiguous() if rows or heads else fixed(t)
 
 
 class _ExpandKV(torch.autograd.Function):
@@ -113,13 +120,16 @@ class HeadByHead:
                  group: ProcessGroup, key_block: int) -> None:
         self.n_head, self.q_lo, self.kv_index, self.g = n_head, q_lo, tuple(kv_index), g
         self.query_sizes, self.group, self.key_block = query_sizes, group, key_block
+        # each query head reads its own KV head, all held here in order: the keys and values as they are
+        self.own_kv = g == 1 and query_sizes is None and self.kv_index == tuple(range(len(self.kv_index)))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float,
                  positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Without dropout, by key blocks (:func:`attention_by_key_blocks`): the queries at ``positions``
         (B, T) read the keys of slots up to theirs (``None``: causal, ``L == T``; ``mask``, the same slots
         as a KV cache gives them to the default attention, is not needed here)."""
-        k, v = (_ExpandKV.apply(t, self.kv_index, self.g, self.query_sizes, self.group) for t in (k, v))  # (B, h, L, d)
+        if not self.own_kv or k.shape[1] != len(self.kv_index):  # (B, h, L, d)
+            k, v = (_ExpandKV.apply(t, self.kv_index, self.g, self.query_sizes, self.group) for t in (k, v))
         if not p:
             return attention_by_key_blocks(q, k, v, positions, self.key_block)
         if positions is not None:
