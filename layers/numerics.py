@@ -86,15 +86,17 @@ def _applied(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> tor
 
 def elementwise(features: int, group: ProcessGroup) -> Elementwise:
     """How an elementwise ``fn`` runs on a column-parallel output of ``features`` full features: ``fn(x)``,
-    or in the mode one segment at a time (CPU kernels compute a tensor's last elements with scalar code,
-    whose ``tanh`` and ``exp`` differ from the vector code's in the last bit)."""
+    or in the mode with every element computed by the vector code (CPU kernels compute a tensor's last
+    elements with scalar code, whose ``tanh`` and ``exp`` differ from the vector code's in the last bit):
+    in one call on one CPU thread, else one segment at a time (:class:`~tensorpar.bitwise.linear.BySegment`)."""
     mode = tensorpar.current_bitwise()
     return _applied if mode is None else BySegment(_placed(Shard(0, features), group, mode))
 
 
 class SegmentwiseActivation(nn.Module):
     """An elementwise module (an activation) on a column-parallel output of ``features`` full features:
-    ``activation(x)``, in the bitwise mode one canonical segment of the features at a time (:func:`elementwise`).
+    ``activation(x)``, in the bitwise mode each element by the vector code, by canonical segments of the features
+    where threads split the work (:func:`elementwise`).
 
     Example::
 

@@ -17,7 +17,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from ..comm.collectives import all_gather_along
-from .linear import MIN_ROWS, WIDTH_MULTIPLE, blockwise, lanewise
+from .linear import MIN_ROWS, WIDTH_MULTIPLE, blockwise, fixed, lanewise
 
 #: the fewest matrices attention's batched products use: CPU ``bmm`` (torch 2.13) gives each of N >= 2 matrices
 #: the same bits for any N, but runs N = 1 as ``mm``, whose one-column product (a one-feature head) adds otherwise
@@ -50,34 +50,43 @@ def attention_by_key_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
     (training) gets the same bits. Computed in float32 for 16-bit inputs."""
     b, h, s, d = q.shape
     length, dtype = k.shape[2], q.dtype
-    if positions is None:
-        positions = torch.arange(s, device=q.device).expand(b, s)
     rows = max(s, MIN_ROWS)
     heads = h if b * h >= MIN_MATRICES else MIN_MATRICES  # one (B, h) matrix alone gets a zero head beside it
     wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     width, slots_held = d + -d % WIDTH_MULTIPLE, key_block + -key_block % WIDTH_MULTIPLE
+    at = torch.arange(s, device=q.device) if positions is None else positions  # (S,): causal, alike in every row
+    at = F.pad(at, (0, rows - s)) if rows > s else at  # padded queries read slot 0
+    at = at[:, None] if positions is None else at[:, None, :, None]  # (rows, 1) or (B, 1, rows, 1)
     with torch.autocast(q.device.type, enabled=False):
-        q = F.pad(q.to(wide), (0, width - d, 0, rows - s, 0, heads - h))  # (B, heads, rows, width): padded queries
-        positions = F.pad(positions, (0, rows - s))  # read slot 0
+        # (B, heads, rows, width): a copy, in the pad's layout
+        q = F.pad(q.to(wide), (0, width - d, 0, rows - s, 0, heads - h))
         scale = 1 / math.sqrt(d)
         scores, values = [], []
         for lo in range(0, length, key_block):
             n = min(key_block, length - lo)
-            kb, vb = (F.pad(t.narrow(2, lo, n).to(wide), (0, width - d, 0, slots_held - n, 0, heads - h)).contiguous()
-                      for t in (k, v))  # (B, heads, slots_held, width)
+            kb, vb = (_blocked((t if n == length else t.narrow(2, lo, n)).to(wide), slots_held - n, heads - h,
+                               width - d) for t in (k, v))  # (B, heads, slots_held, width)
             slots = torch.arange(lo, lo + slots_held, device=q.device)
-            keep = (slots <= positions[:, None, :, None]) & (slots < lo + n)  # (B, 1, rows, slots_held)
-            scores.append((q @ kb.transpose(-2, -1) * scale).masked_fill(~keep, -math.inf))  # (B, heads, rows, slots)
+            hidden = (slots > at) | (slots >= lo + n)  # (rows, slots_held) or (B, 1, rows, slots_held)
+            # (B, heads, rows, slots_held): the product is fresh, scaled and masked in place
+            scores.append(torch.matmul(q, kb.transpose(-2, -1)).mul_(scale).masked_fill_(hidden, -math.inf))
             values.append(vb)
         top = functools.reduce(torch.maximum, [sc.amax(-1) for sc in scores]).detach()  # (B, heads, rows)
         total = y = None
         for sc, vb in zip(scores, values, strict=True):
-            e = lanewise(torch.exp, sc - top[..., None])  # (B, heads, rows, key_block)
+            e = lanewise(torch.exp, sc - top[..., None])  # (B, heads, rows, slots_held)
             part, weighted = e.sum(-1), e @ vb
             total = part if total is None else total + part
-            y = weighted if y is None else y + weighted  # (B, heads, rows, d)
+            y = weighted if y is None else y + weighted  # (B, heads, rows, width)
         assert y is not None and total is not None
-        return (y / total[..., None])[:, :h, :s, :d].to(dtype)
+        y = y / total[..., None]
+        return (y if (heads, rows, width) == (h, s, d) else y[:, :h, :s, :d]).to(dtype)
+
+
+def _blocked(t: torch.Tensor, rows: int, heads: int, columns: int) -> torch.Tensor:
+    """``t`` (B, h, n, d) contiguous and aligned, with ``columns`` zero columns, ``rows`` zero rows and ``heads``
+    zero heads after it."""
+    return F.pad(t, (0, columns, 0, rows, 0, heads)).contiguous() if rows or heads or columns else fixed(t)
 
 
 class _ExpandKV(torch.autograd.Function):
@@ -115,13 +124,16 @@ class HeadByHead:
                  group: ProcessGroup, key_block: int) -> None:
         self.n_head, self.q_lo, self.kv_index, self.g = n_head, q_lo, tuple(kv_index), g
         self.query_sizes, self.group, self.key_block = query_sizes, group, key_block
+        # each query head reads its own KV head, all held here in order: the keys and values as they are
+        self.own_kv = g == 1 and query_sizes is None and self.kv_index == tuple(range(len(self.kv_index)))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float,
                  positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Without dropout, by key blocks (:func:`attention_by_key_blocks`): the queries at ``positions``
         (B, T) read the keys of slots up to theirs (``None``: causal, ``L == T``; ``mask``, the same slots
         as a KV cache gives them to the default attention, is not needed here)."""
-        k, v = (_ExpandKV.apply(t, self.kv_index, self.g, self.query_sizes, self.group) for t in (k, v))  # (B, h, L, d)
+        if not self.own_kv or k.shape[1] != len(self.kv_index):  # (B, h, L, d)
+            k, v = (_ExpandKV.apply(t, self.kv_index, self.g, self.query_sizes, self.group) for t in (k, v))
         if not p:
             return attention_by_key_blocks(q, k, v, positions, self.key_block)
         if positions is not None:

@@ -61,11 +61,13 @@ def squared_norm(model: nn.Module, mode: Bitwise, placements: Mapping[str, tuple
             continue
         dim, placed = split[name]
         local = {s: (lo, n) for s, lo, n in placed.local}
+        squares = _wide(grad).square() if local else None  # each element's square, once (exact: any layout)
         for s, holders in enumerate(placed.holders):
             if len(holders) not in (1, tp):
                 raise ValueError(f"bitwise gradient norm: {name}'s segment {s} is held by ranks {sorted(holders)}")
             holder = -1 if len(holders) == tp else next(iter(holders))
-            value = _squares(grad.narrow(dim, *local[s])) if holder in (-1, rank) else None
+            value = fixed(squares.narrow(dim, *local[s])).sum() if squares is not None and holder in (-1, rank) \
+                else None
             terms.append((holder, value))
     if device is None:
         return torch.zeros((), dtype=torch.float32)
@@ -83,7 +85,11 @@ def squared_norm(model: nn.Module, mode: Bitwise, placements: Mapping[str, tuple
     return torch.stack(known).sum()  # one vector, in one order, at every tp
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32 (float64 for float64)."""
+    return t.to(torch.float64 if t.dtype == torch.float64 else torch.float32)
+
+
 def _squares(t: torch.Tensor) -> torch.Tensor:
     """``Σ t²`` of a contiguous, aligned copy of ``t``, in float32 (float64 for float64)."""
-    t = fixed(t.to(torch.float64 if t.dtype == torch.float64 else torch.float32))
-    return t.square().sum()
+    return fixed(_wide(t).square()).sum()

@@ -47,10 +47,11 @@ LANES = 64
 def fixed(t: torch.Tensor) -> torch.Tensor:
     """``t`` contiguous and starting on an allocation boundary (a copy where it is not). In a
     ``torch.compile`` graph, contiguous: the compiler lays out its buffers itself."""
-    if torch.compiler.is_compiling():
-        return t.contiguous()
-    aligned = t.storage_offset() * t.element_size() % ALIGNMENT.get(t.device.type, 64) == 0
-    return t if aligned and t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
+    if not t.is_contiguous():
+        return t.contiguous()  # a fresh copy (aligned), also in a graph
+    if torch.compiler.is_compiling() or t.storage_offset() * t.element_size() % ALIGNMENT.get(t.device.type, 64) == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def padded_rows(x: torch.Tensor, least: int = MIN_ROWS) -> torch.Tensor:
@@ -60,15 +61,17 @@ def padded_rows(x: torch.Tensor, least: int = MIN_ROWS) -> torch.Tensor:
     return x if n >= least else torch.cat([x, x.new_zeros(least - n, *x.shape[1:])])
 
 
-def exact_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+def exact_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
     """``F.linear`` of ``x`` and ``w`` zero-padded to an inner width of a multiple of :data:`WIDTH_MULTIPLE`, with
-    16-bit operands multiplied in float32 and the result rounded back: CPU bf16 GEMMs give a row other bits
-    as the number of rows changes (seen at 39 rows against 8), float32's do not."""
+    16-bit operands multiplied in float32 and the result rounded back to ``dtype`` (default ``x``'s; ``x`` may
+    come widened already, for several products): CPU bf16 GEMMs give a row other bits as the number of rows
+    changes (seen at 39 rows against 8), float32's do not."""
     if pad := -x.shape[-1] % WIDTH_MULTIPLE:
         x, w = F.pad(x, (0, pad)), F.pad(w, (0, pad))  # exact zeros in every row's sums
-    if x.element_size() >= 4:
+    if x.element_size() >= 4 and dtype in (None, x.dtype):
         return F.linear(x, w, b)
-    return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+    return F.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype or x.dtype)
 
 
 def lanewise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -77,9 +80,9 @@ def lanewise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> tor
     tensor's shape nor on where in it the element lies."""
     n = x.numel()
     flat = x.reshape(-1)
-    if n % LANES:
-        flat = F.pad(flat, (0, -n % LANES), value=1.0)
-    return fn(flat)[:n].view(x.shape)
+    if n % LANES == 0:
+        return fn(flat).view(x.shape)
+    return fn(F.pad(flat, (0, -n % LANES), value=1.0))[:n].view(x.shape)
 
 
 class _FixedGradient(torch.autograd.Function):
@@ -107,14 +110,22 @@ def blockwise(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], d
 
 
 class BySegment:
-    """``fn(x)`` applied to each of this rank's segments ``placed`` of the last dim (:func:`blockwise`), a
-    callable ``(x, fn)``: an elementwise ``fn`` then computes each element with the same code at every tp
-    (CPU kernels run the last elements of a tensor, which depend on its layout, through scalar code)."""
+    """An elementwise ``fn(x)`` computed with the same code for every element at every tp, a callable
+    ``(x, fn)`` of this rank's segments ``placed`` of the last dim (CPU kernels run the last elements of a
+    tensor, which depend on its layout, through scalar code).
+
+    On one CPU thread, one :func:`lanewise` call over the whole of ``x``: its vector code computes each
+    element alone, wherever it lies. Elsewhere ``fn`` runs on each segment alone (:func:`blockwise`): with
+    several threads each thread's share of a tensor ends in a scalar tail that depends on the tensor's
+    size, and a segment's shares are the same at every tp (so on other devices and in ``torch.compile``
+    graphs, whose kernels are not checked here)."""
 
     def __init__(self, placed: PlacedTree) -> None:
         self.placed = placed
 
     def __call__(self, x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        if x.device.type == "cpu" and not torch.compiler.is_compiling() and torch.get_num_threads() == 1:
+            return lanewise(fn, x)
         return blockwise(functools.partial(lanewise, fn), [x], -1, self.placed.lengths())
 
 
@@ -124,6 +135,29 @@ def gathered(t: torch.Tensor, pieces: Sequence[tuple[int, int]], dim: int) -> to
     if len(pieces) == 1:
         return fixed(t.narrow(dim, *pieces[0]))
     return torch.cat([t.narrow(dim, lo, n) for lo, n in pieces], dim)
+
+
+def unpadded(y: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+    """The first ``rows`` rows and ``columns`` columns of a product computed padded (itself when unpadded)."""
+    return y if y.shape == (rows, columns) else y[:rows, :columns]
+
+
+def in_local_order(placed: PlacedTree, blocks: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    """This rank's leaves' ``blocks`` (each its leaf's segments side by side along ``dim``, in ``placed.mine``'s
+    order) laid out as its local tensor: one ``cat`` (a single block that is a whole fresh tensor as it is)."""
+    if placed.in_order:
+        whole = len(blocks) == 1 and not torch.compiler.is_compiling() and _whole(blocks[0])
+        return blocks[0] if whole else torch.cat(list(blocks), dim)
+    parts: dict[int, torch.Tensor] = {}  # segment -> its block
+    for leaf, block in zip(placed.mine, blocks, strict=True):
+        parts |= zip(placed.tree.leaves[leaf], block.split([n for _, n in placed.pieces(leaf)], dim), strict=True)
+    return torch.cat([parts[s] for s, _, _ in placed.local], dim)
+
+
+def _whole(t: torch.Tensor) -> bool:
+    """Whether ``t`` is contiguous and spans its whole storage (a fresh result, not a view into another)."""
+    spans = t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t.is_contiguous() and t.storage_offset() == 0 and spans
 
 
 def token_sum(g: torch.Tensor, placed: PlacedTree, group: ProcessGroup | None) -> torch.Tensor:
@@ -146,16 +180,15 @@ class _SegmentedColumnLinear(torch.autograd.Function):
         x2 = fixed(x.reshape(-1, x.shape[-1]))  # (N, in)
         n = x2.shape[0]
         rows = padded_rows(x2)  # (max(N, MIN_ROWS), in)
-        outputs: dict[int, torch.Tensor] = {}  # segment -> (N, its rows)
+        wide = rows.float() if rows.element_size() < 4 else rows  # 16-bit rows widened once for every leaf
+        blocks = []  # per leaf (N, rows of the leaf)
         with torch.autocast(x.device.type, enabled=False):
-            for leaf in sorted(placed.held(placed.rank)):  # one product per leaf, its segments' rows gathered
+            for leaf in placed.mine:  # one product per leaf, its segments' rows gathered
                 pieces = placed.pieces(leaf)
                 w = padded_rows(gathered(weight, pieces, 0), MIN_FEATURES)  # (max(rows of the leaf, 2), in)
                 b = None if bias is None else padded_rows(gathered(bias, pieces, 0), MIN_FEATURES)
-                y = exact_linear(rows, w, b)[:n, :sum(k for _, k in pieces)]  # (N, rows of the leaf)
-                outputs |= zip(placed.tree.leaves[leaf], y.split([n for _, n in pieces], -1), strict=True)
-        parts = [outputs[s] for s, _, _ in placed.local]
-        return torch.cat(parts, -1).reshape(*x.shape[:-1], -1)  # (*, out / tp)
+                blocks.append(unpadded(exact_linear(wide, w, b, rows.dtype), n, sum(k for _, k in pieces)))
+        return in_local_order(placed, blocks, -1).reshape(*x.shape[:-1], -1)  # (*, out / tp)
 
     @staticmethod
     @once_differentiable
@@ -164,20 +197,15 @@ class _SegmentedColumnLinear(torch.autograd.Function):
         placed, needs = ctx.placed, ctx.needs_input_grad
         g2 = grad.reshape(-1, grad.shape[-1])  # (N, out / tp)
         x2 = fixed(x.reshape(-1, x.shape[-1]))  # (N, in)
-        leaves = sorted(placed.held(placed.rank))
-        grads = {leaf: gathered(g2, placed.pieces(leaf), 1) for leaf in leaves}  # (N, rows of the leaf), once
+        grads = {leaf: gathered(g2, placed.pieces(leaf), 1) for leaf in placed.mine}  # (N, rows of the leaf), once
 
         def input_part(leaf: int) -> torch.Tensor:
             return grads[leaf] @ gathered(weight, placed.pieces(leaf), 0)  # (N, in)
 
         pending = start_tree_sum(input_part, placed, ctx.group, x2.shape, x2) if needs[0] else None
         grad_w = grad_b = None  # while the partial sums of the input gradient are exchanged
-        if needs[1]:
-            rows: dict[int, torch.Tensor] = {}  # segment -> its rows of the weight gradient
-            for leaf in leaves:
-                sizes = [n for _, n in placed.pieces(leaf)]
-                rows |= zip(placed.tree.leaves[leaf], (grads[leaf].t() @ x2).split(sizes), strict=True)
-            grad_w = torch.cat([rows[s] for s, _, _ in placed.local])  # (out / tp, in)
+        if needs[1]:  # (out / tp, in): each leaf's rows of it
+            grad_w = in_local_order(placed, [grads[leaf].t() @ x2 for leaf in placed.mine], 0)
         if ctx.has_bias and needs[2]:  # a sum over the tokens of each segment's columns
             grad_b = torch.cat([fixed(g2.narrow(1, lo, n)).sum(0) for _, lo, n in placed.local])
         grad_x = None if pending is None else pending.wait().reshape(x.shape)
@@ -192,16 +220,15 @@ class _SegmentedRowLinear(torch.autograd.Function):
                 tokens: Callable[[], PlacedTree], group: ProcessGroup | None) -> torch.Tensor:
         x, weight, bias = autocast_inputs(x, weight, bias)
         x2 = x.reshape(-1, x.shape[-1])  # (N, in / tp)
-        leaves = sorted(placed.held(placed.rank))
-        inputs = [gathered(x2, placed.pieces(leaf), 1) for leaf in leaves]  # (N, n) each: x, copied once
+        inputs = [gathered(x2, placed.pieces(leaf), 1) for leaf in placed.mine]  # (N, n) each: x, copied once
         ctx.save_for_backward(weight, *inputs)  # the leaves stand for x: no more memory
         ctx.placed, ctx.tokens, ctx.group, ctx.has_bias, ctx.shape = placed, tokens, group, bias is not None, x.shape
-        by_leaf = dict(zip(leaves, inputs, strict=True))
+        by_leaf = dict(zip(placed.mine, inputs, strict=True))
 
         def part(leaf: int) -> torch.Tensor:
             x_leaf = by_leaf[leaf]
             w = padded_rows(gathered(weight, placed.pieces(leaf), 1), MIN_FEATURES)  # (max(out, 2), n)
-            return exact_linear(padded_rows(x_leaf), w)[:x_leaf.shape[0], :weight.shape[0]]  # (N, out)
+            return unpadded(exact_linear(padded_rows(x_leaf), w), x_leaf.shape[0], weight.shape[0])  # (N, out)
 
         with torch.autocast(x.device.type, enabled=False):
             y = tree_sum(part, placed, group, (x2.shape[0], weight.shape[0]), x2)
@@ -212,23 +239,14 @@ class _SegmentedRowLinear(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         placed, needs = ctx.placed, ctx.needs_input_grad
-        leaves = sorted(placed.held(placed.rank))
         weight, *inputs = ctx.saved_tensors
         g2 = fixed(grad.reshape(-1, grad.shape[-1]))  # (N, out)
         grad_x = grad_w = grad_b = None
-
-        def to_local(by_leaf: list[torch.Tensor]) -> torch.Tensor:
-            """Per-leaf column blocks ``(*, n)`` laid out as this rank's local columns."""
-            columns: dict[int, torch.Tensor] = {}
-            for leaf, block in zip(leaves, by_leaf, strict=True):
-                sizes = [n for _, n in placed.pieces(leaf)]
-                columns |= zip(placed.tree.leaves[leaf], block.split(sizes, -1), strict=True)
-            return torch.cat([columns[s] for s, _, _ in placed.local], -1)
-
-        if needs[0]:
-            grad_x = to_local([g2 @ gathered(weight, placed.pieces(leaf), 1) for leaf in leaves]).reshape(ctx.shape)
+        if needs[0]:  # per leaf (N, its columns), laid out as this rank's
+            grad_x = in_local_order(placed, [g2 @ gathered(weight, placed.pieces(leaf), 1) for leaf in placed.mine],
+                                    -1).reshape(ctx.shape)
         if needs[1]:
-            grad_w = to_local([g2.t() @ x_leaf for x_leaf in inputs])  # (out, in / tp)
+            grad_w = in_local_order(placed, [g2.t() @ x_leaf for x_leaf in inputs], -1)  # (out, in / tp)
         if ctx.has_bias and needs[2]:  # every token's gradient, here: no collective
             grad_b = token_sum(grad, ctx.tokens(), None)
         return grad_x, grad_w, grad_b, None, None, None

@@ -164,20 +164,27 @@ class PlacedTree:
     local: tuple[tuple[int, int, int], ...]
     leaf_holders: tuple[frozenset[int], ...] = field(init=False)
     sent: tuple[tuple[Node, ...], ...] = field(init=False)
-    #: each rank's leaves, and this rank's leaves' pieces (every product asks: computed once, here)
-    held_by_rank: tuple[frozenset[int], ...] = field(init=False, repr=False, compare=False)
-    pieces_by_leaf: Mapping[int, list[tuple[int, int]]] = field(init=False, repr=False, compare=False)
+    #: this rank's leaves, in order
+    mine: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    #: whether each of this rank's leaves is one segment, in the local order: its leaves' blocks side by side
+    #: are then its local tensor
+    in_order: bool = field(init=False, repr=False, compare=False)
+    _held: tuple[frozenset[int], ...] = field(init=False, repr=False, compare=False)  # each rank's leaves
+    _pieces: Mapping[int, tuple[Piece, ...]] = field(init=False, repr=False, compare=False)  # of this rank's leaves
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "leaf_holders", tuple(self.holders[leaf[0]] for leaf in self.tree.leaves))
-        object.__setattr__(self, "held_by_rank", tuple(frozenset(i for i, h in enumerate(self.leaf_holders) if r in h)
-                                                       for r in range(self.tp)))
+        leaf_holders = tuple(self.holders[leaf[0]] for leaf in self.tree.leaves)
+        object.__setattr__(self, "leaf_holders", leaf_holders)
+        held = tuple(frozenset(i for i, h in enumerate(leaf_holders) if r in h) for r in range(self.tp))
+        object.__setattr__(self, "_held", held)
+        object.__setattr__(self, "mine", tuple(sorted(held[self.rank])))
+        object.__setattr__(self, "in_order", [self.tree.leaves[leaf] for leaf in self.mine]
+                           == [(segment,) for segment, _, _ in self.local])
         where = {s: (lo, n) for s, lo, n in self.local}
-        object.__setattr__(self, "pieces_by_leaf", MappingProxyType(
-            {leaf: [where[s] for s in self.tree.leaves[leaf]] for leaf in self.held_by_rank[self.rank]}))
+        object.__setattr__(self, "_pieces", MappingProxyType(
+            {leaf: tuple(where[s] for s in self.tree.leaves[leaf]) for leaf in self.mine}))
         common = self.common()
-        object.__setattr__(self, "sent", tuple(self._maximal(self.held(r), common, self.tree.root)
-                                               for r in range(self.tp)))
+        object.__setattr__(self, "sent", tuple(self._maximal(held[r], common, self.tree.root) for r in range(self.tp)))
 
     @classmethod
     def place(cls, tree: SegmentTree, pieces_by_rank: Sequence[Sequence[Piece]], rank: int) -> PlacedTree:
@@ -199,7 +206,7 @@ class PlacedTree:
 
     def held(self, rank: int) -> frozenset[int]:
         """The leaves ``rank`` holds."""
-        return self.held_by_rank[rank]
+        return self._held[rank]
 
     def common(self) -> frozenset[int]:
         """The leaves every rank holds."""
@@ -209,9 +216,9 @@ class PlacedTree:
         """This rank's segment lengths, in its local order (to split its local tensor by)."""
         return [n for _, _, n in self.local]
 
-    def pieces(self, leaf: int) -> list[tuple[int, int]]:
+    def pieces(self, leaf: int) -> tuple[Piece, ...]:
         """``(local offset, length)`` of each segment of ``leaf`` (one this rank holds), in the leaf's order."""
-        return self.pieces_by_leaf[leaf]
+        return self._pieces[leaf]
 
     def _maximal(self, held: frozenset[int], common: frozenset[int], node: Node) -> tuple[Node, ...]:
         """The largest nodes under ``node`` whose leaves are all ``held``, leaving out those every rank
@@ -230,7 +237,9 @@ def placed_split(pieces_at: Callable[[int, int], Sequence[Piece]], size: int, tp
     layout = layouts(pieces_at, {*tp_sizes, tp})
     if tp not in layout:
         pieces_at(tp, rank)  # raises what the split says about this tp
-    return PlacedTree.place(_tree(size, layout), layout[tp], rank)
+    if torch.compiler.is_compiling():
+        return PlacedTree.place(SegmentTree.build(size, layout), layout[tp], rank)
+    return _cached_placed(size, _key(layout), tp, rank)
 
 
 def placed_tokens(seq_len: int, tp: int, rank: int, tp_sizes: Iterable[int], *, split: bool) -> PlacedTree:
@@ -239,10 +248,20 @@ def placed_tokens(seq_len: int, tp: int, rank: int, tp_sizes: Iterable[int], *, 
     ``split`` among them, else all held by this rank (every rank holding every token)."""
     sizes = tuple(sorted({*tp_sizes, tp}))
     # eagerly from a cache; while torch.compile traces, built afresh (Dynamo would trace past the cache)
-    tree = _build_sequence_tree(seq_len, sizes) if torch.compiler.is_compiling() else _sequence_tree(seq_len, sizes)
+    if torch.compiler.is_compiling():
+        return _place_tokens(_build_sequence_tree(seq_len, sizes), seq_len, tp, rank, split)
+    return _cached_tokens(seq_len, tp, rank, sizes, split)
+
+
+def _place_tokens(tree: SegmentTree, seq_len: int, tp: int, rank: int, split: bool) -> PlacedTree:
     if not split:
         return PlacedTree.place(tree, [[(0, seq_len)]], 0)
     return PlacedTree.place(tree, _sequence_pieces(seq_len, tp), rank)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_tokens(seq_len: int, tp: int, rank: int, tp_sizes: tuple[int, ...], split: bool) -> PlacedTree:
+    return _place_tokens(_sequence_tree(seq_len, tp_sizes), seq_len, tp, rank, split)
 
 
 def placed_vocabulary(vocab_size: int, tp: int, rank: int, tp_sizes: Iterable[int]) -> PlacedTree:
@@ -250,8 +269,9 @@ def placed_vocabulary(vocab_size: int, tp: int, rank: int, tp_sizes: Iterable[in
     sizes = tuple(sorted({*tp_sizes, tp}))
     layout = {t: [[partition_bounds(vocab_size, t, r, name="vocab_size")] for r in range(t)]
               for t in sizes if t <= vocab_size}
-    tree = SegmentTree.build(vocab_size, layout) if torch.compiler.is_compiling() else _tree(vocab_size, layout)
-    return PlacedTree.place(tree, layout[tp], rank)
+    if torch.compiler.is_compiling():
+        return PlacedTree.place(SegmentTree.build(vocab_size, layout), layout[tp], rank)
+    return _cached_placed(vocab_size, _key(layout), tp, rank)
 
 
 def _sequence_pieces(seq_len: int, tp: int) -> list[list[Piece]]:
@@ -266,11 +286,19 @@ def _build_sequence_tree(seq_len: int, tp_sizes: tuple[int, ...]) -> SegmentTree
 _sequence_tree = functools.lru_cache(maxsize=64)(_build_sequence_tree)
 
 
-def _tree(size: int, layout: Mapping[int, Sequence[Sequence[Piece]]]) -> SegmentTree:
-    key = tuple(sorted((tp, tuple(tuple(p) for p in ranks)) for tp, ranks in layout.items()))
-    return _cached_tree(size, key)
+#: a layout as a cache key: ``((tp, ((rank 0's pieces), ...)), ...)``
+LayoutKey = tuple[tuple[int, tuple[tuple[Piece, ...], ...]], ...]
+
+
+def _key(layout: Mapping[int, Sequence[Sequence[Piece]]]) -> LayoutKey:
+    return tuple(sorted((tp, tuple(tuple(p) for p in ranks)) for tp, ranks in layout.items()))
 
 
 @functools.lru_cache(maxsize=256)
-def _cached_tree(size: int, key: tuple[tuple[int, tuple[tuple[Piece, ...], ...]], ...]) -> SegmentTree:
+def _cached_tree(size: int, key: LayoutKey) -> SegmentTree:
     return SegmentTree.build(size, dict(key))
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_placed(size: int, key: LayoutKey, tp: int, rank: int) -> PlacedTree:
+    return PlacedTree.place(_cached_tree(size, key), dict(key)[tp], rank)
