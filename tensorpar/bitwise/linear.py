@@ -217,7 +217,7 @@ class _SegmentedRowLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, placed: PlacedTree,
-                tokens: Callable[[], PlacedTree], group: ProcessGroup | None) -> torch.Tensor:
+                tokens: PlacedTree, group: ProcessGroup | None) -> torch.Tensor:
         x, weight, bias = autocast_inputs(x, weight, bias)
         x2 = x.reshape(-1, x.shape[-1])  # (N, in / tp)
         inputs = [gathered(x2, placed.pieces(leaf), 1) for leaf in placed.mine]  # (N, n) each: x, copied once
@@ -248,7 +248,7 @@ class _SegmentedRowLinear(torch.autograd.Function):
         if needs[1]:
             grad_w = in_local_order(placed, [g2.t() @ x_leaf for x_leaf in inputs], -1)  # (out, in / tp)
         if ctx.has_bias and needs[2]:  # every token's gradient, here: no collective
-            grad_b = token_sum(grad, ctx.tokens(), None)
+            grad_b = token_sum(grad, ctx.tokens, None)
         return grad_x, grad_w, grad_b, None, None, None
 
 
@@ -278,7 +278,7 @@ class SegmentedRow:
         self.placed, self.group, self.sequence_parallel, self.tp_sizes = placed, group, sequence_parallel, tp_sizes
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        tokens = functools.partial(placed_tokens, x.shape[-2] if x.dim() > 1 else 1, self.placed.tp,
-                                   self.placed.rank, self.tp_sizes, split=False)  # built by backward, if it runs
+        tokens = placed_tokens(x.shape[-2] if x.dim() > 1 else 1, self.placed.tp, self.placed.rank, self.tp_sizes,
+                               split=False)  # from a cache (while torch.compile traces, built in the graph's forward)
         y = _SegmentedRowLinear.apply(x, weight, bias, self.placed, tokens, self.group)  # (*, out)
         return scatter_sequence(y, self.group) if self.sequence_parallel else y

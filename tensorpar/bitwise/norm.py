@@ -9,8 +9,7 @@ without sequence parallelism, so the gradients are the same bits either way and 
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -26,7 +25,7 @@ from .segments import PlacedTree, placed_tokens
 class _TokenwiseLayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                shape: list[int], eps: float, tokens: Callable[[], PlacedTree], group: ProcessGroup | None, rms: bool
+                shape: list[int], eps: float, tokens: PlacedTree, group: ProcessGroup | None, rms: bool
                 ) -> torch.Tensor:
         ctx.dims = tuple(range(-len(shape), 0))
         with torch.autocast(x.device.type, enabled=False):  # autocast leaves a LayerNorm's dtype alone
@@ -54,9 +53,9 @@ class _TokenwiseLayerNorm(torch.autograd.Function):
                                                                [True, False, False])[0]
         grad_w = grad_b = None
         if weight is not None and needs[1]:
-            grad_w = token_sum(grad * normalized, ctx.tokens(), ctx.group).to(weight.dtype)
+            grad_w = token_sum(grad * normalized, ctx.tokens, ctx.group).to(weight.dtype)
         if bias is not None and needs[2]:
-            grad_b = token_sum(grad, ctx.tokens(), ctx.group).to(bias.dtype)
+            grad_b = token_sum(grad, ctx.tokens, ctx.group).to(bias.dtype)
         return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
@@ -76,7 +75,7 @@ class TokenwiseNorm:
         rank, tp = group_rank_size(self.group)
         if self.sequence_parallel:
             seq_len = sequence_length(x, seq_len, self.group)
-        tokens = functools.partial(placed_tokens, x.shape[-2] if not self.sequence_parallel and x.dim() > 1
-                                   else seq_len or 1, tp, rank, self.tp_sizes, split=self.sequence_parallel)
+        tokens = placed_tokens(x.shape[-2] if not self.sequence_parallel and x.dim() > 1 else seq_len or 1,
+                               tp, rank, self.tp_sizes, split=self.sequence_parallel)
         return _TokenwiseLayerNorm.apply(x, weight, bias, self.shape, self.eps, tokens,
                                          self.group if self.sequence_parallel else None, self.rms)

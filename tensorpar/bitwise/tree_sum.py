@@ -8,7 +8,7 @@ it is computed, so the result depends neither on who computed which subtree nor 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.distributed import ProcessGroup
@@ -17,12 +17,12 @@ from ..comm.collectives import Pending, start_all_gather_along
 from .segments import Node, PlacedTree
 
 
-def _added(values: Iterator[torch.Tensor]) -> torch.Tensor:
-    """The values added left to right, each computed when it is added (out of place: a partial result
-    may be a view of a live tensor)."""
-    total = next(values)
-    for value in values:
-        total = total + value
+def _added(value: Callable[[Node], torch.Tensor], nodes: Sequence[Node]) -> torch.Tensor:
+    """``value(node)`` of the ``nodes`` added left to right, each computed when it is added (out of place: a
+    partial result may be a view of a live tensor; no generator: Dynamo 2.14 fails on recursive ones)."""
+    total = value(nodes[0])
+    for node in nodes[1:]:
+        total = total + value(node)
     return total
 
 
@@ -51,7 +51,7 @@ class PendingTreeSum:
                 return received[node]
             if set(range(*node)) <= held:
                 return self._local(node)
-            return _added(value(child) for child in placed.tree.children(node))
+            return _added(value, placed.tree.children(node))
 
         return value(placed.tree.root)
 
@@ -70,7 +70,7 @@ def start_tree_sum(partial: Callable[[int], torch.Tensor], placed: PlacedTree, g
         lo, hi = node
         if hi - lo == 1:
             return partial(lo)
-        return _added(local(child) for child in placed.tree.children(node))
+        return _added(local, placed.tree.children(node))
 
     mine: dict[Node, torch.Tensor] = {}
     exchange = None
