@@ -2,8 +2,25 @@
 file, without a process group (torch's ``dcp_to_torch_save`` reads a checkpoint as it is, to a torch.save file)."""
 
 import argparse
+import os
+from pathlib import Path
 
-from tensorpar.checkpoint import CheckpointError, export_safetensors
+from tensorpar.checkpoint import CheckpointError, export_state_dict
+
+
+def export_safetensors(checkpoint: str | Path, out_file: str | Path) -> Path:
+    """Write the checkpoint's unsharded model state dict to the safetensors file ``out_file`` (replaced only when
+    complete) through the ``safetensors`` package (``pip install 'tensorpar[hf]'``)."""
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise ImportError("exporting to safetensors needs the safetensors package: pip install 'tensorpar[hf]'"
+                          ) from None
+    out = Path(out_file)
+    tmp = out.with_name(f".tmp-{os.getpid()}-{out.name}")
+    save_file({k: v.contiguous() for k, v in export_state_dict(checkpoint).items()}, str(tmp))
+    os.replace(tmp, out)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

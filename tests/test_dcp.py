@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 import tensorpar
 from checkpoint_cases import BLOCKED, bitwise_equal, blocked
+from examples.export_safetensors import export_safetensors
 from examples.export_safetensors import main as export_command
 from gpt_cases import batch, gpt_configs
 from layers import GPT, GPTConfig
@@ -313,7 +314,7 @@ def test_torch_s_default_planner_reads_a_checkpoint_into_dtensors(worlds, tmp_pa
 def test_the_safetensors_export_is_the_unsharded_state_dict(worlds, tmp_path):
     cfg = dict(n_layer=1, n_head=3, n_kv_head=3, n_embd=6, vocab_size=19, block_size=5, bias=True, mlp="gelu")
     worlds[4].run(train_and_save, cfg, 4, "fsdp", str(tmp_path), tp=2, dp=2)
-    out = checkpoint.export_safetensors(tmp_path, tmp_path / "model.safetensors")
+    out = export_safetensors(tmp_path, tmp_path / "model.safetensors")
     exported = safetensors.torch.load_file(out)
     assert bitwise_equal(exported, checkpoint.export_state_dict(tmp_path))
     RefGPT(RefConfig(**cfg)).double().load_state_dict(exported)  # strict: exactly the plain model's keys
@@ -339,7 +340,7 @@ def test_torch_s_dcp_tools_read_a_checkpoint_as_it_is(worlds, tmp_path):
     saved = torch.load(tmp_path / "model.pt", weights_only=True)
     assert live.keys() <= saved.keys() and all(torch.equal(saved[k], v) for k, v in live.items())
     assert {k for k in saved if not k.startswith("rng.")} == live.keys()
-    exported = safetensors.torch.load_file(checkpoint.export_safetensors(tmp_path / "run", tmp_path / "m.safetensors"))
+    exported = safetensors.torch.load_file(export_safetensors(tmp_path / "run", tmp_path / "m.safetensors"))
     plain = {f"model.{k}": torch.zeros_like(v) for k, v in RefGPT(RefConfig(**cfg)).double().state_dict().items()}
     with warnings.catch_warnings():  # that no_dist means one process
         warnings.simplefilter("ignore", UserWarning)

@@ -8,8 +8,8 @@ Example::
 """
 
 from .files import FORMAT, MANIFEST, NAME, CheckpointError, resolve
-from .loading import export_safetensors, export_state_dict, load, read_meta
+from .loading import export_state_dict, load, read_meta
 from .saving import PendingSave, async_save, save
 
-__all__ = ["FORMAT", "MANIFEST", "NAME", "CheckpointError", "PendingSave", "async_save", "export_safetensors",
-           "export_state_dict", "load", "read_meta", "resolve", "save"]
+__all__ = ["FORMAT", "MANIFEST", "NAME", "CheckpointError", "PendingSave", "async_save", "export_state_dict",
+           "load", "read_meta", "resolve", "save"]

@@ -4,7 +4,6 @@ each rank reads its boxes into new tensors, checks them, and the ranks agree bef
 from __future__ import annotations
 
 import math
-import os
 import re
 import warnings
 from collections.abc import Callable, Mapping
@@ -226,15 +225,3 @@ def export_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     _read(directory, full)
     return {k.removeprefix(MODEL): v for k, v in full.items()}
 
-
-def export_safetensors(path: str | Path, out_file: str | Path) -> Path:
-    """Write the checkpoint's unsharded model state dict to the safetensors file ``out_file`` (replaced when
-    complete) through the ``safetensors`` package (``pip install tensorpar[hf]``)."""
-    try:
-        from safetensors.torch import save_file
-    except ImportError:
-        raise ImportError("export_safetensors needs the safetensors package: pip install 'tensorpar[hf]'") from None
-    out = Path(out_file)
-    save_file({k: v.contiguous() for k, v in export_state_dict(path).items()}, str(tmp := files.scratch(out)))
-    os.replace(tmp, out)
-    return out
