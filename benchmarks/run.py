@@ -154,8 +154,9 @@ def measure(pool: World, rounds: int, libs: list[str]) -> dict[str, Any]:
     for r in range(rounds):
         for h, (tokens, steps) in SIZES.items():
             x = torch.randn(tokens, h, requires_grad=True)
-            samples.setdefault(("dense", h), []).extend(step_times(local[h], x, steps))
-            samples.setdefault(("tp1", h), []).extend(step_times(local[("tp1", h)], x, steps))
+            pair = [(("dense", h), local[h]), (("tp1", h), local[("tp1", h)])]
+            for key, model in pair[::-1] if r % 2 else pair:  # each round the other one first
+                samples.setdefault(key, []).extend(step_times(model, x, steps))
             contenders = libs + ([CAP] if h == max(SIZES) else [])
             for lib in contenders[r % len(contenders):] + contenders[:r % len(contenders)]:  # each round another first
                 per_rank = pool.run(time_mlp, lib, h, tokens, steps)
