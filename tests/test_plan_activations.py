@@ -105,6 +105,26 @@ def test_live_bytes_count_the_generator_states_made_outside_the_dispatcher():
     assert torch.get_rng_state is get_state  # unwrapped again
 
 
+def collective_buffer_peak():
+    """The peak of: a 4000-byte buffer all-reduced, read once, then held only by the collective's work while
+    an 8000-byte tensor is made (as a gloo worker thread may hold a finished collective's buffers)."""
+    group = tensorpar.current_mesh().tp_group
+    with LiveBytes() as live:
+        x = torch.ones(1000)
+        work = group.allreduce([x])
+        work.wait()
+        y = x + 1  # x's last use
+        del x
+        z = torch.ones(2000)
+        del work, y, z
+    return live.peak
+
+
+def test_live_bytes_count_a_collective_buffer_freed_after_its_last_use(worlds):
+    # x and y (8000 bytes) while y is made; then y and z (12000): x is no longer counted, whoever holds it
+    assert worlds[2].run(collective_buffer_peak) == [12000, 12000]
+
+
 def pipeline_step(cfg, schedule, microbatches, b, t):
     """On every rank of a pp=2 pipeline (no optimizer): (the peak of the live tensors over its first step,
     the schedule's buffers made in it, and the plan's; the most bytes held saved at once over a second
