@@ -15,6 +15,7 @@ from __future__ import annotations
 from tensorpar.comm.sequence import sequence_sizes
 from tensorpar.pipeline import stage_blocks
 
+from . import plan_bitwise as bitwise
 from .config import GPTConfig
 from .plan_backward import adamw_temporaries, backward_peak
 from .plan_layout import Layout
@@ -60,13 +61,17 @@ def activation_bytes(config: GPTConfig, layout: Layout, *, tp_rank: int = 0, sta
             views += 8 * s.b * s.t * layout.microbatches
     if layout.activation_checkpointing:
         per += blocks * s.b * s.t_r * s.c * s.p  # each block's input; its insides are recomputed
+    elif s.mode is not None:
+        per += blocks * bitwise.block_saved(config, s)
     else:
         per += blocks * block_saved(config, s, device_type)
     if last:
-        per += head_saved(config, s)
-        if s.tp == 1:  # the targets as given: a pipeline's micro-batch of them is a view of the whole batch's
+        per += head_saved(config, s) if s.mode is None else bitwise.head_saved(config, s)
+        if s.tp == 1 and s.mode is None:  # the targets as given: a pipeline's micro-batch of them is a view
             views += 8 * s.b * s.t * (layout.microbatches if layout.pp > 1 else 1)
-    once, each = weight_copies(config, s, 0 if layout.activation_checkpointing else blocks, last)
+    copied = 0 if layout.activation_checkpointing else blocks
+    once, each = weight_copies(config, s, copied, last) if s.mode is None else \
+        (0, bitwise.weight_copies(config, s, copied, last))
     flying = in_flight(layout, stage)
     return flying * (per + each) + once + views + (layout.microbatches - flying) * _received(layout, s, stage)
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tensorpar.bitwise import Bitwise
 from tensorpar.comm.sequence import sequence_sizes
 from tensorpar.sharding import partition_sizes
 
@@ -89,6 +90,8 @@ class Shapes:
     a: int  # matmuls (autocast's dtype, else p)
     autocast: bool
     sp: bool
+    rank: int = 0  # this rank's index in its tp group
+    mode: Bitwise | None = None  # the bitwise mode the layers are built in (None: the default numerics)
 
 
 def shapes_of(config: GPTConfig, layout: Layout, tp_rank: int) -> Shapes:
@@ -108,7 +111,7 @@ def shapes_of(config: GPTConfig, layout: Layout, tp_rank: int) -> Shapes:
                    h_read=len(heads.query) if heads.group_size is None else len(heads.kv_reads),
                    hidden=partition_sizes(config.mlp_hidden, tp)[tp_rank],
                    vocab=partition_sizes(config.vocab_size, tp, name="vocab_size")[tp_rank], tp=tp, p=p, a=a,
-                   autocast=layout.autocast is not None, sp=sp)
+                   autocast=layout.autocast is not None, sp=sp, rank=tp_rank, mode=layout.numerics)
 
 
 def check_where(config: GPTConfig, layout: Layout, stage: int, device_type: str) -> None:
@@ -116,10 +119,9 @@ def check_where(config: GPTConfig, layout: Layout, stage: int, device_type: str)
         raise ValueError(f"device_type must be one of {DEVICE_TYPES}, got {device_type!r}")
     if not 0 <= stage < layout.pp:
         raise ValueError(f"stage {stage} is out of range for pp {layout.pp}")
-    from tensorpar.bitwise.settings import current_bitwise
-
-    if current_bitwise() is not None:
-        raise ValueError("the plan counts the default numerics only; the bitwise mode saves other tensors")
+    if layout.numerics is not None and config.dropout:  # see layers.plan_bitwise
+        raise ValueError(f"the plan counts the bitwise mode without dropout, got dropout={config.dropout}: its "
+                         "attention then keeps each head's inputs and probabilities apart, which are not counted")
 
 
 def dropout_mask(s: Shapes, elements: int, dtype_bytes: int, dropout: float, device_type: str) -> int:
