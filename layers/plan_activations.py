@@ -87,7 +87,8 @@ def _forward_transient(s: Shapes) -> int:
     """What the last stage holds only while its forward ends: the logits (and at tp = 1 under autocast
     their float32 copy), of which the loss keeps its own buffers."""
     logits = s.b * s.t * s.vocab * s.a
-    return logits + (s.b * s.t * s.vocab * loss_itemsize(s) if s.tp == 1 and s.a != loss_itemsize(s) else 0)
+    plain = s.tp == 1 and s.mode is None  # F.cross_entropy
+    return logits + (s.b * s.t * s.vocab * loss_itemsize(s) if plain and s.a != loss_itemsize(s) else 0)
 
 
 def _head_backward_transient(s: Shapes) -> int:
@@ -96,7 +97,7 @@ def _head_backward_transient(s: Shapes) -> int:
     weight gradient in the matmul dtype before the cast to the parameters'."""
     btv, loss = s.b * s.t * s.vocab, loss_itemsize(s)
     head = s.b * s.t * s.c * s.a + (s.vocab * s.c * s.a if s.a != s.p else 0)
-    if s.tp == 1:  # nll_loss's gradient, then log_softmax's; then the cast back and the head's matmuls
+    if s.tp == 1 and s.mode is None:  # nll_loss's gradient, then log_softmax's; the cast back, the head's matmuls
         return btv * loss + max(btv * loss, (btv * s.a if s.a != loss else 0) + head)
     return (btv * s.a if s.a != loss else 0) + head
 
@@ -174,6 +175,8 @@ def peak_bytes(config: GPTConfig, layout: Layout, *, params: int, grads: int, op
     state, stream = generator_states(config, device_type)
     if layout.activation_checkpointing:  # the generator states each checkpointed block notes at its forward
         acts += in_flight(layout, stage) * blocks * (state + stream)
+    elif s.mode is not None:  # saved, but let go as the forward ends
+        acts -= in_flight(layout, stage) * blocks * bitwise.attention_unheld(s)
     batch = 16 * s.b * s.t * layout.microbatches + stream  # int64 ids and targets of the step; the tp stream
     # the gradients (set to None before the step) made by a micro-batch's backward while others are still to
     # run forward with as many in flight (1F1B's steady state, accumulation); GPipe's backwards all come after
@@ -186,6 +189,9 @@ def peak_bytes(config: GPTConfig, layout: Layout, *, params: int, grads: int, op
     if stream:  # the forward's last fork of the tp stream as it ends: the states outside it and after it
         forward_end = max(forward_end, held + earlier + 2 * stream
                           - _saved_after_last_fork(config, layout, s, stage, device_type))
+    if s.mode is not None:  # a row map's tree sum exchanging its partial sums, the head and loss yet to run
+        rows = max(bitwise.exchange(config, s, "query"), bitwise.exchange(config, s, "hidden"))
+        forward_end = max(forward_end, held + earlier + rows - (bitwise.head_saved(config, s) if last else 0))
     backward = held + earlier + backward_peak(config, layout, s, stage, device_type, accumulating=bool(earlier))
     temporaries = adamw_temporaries(config, layout, s, stage, device_type, params) if layout.optimizer == "adamw" else 0
     step = params + grads + optimizer + batch + temporaries

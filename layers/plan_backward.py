@@ -12,6 +12,7 @@ from tensorpar.comm.sequence import sequence_sizes
 from tensorpar.pipeline import stage_blocks
 from tensorpar.sharding import partition_sizes
 
+from . import plan_bitwise as bitwise
 from .config import GPTConfig
 from .plan_layout import Layout
 from .plan_saved import (
@@ -119,8 +120,9 @@ def backward_peak(config: GPTConfig, layout: Layout, s: Shapes, stage: int, devi
     backward order: each step's working buffers and new gradients while it runs (which stay unless
     ``accumulating`` into those of earlier micro-batches), its saved tensors let go after."""
     blocks = len(stage_blocks(config.n_layer, layout.pp)[stage])
-    nodes: list[Node] = _head_nodes(config, s) if stage == layout.pp - 1 else []
-    block = _block_nodes(config, s, device_type)
+    head, block_steps = (_head_nodes, _block_nodes) if s.mode is None else (bitwise.head_nodes, bitwise.block_nodes)
+    nodes: list[Node] = head(config, s) if stage == layout.pp - 1 else []
+    block = block_steps(config, s, device_type)
     if layout.activation_checkpointing:  # the block's forward again, the generators' states noted and replayed
         state, stream = generator_states(config, device_type)
         recomputed = sum(n[0] for n in block)
@@ -128,6 +130,8 @@ def backward_peak(config: GPTConfig, layout: Layout, s: Shapes, stage: int, devi
         # tokens of the column regions (held with the recomputed graph, dropped with it); and the states: fork_rng's
         # note of the live generator, the tp stream's live state noted, inside a dropout's fork the state outside it
         ahead = s.b * s.t * s.c * s.a + s.b * s.t_r * s.c * s.p + (2 * s.b * s.t * s.c * s.a if s.sp else 0)
+        if s.mode is not None:  # a row map's tree sum exchanging its partial sums
+            ahead += max(bitwise.exchange(config, s, "query"), bitwise.exchange(config, s, "hidden"))
         # all on top of the recomputed activations as the recomputation ends, the stream's state put back; or
         # as its last fork ends (the states outside it and after it too), before the rest of the block
         ended = recomputed + ahead + state + 2 * stream

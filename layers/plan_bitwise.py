@@ -30,12 +30,14 @@ the plan refuses the mode with dropout (its attention then keeps every head's in
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
-from tensorpar.bitwise.segments import placed_split
+from tensorpar.bitwise.segments import Piece, placed_split
 from tensorpar.comm.sequence import sequence_sizes
 from tensorpar.sharding import partition_bounds
 
 from .config import GPTConfig
+from .heads import head_layout
 from .plan_saved import Shapes, loss_itemsize, norm_bias
 
 #: attention's widths are padded to a multiple of this, its queries to at least this many rows
@@ -58,6 +60,43 @@ def _one_segment(size: int, tp: int, rank: int, tp_sizes: tuple[int, ...]) -> bo
     return len(placed.local) == 1
 
 
+def _qkv_pieces(n_head: int, n_kv: int, d: int, queries_only: bool) -> Callable[[int, int], list[Piece]]:
+    """A rank's pieces of the fused ``[Q|K|V]`` rows at a tp (:func:`layers.numerics.attention`'s cuts), or of
+    its query features alone (the output projection's input)."""
+    def pieces(tp: int, rank: int) -> list[Piece]:
+        at = head_layout(n_head, n_kv, tp, rank)
+        kv = (at.kv_held.start * d, len(at.kv_held) * d)
+        q = (at.query.start * d, len(at.query) * d)
+        return [q] if queries_only else [q, (n_head * d + kv[0], kv[1]), ((n_head + n_kv) * d + kv[0], kv[1])]
+    return pieces
+
+
+@functools.lru_cache(maxsize=1024)
+def _counts(what: str, n_head: int, n_kv: int, d: int, size: int, tp: int, rank: int, tp_sizes: tuple[int, ...]
+            ) -> tuple[int, ...]:
+    """How many partial sums each rank sends in a tree sum over the leaves of ``what``: ``"qkv"`` (the fused
+    rows), ``"query"`` (the output projection's input), or balanced rows of ``size`` (the MLP's, the vocabulary)."""
+    if what in ("qkv", "query"):
+        size = (n_head + (2 * n_kv if what == "qkv" else 0)) * d
+        pieces = _qkv_pieces(n_head, n_kv, d, what == "query")
+    else:
+        pieces = functools.partial(lambda n, t, r: [partition_bounds(n, t, r)], size)
+    placed = placed_split(pieces, size, tp, rank, tp_sizes)
+    return tuple(len(nodes) for nodes in placed.sent)
+
+
+def exchange(config: GPTConfig, s: Shapes, what: str) -> int:
+    """The most a tree sum of ``(N, C)`` partial results over the leaves of ``what`` holds while its partial sums
+    are exchanged: this rank's and their stack, the padded send buffer, every rank's (padded) and their join."""
+    assert s.mode is not None
+    size = config.vocab_size if what == "vocab" else config.mlp_hidden
+    counts = _counts(what, config.n_head, config.kv_heads, s.d, size, s.tp, s.rank, s.mode.tp_sizes)
+    if s.tp == 1 or not any(counts):
+        return 0
+    own, most = counts[s.rank], max(counts)
+    return (2 * own + (most if own < most else 0) + s.tp * most + sum(counts)) * s.b * s.t * s.c * s.a
+
+
 def norm_saved(s: Shapes, config: GPTConfig) -> int:
     """A ``TokenwiseNorm``'s saved bytes: its input and LayerNorm's mean and 1/std (RMSNorm's 1/rms)."""
     rows = s.b * s.t_r
@@ -72,16 +111,35 @@ def _column_inputs(s: Shapes, maps: int) -> int:
     return s.b * (s.t_r if s.sp else s.t) * s.c * s.p
 
 
+def _attention_sizes(s: Shapes) -> tuple[int, int, int, int, int, int]:
+    """``(w, R, h', d', S, key blocks)`` of the attention by key blocks (see the module's docstring)."""
+    assert s.mode is not None
+    return (max(4, s.a), max(s.t, ROWS), s.h if s.b * s.h >= 2 else 2, _up(s.d, WIDTH), _up(s.mode.key_block, WIDTH),
+            -(-s.t // s.mode.key_block))
+
+
 def attention_saved(s: Shapes) -> int:
     """The attention by key blocks' saved bytes (see the module's docstring)."""
-    assert s.mode is not None
-    b, t, w = s.b, s.t, max(4, s.a)
-    rows, heads, width = max(t, ROWS), s.h if b * s.h >= 2 else 2, _up(s.d, WIDTH)
-    slots, blocks = _up(s.mode.key_block, WIDTH), -(-t // s.mode.key_block)
+    w, rows, heads, width, slots, blocks = _attention_sizes(s)
+    b = s.b
     per_block = 2 * b * heads * slots * width * w + rows * slots + 2 * b * heads * rows * slots * w \
         + b * heads * rows * w
     once = 2 * b * heads * rows * width * w + b * heads * rows * w * (1 + max(0, blocks - 2))
     return blocks * per_block + once
+
+
+def attention_unheld(s: Shapes) -> int:
+    """The saved bytes of attention that backward never reaches, let go as its forward ends: the scores and
+    maxima that the (detached) running maximum saved."""
+    w, rows, heads, _, slots, blocks = _attention_sizes(s)
+    return blocks * s.b * heads * rows * (slots + 1) * w + max(0, blocks - 2) * s.b * heads * rows * w
+
+
+def _attention_working(s: Shapes) -> int:
+    """What attention's backward makes while it runs: a key block's score gradients twice, its values' gradient,
+    the output's and the queries' gradients padded."""
+    w, rows, heads, width, slots, _ = _attention_sizes(s)
+    return s.b * heads * (2 * rows * slots + slots * width) * w
 
 
 def _rotary_table(config: GPTConfig, s: Shapes) -> int:
@@ -126,19 +184,19 @@ def head_saved(config: GPTConfig, s: Shapes) -> int:
 
 
 def _linear_node(s: Shapes, saved: int, rows: int, cols: int, bias: bool, grad_out: int, grad_in: int,
-                 leaves: bool) -> Node:
+                 leaves: bool, exchanged: int = 0) -> Node:
     """A segmented map's backward: its weight gradient (made leaf by leaf, then joined), the output gradient it
     reads and the input gradient it makes (elements), in float32 where the products widen 16-bit operands."""
     grads = (rows * cols + bias * rows) * s.p
     joined = rows * cols * s.a if leaves else 0  # the leaves' weight gradients before they are joined
     padded = s.b * s.c * s.a * s.tp * sequence_sizes(s.t, s.tp)[0] if s.sp else 0  # a collective's flat buffer
-    return saved, grads, (grad_out + 2 * grad_in) * s.a + joined + padded
+    return saved, grads, grad_out * s.a + joined + padded + max(2 * grad_in * s.a, exchanged)
 
 
-def block_nodes(config: GPTConfig, s: Shapes) -> list[Node]:
+def block_nodes(config: GPTConfig, s: Shapes, device_type: str = "cpu") -> list[Node]:
     """One block's backward, step by step; the saved bytes add up to :func:`block_saved` and the block's
     weight copies."""
-    b, c, bias = s.b, s.c, config.bias
+    c, bias = s.c, config.bias
     tokens, rows, k = s.b * s.t, (s.h + 2 * s.h_kv) * s.d, 2 if config.mlp == "swiglu" else 1
     copies = s.a if s.a != s.p else 0
     rows_in = s.b * s.t_r * s.c
@@ -147,19 +205,19 @@ def block_nodes(config: GPTConfig, s: Shapes) -> list[Node]:
     mlp = _mlp_saved(config, s)
     leaves = mlp - (_up(hidden, LANES) * s.a if config.mlp == "gelu" else 3 * hidden * s.a)
     assert s.mode is not None
-    attention = attention_saved(s) + _rotary_table(config, s)
+    attention = attention_saved(s) - attention_unheld(s) + _rotary_table(config, s)
     regathered = tokens * c if s.sp else 0
     return [
         _linear_node(s, leaves + c * s.hidden * copies, c, s.hidden, bias, tokens * c, hidden, True),
         (mlp - leaves, 0, (2 * k - 1) * _up(hidden, LANES) * s.a),
         _linear_node(s, _column_inputs(s, k) + k * s.hidden * c * copies, k * s.hidden, c, bias,
-                     k * hidden + regathered, tokens * c, False),
+                     k * hidden + regathered, tokens * c, False, exchange(config, s, "hidden")),
         norm,
         _linear_node(s, tokens * s.h * s.d * s.a + c * s.h * s.d * copies, c, s.h * s.d, bias, tokens * c,
                      tokens * s.h * s.d, True),
-        (attention, 0, attention),  # every saved tensor's gradient, about as large, while the blocks are summed
+        (attention, 0, _attention_working(s)),
         _linear_node(s, _column_inputs(s, 1) + rows * c * copies, rows, c, bias, tokens * rows + regathered,
-                     tokens * c, False),
+                     tokens * c, False, exchange(config, s, "qkv")),
         norm,
     ]
 
@@ -172,7 +230,8 @@ def head_nodes(config: GPTConfig, s: Shapes) -> list[Node]:
     ce = (btv * loss + 8 * n + 2 * n if cast else 8 * n + 2 * n, 0, cast)
     head_input = n * s.c * (s.a if s.a != s.p else s.p)
     head = ((0 if cast else btv * loss) + head_input + (s.vocab * s.c * s.a if s.a != s.p else 0),
-            s.vocab * s.c * s.p, cast + 2 * n * s.c * s.a + (s.vocab * s.c * s.a if s.a != s.p else 0))
+            s.vocab * s.c * s.p, cast + (s.vocab * s.c * s.a if s.a != s.p else 0)
+            + max(2 * n * s.c * s.a, exchange(config, s, "vocab")))
     rows_in = s.b * s.t_r * s.c
     norm = (norm_saved(s, config), s.c * (1 + norm_bias(config)) * s.p, 2 * rows_in * s.p)
     return [ce, head, norm]
