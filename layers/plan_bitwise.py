@@ -136,10 +136,10 @@ def attention_unheld(s: Shapes) -> int:
 
 
 def _attention_working(s: Shapes) -> int:
-    """What attention's backward makes while it runs: a key block's score gradients twice, its values' gradient,
-    the output's and the queries' gradients padded."""
-    w, rows, heads, width, slots, _ = _attention_sizes(s)
-    return s.b * heads * (2 * rows * slots + slots * width) * w
+    """What attention's backward holds at its fullest: a key block's score gradient and its sum's, the values'
+    gradient made as the values let go."""
+    w, rows, heads, _, slots, _ = _attention_sizes(s)
+    return 2 * s.b * heads * rows * slots * w
 
 
 def _rotary_table(config: GPTConfig, s: Shapes) -> int:
