@@ -87,14 +87,15 @@ def _counts(what: str, n_head: int, n_kv: int, d: int, size: int, tp: int, rank:
 
 def exchange(config: GPTConfig, s: Shapes, what: str) -> int:
     """The most a tree sum of ``(N, C)`` partial results over the leaves of ``what`` holds while its partial sums
-    are exchanged: this rank's and their stack, the padded send buffer, every rank's (padded) and their join."""
+    are exchanged: this rank's, every rank's (padded to the most a rank sends) and their join (the stack it sends
+    counts as gone once sent: :class:`~layers.plan_measure.LiveBytes`)."""
     assert s.mode is not None
     size = config.vocab_size if what == "vocab" else config.mlp_hidden
     counts = _counts(what, config.n_head, config.kv_heads, s.d, size, s.tp, s.rank, s.mode.tp_sizes)
     if s.tp == 1 or not any(counts):
         return 0
     own, most = counts[s.rank], max(counts)
-    return (2 * own + (most if own < most else 0) + s.tp * most + sum(counts)) * s.b * s.t * s.c * s.a
+    return (own + s.tp * most + sum(counts)) * s.b * s.t * s.c * s.a
 
 
 def norm_saved(s: Shapes, config: GPTConfig) -> int:

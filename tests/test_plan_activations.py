@@ -22,7 +22,7 @@ import tensorpar
 from gpt_cases import gpt_configs
 from layers import GPTConfig
 from layers.pipeline import PipelinedGPT
-from layers.plan import Layout
+from layers.plan import Layout, check_layout
 from layers.plan_activations import activation_bytes, in_flight, peak_bytes, transient_bytes
 from layers.plan_measure import LiveBytes, measure_step, peak_saved_bytes
 from tensorpar.bitwise.settings import use_bitwise
@@ -31,14 +31,21 @@ from tensorpar.testing.strategies import tp_sizes
 SAVED_BOUND, PEAK_BOUND = 0.05, 0.10
 
 
-def planned_and_measured(cfg, b, t, autocast, seed):
-    """On every rank: (measured figures, the plan's activations, the plan's peak)."""
+def planned_and_measured(cfg, b, t, autocast, seed, bitwise=False):
+    """On every rank: (measured figures, the plan's activations, the plan's peak); ``bitwise``: the model built
+    in the bitwise mode, on one CPU thread (as ``tensorpar.bitwise.enable`` sets it)."""
     mesh = tensorpar.current_mesh()
     config = GPTConfig(**cfg)
-    found = measure_step(config, b, t, autocast=torch.bfloat16 if autocast else None, seed=seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if bitwise else threads)
+    try:
+        with use_bitwise(bitwise):
+            found = measure_step(config, b, t, autocast=torch.bfloat16 if autocast else None, seed=seed)
+    finally:
+        torch.set_num_threads(threads)
     layout = Layout(tp=mesh.tp, sequence_parallel=config.sequence_parallel,
                     activation_checkpointing=config.activation_checkpointing, micro_batch=b, seq_len=t,
-                    autocast="bfloat16" if autocast else None)
+                    autocast="bfloat16" if autocast else None, bitwise=bitwise)
     acts = activation_bytes(config, layout, tp_rank=mesh.tp_rank)
     peak = peak_bytes(config, layout, params=found["params"], grads=found["grads"], optimizer=found["optimizer"],
                       tp_rank=mesh.tp_rank)
@@ -79,6 +86,30 @@ def test_the_peak_of_a_step_is_planned_within_10_percent(worlds, tp, data, extra
     cfg = dict(data.draw(small_configs(tp)), **extra)
     b, t = data.draw(st.integers(1, 3)), data.draw(st.integers(max(2, cfg["block_size"] // 2), cfg["block_size"]))
     for rank, (found, _, peak) in enumerate(worlds[tp].run(planned_and_measured, cfg, b, t, autocast, seed)):
+        assert abs(peak / found["peak"] - 1) <= PEAK_BOUND, (rank, peak, found)
+
+
+@st.composite
+def bitwise_options(draw):
+    """The bitwise mode's plan counts no dropout (refused: test_bad_layouts_are_refused_with_their_numbers)."""
+    return dict(sequence_parallel=draw(st.booleans()), activation_checkpointing=draw(st.booleans()))
+
+
+@settings(max_examples=16)
+@given(tp=tp_sizes(), data=st.data(), extra=bitwise_options(), autocast=st.booleans(), seed=st.integers(0, 2**31))
+def test_saved_activations_of_the_bitwise_mode_are_planned_within_5_percent(worlds, tp, data, extra, autocast, seed):
+    cfg = dict(data.draw(gpt_configs(tp, max_layer=3)), **extra)
+    b, t = data.draw(st.integers(1, 3)), data.draw(st.integers(1, cfg["block_size"]))
+    for rank, (found, acts, _) in enumerate(worlds[tp].run(planned_and_measured, cfg, b, t, autocast, seed, True)):
+        assert abs(acts / found["saved"] - 1) <= SAVED_BOUND, (rank, acts, found)
+
+
+@settings(max_examples=16)
+@given(tp=tp_sizes(), data=st.data(), extra=bitwise_options(), autocast=st.booleans(), seed=st.integers(0, 2**31))
+def test_the_peak_of_a_bitwise_step_is_planned_within_10_percent(worlds, tp, data, extra, autocast, seed):
+    cfg = dict(data.draw(small_configs(tp)), **extra)
+    b, t = data.draw(st.integers(1, 3)), data.draw(st.integers(max(2, cfg["block_size"] // 2), cfg["block_size"]))
+    for rank, (found, _, peak) in enumerate(worlds[tp].run(planned_and_measured, cfg, b, t, autocast, seed, True)):
         assert abs(peak / found["peak"] - 1) <= PEAK_BOUND, (rank, peak, found)
 
 
@@ -189,8 +220,13 @@ def test_bad_layouts_are_refused_with_their_numbers():
         peak_bytes(config, Layout(), params=0, grads=0, optimizer=0, device_type="tpu")
     with pytest.raises(ValueError, match=r"Layout\.autocast must name a floating-point torch dtype, got 'int8'"):
         activation_bytes(config, Layout(autocast="int8"))
-    with use_bitwise(True), pytest.raises(ValueError, match="bitwise mode"):
-        activation_bytes(config, Layout())
+    dropped = GPTConfig(n_layer=2, n_head=2, n_embd=8, vocab_size=32, block_size=8, dropout=0.1)
+    with pytest.raises(ValueError, match=r"the plan counts the bitwise mode without dropout, got dropout=0\.1"):
+        activation_bytes(dropped, Layout(bitwise=True))
+    with pytest.raises(ValueError, match=r"bitwise mode agrees across tp sizes \[1, 2\], and tp=4 is not one"):
+        check_layout(GPTConfig(n_layer=2, n_head=4, n_embd=8, vocab_size=32), Layout(tp=4, bitwise=[1, 2]))
+    with pytest.raises(TypeError, match="bitwise must be a bool, a Bitwise or a sequence of tp sizes"):
+        check_layout(config, Layout(bitwise="yes"))
 
 
 def test_the_benchmark_prints_every_layout_within_the_bounds():
