@@ -13,7 +13,7 @@ temporaries, the generators' states that the tp stream and each checkpointed blo
 from __future__ import annotations
 
 from tensorpar.comm.sequence import sequence_sizes
-from tensorpar.pipeline import stage_blocks
+from tensorpar.pipeline import rank_stages, stage_blocks
 
 from . import plan_bitwise as bitwise
 from .config import GPTConfig
@@ -31,28 +31,17 @@ from .plan_saved import (
     shapes_of,
     weight_copies,
 )
+from .plan_schedule import InFlight, in_flight, moments, stage_sizes
 
 
-def in_flight(layout: Layout, stage: int) -> int:
-    """Micro-batches whose forward has run and whose backward has not, at a pipeline rank's fullest
-    moment: one without a pipeline (accumulated micro-batches run one after the other), every one with
-    GPipe, at most ``pp - stage`` with 1F1B (interleaved: counted as 1F1B, an approximation)."""
-    if layout.pp == 1:
-        return 1
-    if layout.schedule == "gpipe":
-        return layout.microbatches
-    return min(layout.microbatches, layout.pp - stage)
-
-
-def activation_bytes(config: GPTConfig, layout: Layout, *, tp_rank: int = 0, stage: int = 0,
-                     device_type: str = "cpu") -> int:
-    """Bytes saved for backward on one rank at the step's fullest moment: its stage's blocks (and the
-    embedding, or the final LayerNorm, head and loss) for every micro-batch in flight (see the module's
-    docstring), on ``device_type`` (``"cpu"`` or ``"cuda"``: dropout masks and SDPA differ)."""
-    check_where(config, layout, stage, device_type)
-    s = shapes_of(config, layout, tp_rank)
-    blocks = len(stage_blocks(config.n_layer, layout.pp)[stage])
-    first, last = stage == 0, stage == layout.pp - 1
+def _stage_saved(config: GPTConfig, layout: Layout, s: Shapes, index: int, device_type: str
+                 ) -> tuple[int, int, int]:
+    """Stage ``index``'s (of ``pp * stages_per_rank``) bytes: ``(per micro-batch in flight, held once, a
+    micro-batch's receive buffer of its input)``: its blocks, and the embedding or the final LayerNorm, head
+    and loss."""
+    n_stages = layout.pp * layout.stages_per_rank
+    blocks = len(stage_blocks(config.n_layer, n_stages)[index])
+    first, last = index == 0, index == n_stages - 1
     per, views = 0, 0  # views: the storages of the whole batch's ids and targets, held once
     if first:
         per += first_stage_saved(config, s, device_type)
@@ -72,15 +61,31 @@ def activation_bytes(config: GPTConfig, layout: Layout, *, tp_rank: int = 0, sta
     copied = 0 if layout.activation_checkpointing else blocks
     once, each = weight_copies(config, s, copied, last) if s.mode is None else \
         (0, bitwise.weight_copies(config, s, copied, last))
-    flying = in_flight(layout, stage)
-    return flying * (per + each) + once + views + (layout.microbatches - flying) * _received(layout, s, stage)
+    # torch.distributed.pipelining allocates a receive buffer of a stage's input (none on the first stage)
+    # per micro-batch of the step when it builds the schedule and keeps them; a micro-batch's is its first
+    # block's saved input while it is in flight, and stays after
+    received = s.b * s.t_r * s.c * s.p if layout.pp > 1 and index > 0 else 0
+    return per + each, once + views, received
 
 
-def _received(layout: Layout, s: Shapes, stage: int) -> int:
-    """One micro-batch's receive buffer of a pipeline stage's input (none on the first stage):
-    torch.distributed.pipelining allocates one per micro-batch of the step when it builds the schedule and
-    keeps them; a micro-batch's is its first block's saved input while it is in flight, and stays after."""
-    return s.b * s.t_r * s.c * s.p if layout.pp > 1 and stage > 0 else 0
+def _saved_moments(config: GPTConfig, layout: Layout, s: Shapes, stage: int, device_type: str
+                   ) -> list[tuple[int, InFlight]]:
+    """The bytes pipeline rank ``stage``'s stages hold saved at each moment of a step (:func:`moments`)."""
+    parts = {i: _stage_saved(config, layout, s, i, device_type)
+             for i in rank_stages(stage, layout.pp, layout.stages_per_rank)}
+    held = sum(once for _, once, _ in parts.values())
+    # a received buffer counts once its micro-batch's forward has run
+    return [(held + sum(n * parts[i][0] + (run - n) * parts[i][2] for i, n, run in moment), moment)
+            for moment in moments(layout, stage)]
+
+
+def activation_bytes(config: GPTConfig, layout: Layout, *, tp_rank: int = 0, stage: int = 0,
+                     device_type: str = "cpu") -> int:
+    """Bytes saved for backward on one rank at the step's fullest moment: its stages' blocks (and the
+    embedding, or the final LayerNorm, head and loss) for every micro-batch in flight on each
+    (:mod:`layers.plan_schedule`), on ``device_type`` (``"cpu"`` or ``"cuda"``: dropout masks and SDPA differ)."""
+    check_where(config, layout, stage, device_type)
+    return max(n for n, _ in _saved_moments(config, layout, shapes_of(config, layout, tp_rank), stage, device_type))
 
 
 def _forward_transient(s: Shapes) -> int:
@@ -135,16 +140,18 @@ def _saved_after_last_fork(config: GPTConfig, layout: Layout, s: Shapes, stage: 
     return after + block_after_last_fork(config, s, device_type)
 
 
-def _pipeline_buffers(layout: Layout, s: Shapes, stage: int) -> int:
-    """What a pipeline stage holds besides its saved activations: the outputs of the micro-batches in flight,
-    which the schedule keeps for their backward (the last stage's: the logits), and before the last stage
-    the receive buffers of its output's gradient, one per micro-batch of the step (kept as those of the
-    inputs are)."""
+def _pipeline_buffers(layout: Layout, s: Shapes, moment: InFlight) -> int:
+    """What a pipeline rank holds besides its saved activations at ``moment``: the outputs of each stage's
+    micro-batches in flight, which the schedule keeps for their backward (the last stage's: the logits), before
+    the last stage the receive buffers of its output's gradient, one per micro-batch of the step (kept as those
+    of the inputs are), and after the first those of its inputs still to run forward."""
     if layout.pp == 1:
         return 0
-    if stage == layout.pp - 1:
-        return in_flight(layout, stage) * s.b * s.t * s.vocab * s.a
-    return (layout.microbatches + in_flight(layout, stage)) * s.b * s.t_r * s.c * s.p
+    n_stages, m = layout.pp * layout.stages_per_rank, layout.microbatches
+    tokens = s.b * s.t_r * s.c * s.p
+    received = sum((m - run) * tokens for i, _, run in moment if i)  # of inputs whose forward is still to run
+    return received + sum(n * s.b * s.t * s.vocab * s.a if i == n_stages - 1 else (m + n) * tokens
+                          for i, n, _ in moment)
 
 
 def peak_bytes(config: GPTConfig, layout: Layout, *, params: int, grads: int, optimizer: int,
@@ -170,29 +177,40 @@ def peak_bytes(config: GPTConfig, layout: Layout, *, params: int, grads: int, op
     check_where(config, layout, stage, device_type)
     s = shapes_of(config, layout, tp_rank)
     last = stage == layout.pp - 1
-    acts = activation_bytes(config, layout, tp_rank=tp_rank, stage=stage, device_type=device_type)
-    blocks = len(stage_blocks(config.n_layer, layout.pp)[stage])
+    sizes = stage_sizes(config.n_layer, layout, stage)
     state, stream = generator_states(config, device_type)
-    if layout.activation_checkpointing:  # the generator states each checkpointed block notes at its forward
-        acts += in_flight(layout, stage) * blocks * (state + stream)
-    elif s.mode is not None:  # saved, but let go as the forward ends
-        acts -= in_flight(layout, stage) * blocks * bitwise.attention_unheld(s)
     batch = 16 * s.b * s.t * layout.microbatches + stream  # int64 ids and targets of the step; the tp stream
-    # the gradients (set to None before the step) made by a micro-batch's backward while others are still to
-    # run forward with as many in flight (1F1B's steady state, accumulation); GPipe's backwards all come after
-    earlier = grads if layout.microbatches > in_flight(layout, stage) else 0
-    held = params + optimizer + batch + acts + _pipeline_buffers(layout, s, stage)
-    logits = _forward_transient(s) if last else 0
-    if layout.pp > 1:  # the logits are a pipeline's held output (see _pipeline_buffers)
-        logits -= s.b * s.t * s.vocab * s.a if last else 0
-    forward_end = held + earlier + logits
-    if stream:  # the forward's last fork of the tp stream as it ends: the states outside it and after it
-        forward_end = max(forward_end, held + earlier + 2 * stream
-                          - _saved_after_last_fork(config, layout, s, stage, device_type))
-    if s.mode is not None:  # a row map's tree sum exchanging its partial sums, the head and loss yet to run
-        rows = max(bitwise.exchange(config, s, "query"), bitwise.exchange(config, s, "hidden"))
-        forward_end = max(forward_end, held + earlier + rows - (bitwise.head_saved(config, s) if last else 0))
-    backward = held + earlier + backward_peak(config, layout, s, stage, device_type, accumulating=bool(earlier))
+    interleaved = layout.pp > 1 and layout.schedule == "interleaved"
+
+    def most(acts: int, moment: InFlight) -> int:
+        """The most held at a moment of the step: as its forward ends, or in the backward that follows."""
+        blocks = sum(n * sizes[i] for i, n, _ in moment)  # blocks run forward and not yet backward
+        if layout.activation_checkpointing:  # the generator states each checkpointed block notes at its forward
+            acts += blocks * (state + stream)
+        elif s.mode is not None:  # saved, but let go as the forward ends
+            acts -= blocks * bitwise.attention_unheld(s)
+        # the gradients (set to None before the step) made by a micro-batch's backward while others are still to
+        # run forward with as many in flight (1F1B's steady state, accumulation); GPipe's backwards all come
+        # after; interleaved 1F1B: those of the stages that ran a backward (more forwards run than held)
+        if interleaved:
+            earlier = grads * sum(sizes[i] for i, n, run in moment if run > n) // sum(sizes.values())
+        else:
+            earlier = grads if layout.microbatches > in_flight(layout, stage) else 0
+        held = params + optimizer + batch + acts + _pipeline_buffers(layout, s, moment)
+        logits = _forward_transient(s) if last else 0
+        if layout.pp > 1:  # the logits are a pipeline's held output (see _pipeline_buffers)
+            logits -= s.b * s.t * s.vocab * s.a if last else 0
+        forward_end = held + earlier + logits
+        if stream:  # the forward's last fork of the tp stream as it ends: the states outside it and after it
+            forward_end = max(forward_end, held + earlier + 2 * stream
+                              - _saved_after_last_fork(config, layout, s, stage, device_type))
+        if s.mode is not None:  # a row map's tree sum exchanging its partial sums, the head and loss yet to run
+            rows = max(bitwise.exchange(config, s, "query"), bitwise.exchange(config, s, "hidden"))
+            forward_end = max(forward_end, held + earlier + rows - (bitwise.head_saved(config, s) if last else 0))
+        return max(forward_end, held + earlier + backward_peak(config, layout, s, stage, device_type,
+                                                                 accumulating=bool(earlier)))
+
+    during = max(most(acts, moment) for acts, moment in _saved_moments(config, layout, s, stage, device_type))
     temporaries = adamw_temporaries(config, layout, s, stage, device_type, params) if layout.optimizer == "adamw" else 0
     step = params + grads + optimizer + batch + temporaries
-    return max(forward_end, backward, step)
+    return max(during, step)

@@ -9,7 +9,6 @@ tensors go after it runs; the saved bytes of a block's steps add up to :func:`~l
 from __future__ import annotations
 
 from tensorpar.comm.sequence import sequence_sizes
-from tensorpar.pipeline import stage_blocks
 from tensorpar.sharding import partition_sizes
 
 from . import plan_bitwise as bitwise
@@ -26,6 +25,7 @@ from .plan_saved import (
     norm_saved,
     rotary_saved,
 )
+from .plan_schedule import stage_sizes
 
 
 def _parameter_sizes(config: GPTConfig, layout: Layout, s: Shapes, stage: int) -> list[int]:
@@ -36,7 +36,7 @@ def _parameter_sizes(config: GPTConfig, layout: Layout, s: Shapes, stage: int) -
     sizes = [s.vocab * c, *[positions] * (config.positions == "learned")] if stage == 0 else []
     block = [*norm, rows * c, *[rows] * b, c * s.h * s.d, *[c] * b, *norm,
              *[s.hidden * c, *[s.hidden] * b] * k, c * s.hidden, *[c] * b]
-    sizes += block * len(stage_blocks(config.n_layer, layout.pp)[stage])
+    sizes += block * sum(stage_sizes(config.n_layer, layout, stage).values())
     if stage == layout.pp - 1:
         sizes += norm + ([s.vocab * c] if stage else [])  # the head's copy where the embedding is elsewhere
     return sizes
@@ -119,7 +119,7 @@ def backward_peak(config: GPTConfig, layout: Layout, s: Shapes, stage: int, devi
     """The most the backward of one micro-batch adds to what the forward's end holds, step by step in
     backward order: each step's working buffers and new gradients while it runs (which stay unless
     ``accumulating`` into those of earlier micro-batches), its saved tensors let go after."""
-    blocks = len(stage_blocks(config.n_layer, layout.pp)[stage])
+    blocks = max(stage_sizes(config.n_layer, layout, stage).values())  # a backward runs one of its stages
     head, block_steps = (_head_nodes, _block_nodes) if s.mode is None else (bitwise.head_nodes, bitwise.block_nodes)
     nodes: list[Node] = head(config, s) if stage == layout.pp - 1 else []
     block = block_steps(config, s, device_type)

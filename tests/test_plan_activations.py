@@ -23,8 +23,9 @@ from gpt_cases import gpt_configs
 from layers import GPTConfig
 from layers.pipeline import PipelinedGPT
 from layers.plan import Layout, check_layout
-from layers.plan_activations import activation_bytes, in_flight, peak_bytes, transient_bytes
+from layers.plan_activations import activation_bytes, peak_bytes, transient_bytes
 from layers.plan_measure import LiveBytes, measure_step, peak_saved_bytes
+from layers.plan_schedule import in_flight, moments
 from tensorpar.bitwise.settings import use_bitwise
 from tensorpar.testing.strategies import tp_sizes
 
@@ -156,14 +157,14 @@ def test_live_bytes_count_a_collective_buffer_freed_after_its_last_use(worlds):
     assert worlds[2].run(collective_buffer_peak) == [12000, 12000]
 
 
-def pipeline_step(cfg, schedule, microbatches, b, t):
+def pipeline_step(cfg, schedule, microbatches, b, t, stages_per_rank=1):
     """On every rank of a pp=2 pipeline (no optimizer): (the peak of the live tensors over its first step,
-    the schedule's buffers made in it, and the plan's; the most bytes held saved at once over a second
-    step, and the plan's)."""
+    and the plan's; the most bytes held saved at once over a second step, and the plan's; each of its stages'
+    most micro-batches in flight, as the pipeline counted them and as the plan does)."""
     mesh = tensorpar.current_mesh()
     tensorpar.manual_seed(0)
     config = GPTConfig(**cfg)
-    model = PipelinedGPT(config)
+    model = PipelinedGPT(config, stages_per_rank=stages_per_rank)
     pipe = model.pipeline(schedule, microbatches)
     g = torch.Generator().manual_seed(0)
     idx, targets = (torch.randint(0, config.vocab_size, (b * microbatches, t), generator=g) for _ in range(2))
@@ -173,11 +174,15 @@ def pipeline_step(cfg, schedule, microbatches, b, t):
     saved = peak_saved_bytes(model, lambda: pipe.step(idx, targets))
     layout = Layout(tp=mesh.tp, pp=mesh.pp, micro_batch=b, microbatches=microbatches, seq_len=t,
                     schedule=schedule, sequence_parallel=config.sequence_parallel,
-                    activation_checkpointing=config.activation_checkpointing, optimizer="sgd")
+                    activation_checkpointing=config.activation_checkpointing, optimizer="sgd",
+                    stages_per_rank=stages_per_rank)
     where = dict(tp_rank=mesh.tp_rank, stage=mesh.pp_rank)
     params = sum(p.untyped_storage().nbytes() for p in model.parameters())
     planned_peak = peak_bytes(config, layout, params=params, grads=params, optimizer=0, **where)
-    return live.peak, planned_peak, saved, activation_bytes(config, layout, **where)
+    counted = {i: max(n for m in moments(layout, mesh.pp_rank) for j, n, _ in m if j == i)
+               for i, _, _ in moments(layout, mesh.pp_rank)[0]}
+    measured = {st.stage: st.peak_in_flight for st in pipe.times()}
+    return live.peak, planned_peak, saved, activation_bytes(config, layout, **where), measured, counted
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -190,8 +195,23 @@ def test_pipeline_stages_hold_their_micro_batches_in_flight(worlds, tp, schedule
     each the outputs of the micro-batches in flight (the last: their logits)."""
     cfg = dict(n_layer=3, n_head=3, n_embd=24, vocab_size=41, block_size=9, dropout=0.1,  # 2 blocks, then 1
                sequence_parallel=tp > 1, activation_checkpointing=recompute)
-    for rank, (peak, planned_peak, saved, planned) in enumerate(
+    for rank, (peak, planned_peak, saved, planned, _, _) in enumerate(
             worlds[2 * tp].run(pipeline_step, cfg, schedule, 4, 2, 7, tp=tp, pp=2)):
+        assert abs(planned / saved - 1) <= SAVED_BOUND, (rank, saved, planned)
+        assert abs(planned_peak / peak - 1) <= PEAK_BOUND, (rank, peak, planned_peak)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize(("microbatches", "recompute"), [(4, False), (6, True), (2, False)])
+def test_interleaved_pipeline_stages_hold_their_micro_batches_in_flight(worlds, tp, microbatches, recompute):
+    """Two stages on each of two ranks (5 blocks: 2, 1, 1, 1), interleaved 1F1B in torch's order: each stage's
+    micro-batches in flight as the pipeline counts them, the bytes held saved at the fullest moment and the
+    step's peak, against the plan's."""
+    cfg = dict(n_layer=5, n_head=3, n_embd=24, vocab_size=41, block_size=9, dropout=0.1,
+               sequence_parallel=tp > 1, activation_checkpointing=recompute)
+    for rank, (peak, planned_peak, saved, planned, measured, counted) in enumerate(
+            worlds[2 * tp].run(pipeline_step, cfg, "interleaved", microbatches, 2, 7, 2, tp=tp, pp=2)):
+        assert measured == counted, (rank, measured, counted)
         assert abs(planned / saved - 1) <= SAVED_BOUND, (rank, saved, planned)
         assert abs(planned_peak / peak - 1) <= PEAK_BOUND, (rank, peak, planned_peak)
 
@@ -202,6 +222,11 @@ def test_pipeline_schedules_hold_their_micro_batches_in_flight():
     assert [in_flight(Layout(pp=2, microbatches=4, schedule="gpipe"), s) for s in (0, 1)] == [4, 4]
     assert [in_flight(Layout(pp=4, microbatches=8), s) for s in range(4)] == [4, 3, 2, 1]
     assert in_flight(Layout(microbatches=8), 0) == 1  # accumulated one after the other
+    # interleaved 1F1B, two stages a rank: rank 0 runs stage 0 three micro-batches ahead and stage 2 two (five in
+    # all) before its first backward, rank 1 stages 1 and 3 at most three in all
+    interleaved = Layout(pp=2, microbatches=4, schedule="interleaved", stages_per_rank=2)
+    assert max(moments(interleaved, 0), key=lambda m: sum(n for _, n, _ in m)) == ((0, 3, 3), (2, 2, 2))
+    assert [in_flight(interleaved, s) for s in (0, 1)] == [5, 3]
     # a middle stage's blocks alone: the same bytes per micro-batch on each of two middle stages
     four = Layout(pp=4, microbatches=8, schedule="gpipe")
     assert activation_bytes(config, four, stage=1) == activation_bytes(config, four, stage=2)
