@@ -197,7 +197,7 @@ def peak_bytes(config: GPTConfig, layout: Layout, *, params: int, grads: int, op
         else:
             earlier = grads if layout.microbatches > in_flight(layout, stage) else 0
         held = params + optimizer + batch + acts + _pipeline_buffers(layout, s, moment)
-        logits = _forward_transient(s) if last else 0
+        logits = _forward_transient(s) + (bitwise.loss_transient(config, s) if s.mode else 0) if last else 0
         if layout.pp > 1:  # the logits are a pipeline's held output (see _pipeline_buffers)
             logits -= s.b * s.t * s.vocab * s.a if last else 0
         forward_end = held + earlier + logits

@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from tensorpar.bitwise.segments import Piece, placed_split
+from tensorpar.bitwise.segments import Piece, placed_split, placed_vocabulary
 from tensorpar.comm.sequence import sequence_sizes
 from tensorpar.sharding import partition_bounds
 
@@ -182,6 +182,22 @@ def head_saved(config: GPTConfig, s: Shapes) -> int:
     n = s.b * s.t
     head_input = n * s.c * (s.a if s.a != s.p else s.p)  # the whole tokens: the head gathers them itself
     return norm_saved(s, config) + head_input + n * s.vocab * loss_itemsize(s) + 8 * n + 2 * n
+
+
+def loss_transient(config: GPTConfig, s: Shapes) -> int:
+    """What the loss's forward holds besides the logits while it sums their exponentials: each vocabulary
+    segment's exponentials, padded flat (:class:`tensorpar.bitwise.vocabulary.SegmentedExpSum`), and the
+    last one's contiguous copy."""
+    assert s.mode is not None
+    n, w = s.b * s.t, loss_itemsize(s)
+    lengths = placed_vocabulary_lengths(config.vocab_size, s.tp, s.rank, s.mode.tp_sizes)
+    return sum(_up(n * k, LANES) * w for k in lengths) + n * max(lengths) * w
+
+
+@functools.lru_cache(maxsize=256)
+def placed_vocabulary_lengths(vocab_size: int, tp: int, rank: int, tp_sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """The lengths of this rank's canonical segments of the vocabulary."""
+    return tuple(placed_vocabulary(vocab_size, tp, rank, tp_sizes).lengths())
 
 
 def _linear_node(s: Shapes, saved: int, rows: int, cols: int, bias: bool, grad_out: int, grad_in: int,
