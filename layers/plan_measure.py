@@ -99,7 +99,8 @@ class LiveBytes(TorchDispatchMode):
     it, whenever it is really freed: a gloo process group's worker thread drops its reference to a finished
     collective (and the tensors it holds) when it gets to it, after the caller's ``wait()`` returned, so the
     moment such a buffer goes races with the ops that follow (at tp 3-4 on two cores the peak of one step
-    moved by up to 10% between runs). Counted this way the peak is the same in every run.
+    moved by up to 10% between runs). Counted this way (also while a worker still holds one) the peak is the
+    same in every run.
 
     Example::
 
@@ -120,8 +121,14 @@ class LiveBytes(TorchDispatchMode):
 
     @property
     def peak(self) -> int:
-        """The most bytes live at once so far."""
-        return max(self._history, default=0)
+        """The most bytes live at once so far (a storage a collective used: until its last use, freed or not)."""
+        with self._lock:
+            history = list(self._history)
+            for ptr in self._collective & self._seen.keys():  # alive yet: perhaps only for a worker thread
+                n = self._seen[ptr]
+                for i in range(self._last_use.get(ptr, len(history) - 1) + 1, len(history)):
+                    history[i] -= n
+        return max(history, default=0)
 
     def __enter__(self) -> LiveBytes:
         # the CPU generator's states that torch.get_rng_state() returns are made outside the dispatcher:
