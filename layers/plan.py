@@ -121,9 +121,9 @@ def plan(config: GPTConfig, layout: Layout, *, device: str | None = None,
 
 def plan_rank(model: nn.Module, layout: Layout, *, mesh: tensorpar.Mesh | None = None) -> RankPlan:
     """This rank's :class:`RankPlan`, its parameters counted from ``model``'s modules as built (a
-    :class:`~layers.GPT` or :class:`~layers.PipelinedGPT`, under FSDP2 or DDP or neither) rather than from its
-    config; the dp rules, activations and FLOPs as :func:`plan`'s. ``mesh``: the model's (default: the
-    current one), whose sizes must be the layout's."""
+    :class:`~layers.GPT` or :class:`~layers.PipelinedGPT`, under FSDP2 or DDP or neither, in the bitwise mode or
+    not, as the layout says) rather than from its config; the dp rules, activations and FLOPs as
+    :func:`plan`'s. ``mesh``: the model's (default: the current one), whose sizes must be the layout's."""
     from torch.distributed.tensor import DTensor  # FSDP2's parameters (loaded only when asked, as FSDP2 is)
 
     mesh = mesh or tensorpar.current_mesh()
@@ -141,6 +141,11 @@ def plan_rank(model: nn.Module, layout: Layout, *, mesh: tensorpar.Mesh | None =
     if fsdp != (layout.dp_sharding == "fsdp"):
         raise ValueError(f"the model's parameters are {'' if fsdp else 'not '}FSDP2's dp shards, the layout's "
                          f"dp_sharding is {layout.dp_sharding!r}")
+    built = getattr(model, "numerics", None)  # the bitwise mode it was built in (None: the default numerics)
+    if (built is None) != (layout.numerics is None):
+        raise ValueError(f"the model was built {'outside' if built is None else 'in'} the bitwise mode, the layout's "
+                         f"bitwise is {layout.bitwise!r}")
+    layout = dataclasses.replace(layout, bitwise=built or False)  # its tp sizes and key blocks, as built
     itemsizes = {p.element_size() for p in params.values()}
     if itemsizes != {DTYPE_BYTES[layout.dtype]}:
         raise ValueError(f"the model's parameters have {sorted(itemsizes)} bytes an element, the layout's dtype "

@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from tensorpar.bitwise import Bitwise
 from tensorpar.pipeline import stage_blocks
 from tensorpar.sharding import partition_sizes
 
@@ -30,7 +31,9 @@ class Layout:
     micro-batch on one dp rank, ``microbatches`` of them per optimizer step (pipeline micro-batches,
     or gradient accumulation at ``pp=1``). ``dtype`` is the parameters' dtype, ``autocast`` the
     matmuls' (``None`` or ``"bfloat16"``). ``stages_per_rank`` > 1: the interleaved schedule's loops.
-    ``offload_optimizer``: FSDP2's ``CPUOffloadPolicy`` (needs ``dp_sharding="fsdp"``).
+    ``offload_optimizer``: FSDP2's ``CPUOffloadPolicy`` (needs ``dp_sharding="fsdp"``). ``bitwise``: the
+    layers are built in :mod:`tensorpar.bitwise`'s mode (``True``: its defaults, or a
+    :class:`~tensorpar.bitwise.Bitwise`), which saves other tensors for backward than the default numerics.
     """
 
     tp: int = 1
@@ -48,6 +51,12 @@ class Layout:
     autocast: str | None = None
     optimizer: str = "adamw"
     stages_per_rank: int = 1
+    bitwise: bool | Bitwise = False
+
+    @property
+    def numerics(self) -> Bitwise | None:
+        """The bitwise mode the layers are built in (``None``: the default numerics)."""
+        return Bitwise.of(self.bitwise)
 
     @property
     def world(self) -> int:
@@ -190,6 +199,9 @@ def check_layout(config: GPTConfig, layout: Layout) -> None:
     if layout.stages_per_rank > 1 and layout.pp == 1:
         raise ValueError(f"stages_per_rank ({layout.stages_per_rank}) > 1 needs pipeline ranks to loop over: pp is 1")
     head_layout(config.n_head, config.kv_heads, layout.tp, 0)  # "n_head (2) is smaller than tp (4)"
+    mode = layout.numerics  # TypeError for what is no mode
+    if mode is not None:
+        mode.check_tp(layout.tp)
     for name, size in (("vocab_size", config.vocab_size), ("block_size", config.block_size),
                        ("mlp hidden features", config.mlp_hidden)):
         partition_sizes(size, layout.tp, name=name)

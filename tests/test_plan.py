@@ -21,6 +21,7 @@ from layers import GPT, GPTConfig, Layout, PipelinedGPT, nearest_fits, plan, pla
 from layers.plan import VARIED, check_layout
 from layers.plan_measure import STATE_FIELDS, measure_state
 from layers.plan_state import held_parameters, zero_owners
+from tensorpar.bitwise.settings import use_bitwise
 
 GPT2 = dict(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
 #: (tp, pp, dp) of at most 4 ranks
@@ -267,3 +268,26 @@ def test_bad_arguments_are_refused():
         plan(config, Layout(tp=2)).rank(2, 0, 0)
     with pytest.raises(TypeError, match="expected a GPTConfig"):
         plan(SMALL, Layout())
+
+
+def plan_of_a_bitwise_model(cfg):
+    """On every rank: plan_rank of a GPT built in the bitwise mode, under a bitwise and a default layout."""
+    mesh = tensorpar.current_mesh()
+    config = GPTConfig(**cfg)
+    with use_bitwise(True):
+        model = GPT(config)
+    layout = Layout(tp=mesh.tp, seq_len=8)
+    try:
+        plan_rank(model, layout)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    planned = plan(config, dataclasses.replace(layout, bitwise=True)).rank(mesh.tp_rank, 0, 0)
+    return dataclasses.asdict(plan_rank(model, dataclasses.replace(layout, bitwise=True))), \
+        dataclasses.asdict(planned), refused
+
+
+def test_plan_rank_plans_a_bitwise_model_as_built(worlds):
+    for from_model, planned, refused in worlds[2].run(plan_of_a_bitwise_model, SMALL):
+        assert from_model == planned
+        assert refused == "the model was built in the bitwise mode, the layout's bitwise is False"

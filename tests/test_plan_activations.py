@@ -22,23 +22,31 @@ import tensorpar
 from gpt_cases import gpt_configs
 from layers import GPTConfig
 from layers.pipeline import PipelinedGPT
-from layers.plan import Layout
-from layers.plan_activations import activation_bytes, in_flight, peak_bytes, transient_bytes
+from layers.plan import Layout, check_layout
+from layers.plan_activations import activation_bytes, peak_bytes, transient_bytes
 from layers.plan_measure import LiveBytes, measure_step, peak_saved_bytes
+from layers.plan_schedule import in_flight, moments
 from tensorpar.bitwise.settings import use_bitwise
 from tensorpar.testing.strategies import tp_sizes
 
 SAVED_BOUND, PEAK_BOUND = 0.05, 0.10
 
 
-def planned_and_measured(cfg, b, t, autocast, seed):
-    """On every rank: (measured figures, the plan's activations, the plan's peak)."""
+def planned_and_measured(cfg, b, t, autocast, seed, bitwise=False):
+    """On every rank: (measured figures, the plan's activations, the plan's peak); ``bitwise``: the model built
+    in the bitwise mode, on one CPU thread (as ``tensorpar.bitwise.enable`` sets it)."""
     mesh = tensorpar.current_mesh()
     config = GPTConfig(**cfg)
-    found = measure_step(config, b, t, autocast=torch.bfloat16 if autocast else None, seed=seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if bitwise else threads)
+    try:
+        with use_bitwise(bitwise):
+            found = measure_step(config, b, t, autocast=torch.bfloat16 if autocast else None, seed=seed)
+    finally:
+        torch.set_num_threads(threads)
     layout = Layout(tp=mesh.tp, sequence_parallel=config.sequence_parallel,
                     activation_checkpointing=config.activation_checkpointing, micro_batch=b, seq_len=t,
-                    autocast="bfloat16" if autocast else None)
+                    autocast="bfloat16" if autocast else None, bitwise=bitwise)
     acts = activation_bytes(config, layout, tp_rank=mesh.tp_rank)
     peak = peak_bytes(config, layout, params=found["params"], grads=found["grads"], optimizer=found["optimizer"],
                       tp_rank=mesh.tp_rank)
@@ -82,6 +90,30 @@ def test_the_peak_of_a_step_is_planned_within_10_percent(worlds, tp, data, extra
         assert abs(peak / found["peak"] - 1) <= PEAK_BOUND, (rank, peak, found)
 
 
+@st.composite
+def bitwise_options(draw):
+    """The bitwise mode's plan counts no dropout (refused: test_bad_layouts_are_refused_with_their_numbers)."""
+    return dict(sequence_parallel=draw(st.booleans()), activation_checkpointing=draw(st.booleans()))
+
+
+@settings(max_examples=16)
+@given(tp=tp_sizes(), data=st.data(), extra=bitwise_options(), autocast=st.booleans(), seed=st.integers(0, 2**31))
+def test_saved_activations_of_the_bitwise_mode_are_planned_within_5_percent(worlds, tp, data, extra, autocast, seed):
+    cfg = dict(data.draw(gpt_configs(tp, max_layer=3)), **extra)
+    b, t = data.draw(st.integers(1, 3)), data.draw(st.integers(1, cfg["block_size"]))
+    for rank, (found, acts, _) in enumerate(worlds[tp].run(planned_and_measured, cfg, b, t, autocast, seed, True)):
+        assert abs(acts / found["saved"] - 1) <= SAVED_BOUND, (rank, acts, found)
+
+
+@settings(max_examples=16)
+@given(tp=tp_sizes(), data=st.data(), extra=bitwise_options(), autocast=st.booleans(), seed=st.integers(0, 2**31))
+def test_the_peak_of_a_bitwise_step_is_planned_within_10_percent(worlds, tp, data, extra, autocast, seed):
+    cfg = dict(data.draw(small_configs(tp)), **extra)
+    b, t = data.draw(st.integers(1, 3)), data.draw(st.integers(max(2, cfg["block_size"] // 2), cfg["block_size"]))
+    for rank, (found, _, peak) in enumerate(worlds[tp].run(planned_and_measured, cfg, b, t, autocast, seed, True)):
+        assert abs(peak / found["peak"] - 1) <= PEAK_BOUND, (rank, peak, found)
+
+
 def test_live_bytes_follow_storages_until_they_are_freed():
     with LiveBytes() as live:
         a = torch.zeros(100)  # 400 bytes
@@ -105,14 +137,34 @@ def test_live_bytes_count_the_generator_states_made_outside_the_dispatcher():
     assert torch.get_rng_state is get_state  # unwrapped again
 
 
-def pipeline_step(cfg, schedule, microbatches, b, t):
+def collective_buffer_peak():
+    """The peak of: a 4000-byte buffer all-reduced, read once, then held only by the collective's work while
+    an 8000-byte tensor is made (as a gloo worker thread may hold a finished collective's buffers)."""
+    group = tensorpar.current_mesh().tp_group
+    with LiveBytes() as live:
+        x = torch.ones(1000)
+        work = group.allreduce([x])
+        work.wait()
+        y = x + 1  # x's last use
+        del x
+        z = torch.ones(2000)
+        del work, y, z
+    return live.peak
+
+
+def test_live_bytes_count_a_collective_buffer_freed_after_its_last_use(worlds):
+    # x and y (8000 bytes) while y is made; then y and z (12000): x is no longer counted, whoever holds it
+    assert worlds[2].run(collective_buffer_peak) == [12000, 12000]
+
+
+def pipeline_step(cfg, schedule, microbatches, b, t, stages_per_rank=1):
     """On every rank of a pp=2 pipeline (no optimizer): (the peak of the live tensors over its first step,
-    the schedule's buffers made in it, and the plan's; the most bytes held saved at once over a second
-    step, and the plan's)."""
+    and the plan's; the most bytes held saved at once over a second step, and the plan's; each of its stages'
+    most micro-batches in flight, as the pipeline counted them and as the plan does)."""
     mesh = tensorpar.current_mesh()
     tensorpar.manual_seed(0)
     config = GPTConfig(**cfg)
-    model = PipelinedGPT(config)
+    model = PipelinedGPT(config, stages_per_rank=stages_per_rank)
     pipe = model.pipeline(schedule, microbatches)
     g = torch.Generator().manual_seed(0)
     idx, targets = (torch.randint(0, config.vocab_size, (b * microbatches, t), generator=g) for _ in range(2))
@@ -122,11 +174,15 @@ def pipeline_step(cfg, schedule, microbatches, b, t):
     saved = peak_saved_bytes(model, lambda: pipe.step(idx, targets))
     layout = Layout(tp=mesh.tp, pp=mesh.pp, micro_batch=b, microbatches=microbatches, seq_len=t,
                     schedule=schedule, sequence_parallel=config.sequence_parallel,
-                    activation_checkpointing=config.activation_checkpointing, optimizer="sgd")
+                    activation_checkpointing=config.activation_checkpointing, optimizer="sgd",
+                    stages_per_rank=stages_per_rank)
     where = dict(tp_rank=mesh.tp_rank, stage=mesh.pp_rank)
     params = sum(p.untyped_storage().nbytes() for p in model.parameters())
     planned_peak = peak_bytes(config, layout, params=params, grads=params, optimizer=0, **where)
-    return live.peak, planned_peak, saved, activation_bytes(config, layout, **where)
+    counted = {i: max(n for m in moments(layout, mesh.pp_rank) for j, n, _ in m if j == i)
+               for i, _, _ in moments(layout, mesh.pp_rank)[0]}
+    measured = {st.stage: st.peak_in_flight for st in pipe.times()}
+    return live.peak, planned_peak, saved, activation_bytes(config, layout, **where), measured, counted
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -139,8 +195,23 @@ def test_pipeline_stages_hold_their_micro_batches_in_flight(worlds, tp, schedule
     each the outputs of the micro-batches in flight (the last: their logits)."""
     cfg = dict(n_layer=3, n_head=3, n_embd=24, vocab_size=41, block_size=9, dropout=0.1,  # 2 blocks, then 1
                sequence_parallel=tp > 1, activation_checkpointing=recompute)
-    for rank, (peak, planned_peak, saved, planned) in enumerate(
+    for rank, (peak, planned_peak, saved, planned, _, _) in enumerate(
             worlds[2 * tp].run(pipeline_step, cfg, schedule, 4, 2, 7, tp=tp, pp=2)):
+        assert abs(planned / saved - 1) <= SAVED_BOUND, (rank, saved, planned)
+        assert abs(planned_peak / peak - 1) <= PEAK_BOUND, (rank, peak, planned_peak)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize(("microbatches", "recompute"), [(4, False), (6, True), (2, False)])
+def test_interleaved_pipeline_stages_hold_their_micro_batches_in_flight(worlds, tp, microbatches, recompute):
+    """Two stages on each of two ranks (5 blocks: 2, 1, 1, 1), interleaved 1F1B in torch's order: each stage's
+    micro-batches in flight as the pipeline counts them, the bytes held saved at the fullest moment and the
+    step's peak, against the plan's."""
+    cfg = dict(n_layer=5, n_head=3, n_embd=24, vocab_size=41, block_size=9, dropout=0.1,
+               sequence_parallel=tp > 1, activation_checkpointing=recompute)
+    for rank, (peak, planned_peak, saved, planned, measured, counted) in enumerate(
+            worlds[2 * tp].run(pipeline_step, cfg, "interleaved", microbatches, 2, 7, 2, tp=tp, pp=2)):
+        assert measured == counted, (rank, measured, counted)
         assert abs(planned / saved - 1) <= SAVED_BOUND, (rank, saved, planned)
         assert abs(planned_peak / peak - 1) <= PEAK_BOUND, (rank, peak, planned_peak)
 
@@ -151,6 +222,11 @@ def test_pipeline_schedules_hold_their_micro_batches_in_flight():
     assert [in_flight(Layout(pp=2, microbatches=4, schedule="gpipe"), s) for s in (0, 1)] == [4, 4]
     assert [in_flight(Layout(pp=4, microbatches=8), s) for s in range(4)] == [4, 3, 2, 1]
     assert in_flight(Layout(microbatches=8), 0) == 1  # accumulated one after the other
+    # interleaved 1F1B, two stages a rank: rank 0 runs stage 0 three micro-batches ahead and stage 2 two (five in
+    # all) before its first backward, rank 1 stages 1 and 3 at most three in all
+    interleaved = Layout(pp=2, microbatches=4, schedule="interleaved", stages_per_rank=2)
+    assert max(moments(interleaved, 0), key=lambda m: sum(n for _, n, _ in m)) == ((0, 3, 3), (2, 2, 2))
+    assert [in_flight(interleaved, s) for s in (0, 1)] == [5, 3]
     # a middle stage's blocks alone: the same bytes per micro-batch on each of two middle stages
     four = Layout(pp=4, microbatches=8, schedule="gpipe")
     assert activation_bytes(config, four, stage=1) == activation_bytes(config, four, stage=2)
@@ -169,8 +245,13 @@ def test_bad_layouts_are_refused_with_their_numbers():
         peak_bytes(config, Layout(), params=0, grads=0, optimizer=0, device_type="tpu")
     with pytest.raises(ValueError, match=r"Layout\.autocast must name a floating-point torch dtype, got 'int8'"):
         activation_bytes(config, Layout(autocast="int8"))
-    with use_bitwise(True), pytest.raises(ValueError, match="bitwise mode"):
-        activation_bytes(config, Layout())
+    dropped = GPTConfig(n_layer=2, n_head=2, n_embd=8, vocab_size=32, block_size=8, dropout=0.1)
+    with pytest.raises(ValueError, match=r"the plan counts the bitwise mode without dropout, got dropout=0\.1"):
+        activation_bytes(dropped, Layout(bitwise=True))
+    with pytest.raises(ValueError, match=r"bitwise mode agrees across tp sizes \[1, 2\], and tp=4 is not one"):
+        check_layout(GPTConfig(n_layer=2, n_head=4, n_embd=8, vocab_size=32), Layout(tp=4, bitwise=[1, 2]))
+    with pytest.raises(TypeError, match="bitwise must be a bool, a Bitwise or a sequence of tp sizes"):
+        check_layout(config, Layout(bitwise="yes"))
 
 
 def test_the_benchmark_prints_every_layout_within_the_bounds():

@@ -73,6 +73,9 @@ LAYOUTS = [
      dict(tp=2, dp=2, dp_sharding="fsdp", offload_optimizer=True, micro_batch=4)),
     (["--tp=1", "--pp=2", "--schedule=gpipe", "--microbatches=4", "--grad-accum=2", "--block-size=32"],
      dict(tp=1, pp=2, schedule="gpipe", micro_batch=2, microbatches=4, seq_len=32)),
+    (["--tp=3", "--bitwise", "--sequence-parallel"], dict(tp=3, micro_batch=16, sequence_parallel=True, bitwise=True)),
+    (["--pp=2", "--schedule=interleaved", "--stages-per-rank=2", "--microbatches=4"],
+     dict(tp=2, pp=2, schedule="interleaved", stages_per_rank=2, micro_batch=4, microbatches=4)),
 ]
 
 
@@ -287,6 +290,11 @@ def test_planning_options_are_checked(capsys, monkeypatch):
     assert refusal(capsys, "--world=0", "--suggest") == "--world must be at least 1, got 0"
     assert refusal(capsys, "--world=3", "--dry-run") == "--tp 2 does not divide the world of 3 ranks"
     assert parse_args(["--world=8", "--dry-run"]).dp == 4
+    # the bitwise mode is planned without dropout: refused when planning, its run starts unchecked (said)
+    assert refusal(capsys, "--bitwise", "--dropout=0.1", "--dry-run").startswith(
+        "the plan counts the bitwise mode without dropout, got dropout=0.1")
+    with pytest.warns(UserWarning, match=r"--bitwise with --dropout 0\.1: the planner does not count"):
+        assert parse_args(["--bitwise", "--dropout=0.1"]).bitwise
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert refusal(capsys, "--world=8", "--dry-run") == "--world 8, but torchrun's world has 4 ranks"
 

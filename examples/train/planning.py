@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
@@ -60,7 +61,7 @@ def layout_of(cfg: TrainConfig) -> Layout:
                   activation_checkpointing=cfg.activation_checkpointing, micro_batch=micro_batch,
                   microbatches=microbatches, seq_len=cfg.block_size, schedule=cfg.schedule, dtype="float32",
                   autocast="bfloat16" if compute == "bf16" else None, optimizer="adamw",
-                  stages_per_rank=cfg.stages_per_rank)
+                  stages_per_rank=cfg.stages_per_rank, bitwise=cfg.bitwise)
     return layout
 
 
@@ -130,6 +131,9 @@ def check(cfg: TrainConfig) -> None:
     if cfg.dry_run or cfg.suggest:
         device_memory(cfg)
         plan_of(cfg)
+    elif cfg.bitwise and cfg.dropout:  # the plan counts the bitwise mode without dropout (layers.plan_bitwise)
+        warnings.warn(f"--bitwise with --dropout {cfg.dropout:g}: the planner does not count this layout's memory, "
+                      "so it is not checked before the ranks start", stacklevel=2)
     elif not cfg.force:
         check_fits(cfg)
 

@@ -8,6 +8,7 @@ it is computed, so the result depends neither on who computed which subtree nor 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -44,16 +45,24 @@ class PendingTreeSum:
                     if r != placed.rank:
                         received[node] = everyone[at]
                     at += 1
-        held = placed.held(placed.rank)
+        return self._value(placed.tree.root, received, placed.held(placed.rank))
 
-        def value(node: Node) -> torch.Tensor:
-            if node in received:
-                return received[node]
-            if set(range(*node)) <= held:
-                return self._local(node)
-            return _added(value, placed.tree.children(node))
+    def _value(self, node: Node, received: dict[Node, torch.Tensor], held: frozenset[int]) -> torch.Tensor:
+        """A node's sum: received, added up here, or its children's added (a method, not a closure calling
+        itself: that would be a reference cycle keeping every partial sum alive until the cyclic collector ran)."""
+        if node in received:
+            return received[node]
+        if set(range(*node)) <= held:
+            return self._local(node)
+        return _added(lambda child: self._value(child, received, held), self._placed.tree.children(node))
 
-        return value(placed.tree.root)
+
+def _local_sum(partial: Callable[[int], torch.Tensor], placed: PlacedTree, node: Node) -> torch.Tensor:
+    """The sum of a node whose leaves this rank holds, added along the tree."""
+    lo, hi = node
+    if hi - lo == 1:
+        return partial(lo)
+    return _added(functools.partial(_local_sum, partial, placed), placed.tree.children(node))
 
 
 def start_tree_sum(partial: Callable[[int], torch.Tensor], placed: PlacedTree, group: ProcessGroup | None,
@@ -66,12 +75,7 @@ def start_tree_sum(partial: Callable[[int], torch.Tensor], placed: PlacedTree, g
     tree's depth); each has ``shape`` and ``like``'s dtype and device. A collective over ``group`` when
     ranks hold leaves of their own.
     """
-    def local(node: Node) -> torch.Tensor:
-        lo, hi = node
-        if hi - lo == 1:
-            return partial(lo)
-        return _added(local, placed.tree.children(node))
-
+    local = functools.partial(_local_sum, partial, placed)
     mine: dict[Node, torch.Tensor] = {}
     exchange = None
     counts = [len(nodes) for nodes in placed.sent]

@@ -1,0 +1,254 @@
+"""What one micro-batch's forward saves for backward on one rank in the bitwise mode (:mod:`tensorpar.bitwise`),
+layer by layer, and its backward step by step: the counts of :mod:`layers.plan_saved` and
+:mod:`layers.plan_backward` for the mode's layers, in the letters of :mod:`layers.plan_saved` (``N = B·T``
+the micro-batch's tokens, ``N_r = B·T_r`` this rank's).
+
+The mode computes by canonical segments, with fixed shapes, and saves other tensors than the default:
+
+* its norms (``TokenwiseNorm``) keep the input ``p·N_r·C`` and LayerNorm's mean and 1/std ``4·N_r`` each
+  (RMSNorm's 1/rms ``p·N_r``), their parameters themselves (nothing joined);
+* a column map keeps its input: the tokens as the default keeps them (``p·N_r·C`` with sequence parallelism,
+  gathered again in backward, else ``p·N·C``, shared by the maps of one region), but under autocast each map
+  casts its gathered input itself, ``a·N·C`` each; a row map keeps its input as one copy per leaf of its
+  segments, ``a·N·(its input features)`` in all (a rank holding one segment keeps the input itself, the
+  activation's output over ``⌈N·H⌉₆₄`` elements);
+* the activations run on flat tensors padded to a multiple of 64 elements: GELU or SiLU keep that padded
+  input ``a·⌈N·H⌉₆₄`` (SwiGLU's product also SiLU's padded output and the up projection ``a·N·H``);
+* attention reads its keys in blocks of ``key_block`` slots (``S``: that rounded up to a multiple of 8), each
+  in float32 (``w``: 4, or 8 for float64) for queries padded to ``R = max(T, 8)`` rows, heads to ``h' = h``
+  (2 where ``B·h`` is 1) and head size to ``d' = ⌈d⌉₈``: per key block its keys and values ``2·w·B·h'·S·d'``,
+  scores ``w·B·h'·R·S``, their exponentials as many, their maximum ``w·B·h'·R`` and the mask ``R·S``; once
+  the queries and the output ``2·w·B·h'·R·d'``, the sum of the exponentials ``w·B·h'·R`` and the running
+  maximum of each key block after the second; rotary positions keep only their table;
+* under autocast every map casts its weight each call: one copy per micro-batch of every matmul weight;
+* the loss is the vocab-parallel cross-entropy at every tp, 1 included.
+
+Counted for the CPU with one thread per rank (``Bitwise.threads``, as ``enable`` sets it) and no dropout:
+the plan refuses the mode with dropout (its attention then keeps every head's inputs and probabilities apart).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+from tensorpar.bitwise.segments import Piece, placed_split, placed_vocabulary
+from tensorpar.comm.sequence import sequence_sizes
+from tensorpar.sharding import partition_bounds
+
+from .config import GPTConfig
+from .heads import head_layout
+from .plan_saved import Shapes, loss_itemsize, norm_bias
+
+#: attention's widths are padded to a multiple of this, its queries to at least this many rows
+#: (:data:`tensorpar.bitwise.linear.WIDTH_MULTIPLE`, :data:`~tensorpar.bitwise.linear.MIN_ROWS`)
+WIDTH, ROWS = 8, 8
+#: elementwise kernels run on flat tensors padded to a multiple of this (:data:`~tensorpar.bitwise.linear.LANES`)
+LANES = 64
+
+Node = tuple[int, int, int]  # a backward step: (saved bytes it lets go, new gradient bytes, working bytes)
+
+
+def _up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@functools.lru_cache(maxsize=256)
+def _one_segment(size: int, tp: int, rank: int, tp_sizes: tuple[int, ...]) -> bool:
+    """Whether a rank's balanced shard of ``size`` features is one canonical segment at the mode's tp sizes."""
+    placed = placed_split(lambda t, r: [partition_bounds(size, t, r)], size, tp, rank, tp_sizes)
+    return len(placed.local) == 1
+
+
+def _qkv_pieces(n_head: int, n_kv: int, d: int, queries_only: bool) -> Callable[[int, int], list[Piece]]:
+    """A rank's pieces of the fused ``[Q|K|V]`` rows at a tp (:func:`layers.numerics.attention`'s cuts), or of
+    its query features alone (the output projection's input)."""
+    def pieces(tp: int, rank: int) -> list[Piece]:
+        at = head_layout(n_head, n_kv, tp, rank)
+        kv = (at.kv_held.start * d, len(at.kv_held) * d)
+        q = (at.query.start * d, len(at.query) * d)
+        return [q] if queries_only else [q, (n_head * d + kv[0], kv[1]), ((n_head + n_kv) * d + kv[0], kv[1])]
+    return pieces
+
+
+@functools.lru_cache(maxsize=1024)
+def _counts(what: str, n_head: int, n_kv: int, d: int, size: int, tp: int, rank: int, tp_sizes: tuple[int, ...]
+            ) -> tuple[int, ...]:
+    """How many partial sums each rank sends in a tree sum over the leaves of ``what``: ``"qkv"`` (the fused
+    rows), ``"query"`` (the output projection's input), or balanced rows of ``size`` (the MLP's, the vocabulary)."""
+    if what in ("qkv", "query"):
+        size = (n_head + (2 * n_kv if what == "qkv" else 0)) * d
+        pieces = _qkv_pieces(n_head, n_kv, d, what == "query")
+    else:
+        pieces = functools.partial(lambda n, t, r: [partition_bounds(n, t, r)], size)
+    placed = placed_split(pieces, size, tp, rank, tp_sizes)
+    return tuple(len(nodes) for nodes in placed.sent)
+
+
+def exchange(config: GPTConfig, s: Shapes, what: str) -> int:
+    """The most a tree sum of ``(N, C)`` partial results over the leaves of ``what`` holds while its partial sums
+    are exchanged: this rank's, every rank's (padded to the most a rank sends) and their join (the stack it sends
+    counts as gone once sent: :class:`~layers.plan_measure.LiveBytes`)."""
+    assert s.mode is not None
+    size = config.vocab_size if what == "vocab" else config.mlp_hidden
+    counts = _counts(what, config.n_head, config.kv_heads, s.d, size, s.tp, s.rank, s.mode.tp_sizes)
+    if s.tp == 1 or not any(counts):
+        return 0
+    own, most = counts[s.rank], max(counts)
+    return (own + s.tp * most + sum(counts)) * s.b * s.t * s.c * s.a
+
+
+def norm_saved(s: Shapes, config: GPTConfig) -> int:
+    """A ``TokenwiseNorm``'s saved bytes: its input and LayerNorm's mean and 1/std (RMSNorm's 1/rms)."""
+    rows = s.b * s.t_r
+    return rows * s.c * s.p + (rows * s.p if config.norm == "rmsnorm" else 2 * rows * 4)
+
+
+def _column_inputs(s: Shapes, maps: int) -> int:
+    """The input a region of ``maps`` column maps keeps: cast by each under autocast (whole tokens), else
+    shared (this rank's tokens with sequence parallelism)."""
+    if s.a != s.p:
+        return maps * s.b * s.t * s.c * s.a
+    return s.b * (s.t_r if s.sp else s.t) * s.c * s.p
+
+
+def _attention_sizes(s: Shapes) -> tuple[int, int, int, int, int, int]:
+    """``(w, R, h', d', S, key blocks)`` of the attention by key blocks (see the module's docstring)."""
+    assert s.mode is not None
+    return (max(4, s.a), max(s.t, ROWS), s.h if s.b * s.h >= 2 else 2, _up(s.d, WIDTH), _up(s.mode.key_block, WIDTH),
+            -(-s.t // s.mode.key_block))
+
+
+def attention_saved(s: Shapes) -> int:
+    """The attention by key blocks' saved bytes (see the module's docstring)."""
+    w, rows, heads, width, slots, blocks = _attention_sizes(s)
+    b = s.b
+    per_block = 2 * b * heads * slots * width * w + rows * slots + 2 * b * heads * rows * slots * w \
+        + b * heads * rows * w
+    once = 2 * b * heads * rows * width * w + b * heads * rows * w * (1 + max(0, blocks - 2))
+    return blocks * per_block + once
+
+
+def attention_unheld(s: Shapes) -> int:
+    """The saved bytes of attention that backward never reaches, let go as its forward ends: the scores and
+    maxima that the (detached) running maximum saved."""
+    w, rows, heads, _, slots, blocks = _attention_sizes(s)
+    return blocks * s.b * heads * rows * (slots + 1) * w + max(0, blocks - 2) * s.b * heads * rows * w
+
+
+def _attention_working(s: Shapes) -> int:
+    """What attention's backward holds at its fullest: a key block's score gradient and its sum's, the values'
+    gradient made as the values let go."""
+    w, rows, heads, _, slots, _ = _attention_sizes(s)
+    return 2 * s.b * heads * rows * slots * w
+
+
+def _rotary_table(config: GPTConfig, s: Shapes) -> int:
+    if config.positions != "rope":
+        return 0
+    return config.block_size * 2 * s.d * s.p if s.a == s.p else 2 * s.t * 2 * s.d * s.a
+
+
+def _mlp_saved(config: GPTConfig, s: Shapes) -> int:
+    """The activation's and the row map's saved bytes of one MLP (its column maps' inputs apart)."""
+    n = s.b * s.t * s.hidden
+    padded = _up(n, LANES) * s.a
+    assert s.mode is not None
+    whole = _one_segment(config.mlp_hidden, s.tp, s.rank, s.mode.tp_sizes)
+    if config.mlp == "swiglu":  # SiLU's padded input and output, the up projection, the product's leaves
+        return 2 * padded + 2 * n * s.a
+    return padded + (padded if whole else n * s.a)  # GELU's padded input; its output, or its leaves' copies
+
+
+def block_saved(config: GPTConfig, s: Shapes) -> int:
+    """One block's saved bytes for one micro-batch, weight copies apart."""
+    k = 2 if config.mlp == "swiglu" else 1
+    return (2 * norm_saved(s, config) + _column_inputs(s, 1) + _column_inputs(s, k) + attention_saved(s)
+            + _rotary_table(config, s) + s.b * s.t * s.h * s.d * s.a + _mlp_saved(config, s))
+
+
+def weight_copies(config: GPTConfig, s: Shapes, blocks: int, last: bool) -> int:
+    """The autocast copies of the matmul weights each map casts each call, per micro-batch."""
+    if s.a == s.p:
+        return 0
+    k = 2 if config.mlp == "swiglu" else 1
+    block = (s.h + 2 * s.h_kv) * s.d * s.c + s.c * s.h * s.d + (k + 1) * s.hidden * s.c
+    return (blocks * block + (s.vocab * s.c if last else 0)) * s.a
+
+
+def head_saved(config: GPTConfig, s: Shapes) -> int:
+    """The final norm's, the head's and the vocab-parallel cross-entropy's saved bytes (the softmax, the local
+    targets, the owned and valid masks)."""
+    n = s.b * s.t
+    head_input = n * s.c * (s.a if s.a != s.p else s.p)  # the whole tokens: the head gathers them itself
+    return norm_saved(s, config) + head_input + n * s.vocab * loss_itemsize(s) + 8 * n + 2 * n
+
+
+def loss_transient(config: GPTConfig, s: Shapes) -> int:
+    """What the loss's forward holds besides the logits while it sums their exponentials: each vocabulary
+    segment's exponentials, padded flat (:class:`tensorpar.bitwise.vocabulary.SegmentedExpSum`), and the
+    last one's contiguous copy."""
+    assert s.mode is not None
+    n, w = s.b * s.t, loss_itemsize(s)
+    lengths = placed_vocabulary_lengths(config.vocab_size, s.tp, s.rank, s.mode.tp_sizes)
+    return sum(_up(n * k, LANES) * w for k in lengths) + n * max(lengths) * w
+
+
+@functools.lru_cache(maxsize=256)
+def placed_vocabulary_lengths(vocab_size: int, tp: int, rank: int, tp_sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """The lengths of this rank's canonical segments of the vocabulary."""
+    return tuple(placed_vocabulary(vocab_size, tp, rank, tp_sizes).lengths())
+
+
+def _linear_node(s: Shapes, saved: int, rows: int, cols: int, bias: bool, grad_out: int, grad_in: int,
+                 leaves: bool, exchanged: int = 0) -> Node:
+    """A segmented map's backward: its weight gradient (made leaf by leaf, then joined), the output gradient it
+    reads and the input gradient it makes (elements), in float32 where the products widen 16-bit operands."""
+    grads = (rows * cols + bias * rows) * s.p
+    joined = rows * cols * s.a if leaves else 0  # the leaves' weight gradients before they are joined
+    padded = s.b * s.c * s.a * s.tp * sequence_sizes(s.t, s.tp)[0] if s.sp else 0  # a collective's flat buffer
+    return saved, grads, grad_out * s.a + joined + padded + max(2 * grad_in * s.a, exchanged)
+
+
+def block_nodes(config: GPTConfig, s: Shapes, device_type: str = "cpu") -> list[Node]:
+    """One block's backward, step by step; the saved bytes add up to :func:`block_saved` and the block's
+    weight copies."""
+    c, bias = s.c, config.bias
+    tokens, rows, k = s.b * s.t, (s.h + 2 * s.h_kv) * s.d, 2 if config.mlp == "swiglu" else 1
+    copies = s.a if s.a != s.p else 0
+    rows_in = s.b * s.t_r * s.c
+    norm = (norm_saved(s, config), c * (1 + norm_bias(config)) * s.p, 2 * rows_in * s.p)
+    hidden = tokens * s.hidden
+    mlp = _mlp_saved(config, s)
+    leaves = mlp - (_up(hidden, LANES) * s.a if config.mlp == "gelu" else 3 * hidden * s.a)
+    assert s.mode is not None
+    attention = attention_saved(s) - attention_unheld(s) + _rotary_table(config, s)
+    regathered = tokens * c if s.sp else 0
+    return [
+        _linear_node(s, leaves + c * s.hidden * copies, c, s.hidden, bias, tokens * c, hidden, True),
+        (mlp - leaves, 0, (2 * k - 1) * _up(hidden, LANES) * s.a),
+        _linear_node(s, _column_inputs(s, k) + k * s.hidden * c * copies, k * s.hidden, c, bias,
+                     k * hidden + regathered, tokens * c, False, exchange(config, s, "hidden")),
+        norm,
+        _linear_node(s, tokens * s.h * s.d * s.a + c * s.h * s.d * copies, c, s.h * s.d, bias, tokens * c,
+                     tokens * s.h * s.d, True),
+        (attention, 0, _attention_working(s)),
+        _linear_node(s, _column_inputs(s, 1) + rows * c * copies, rows, c, bias, tokens * rows + regathered,
+                     tokens * c, False, exchange(config, s, "qkv")),
+        norm,
+    ]
+
+
+def head_nodes(config: GPTConfig, s: Shapes) -> list[Node]:
+    """The loss's, the head's and the final norm's backward (their saved bytes: :func:`head_saved`)."""
+    n, loss = s.b * s.t, loss_itemsize(s)
+    btv = n * s.vocab
+    cast = btv * s.a if s.a != loss else 0  # the softmax becomes the logits' gradient in place, cast for the head
+    ce = (btv * loss + 8 * n + 2 * n if cast else 8 * n + 2 * n, 0, cast)
+    head_input = n * s.c * (s.a if s.a != s.p else s.p)
+    head = ((0 if cast else btv * loss) + head_input + (s.vocab * s.c * s.a if s.a != s.p else 0),
+            s.vocab * s.c * s.p, cast + (s.vocab * s.c * s.a if s.a != s.p else 0)
+            + max(2 * n * s.c * s.a, exchange(config, s, "vocab")))
+    rows_in = s.b * s.t_r * s.c
+    norm = (norm_saved(s, config), s.c * (1 + norm_bias(config)) * s.p, 2 * rows_in * s.p)
+    return [ce, head, norm]
