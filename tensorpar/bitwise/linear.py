@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
-from ..comm.linear import autocast_inputs
+from ..comm.linear import autocast_inputs, autocast_off
 from ..comm.sequence import gather_sequence, scatter_sequence
 from .segments import PlacedTree, placed_tokens
 from .tree_sum import start_tree_sum, tree_sum
@@ -257,7 +257,7 @@ class _SegmentedColumnLinear(torch.autograd.Function):
         wide = rows.float() if rows.element_size() < 4 else rows  # 16-bit rows widened once for every leaf
         operands = column_operands(weight, bias, placed) if kept is None else \
             kept.get(column_operands, weight, bias, placed)
-        with torch.autocast(x.device.type, enabled=False):  # one product per leaf: (N, rows of the leaf) each
+        with autocast_off(x):  # one product per leaf: (N, rows of the leaf) each
             blocks = [unpadded(exact_linear(wide, w, b, rows.dtype), n, k) for w, b, k in operands]
         return in_local_order(placed, blocks, -1).reshape(*x.shape[:-1], -1)  # (*, out / tp)
 
@@ -302,7 +302,7 @@ class _SegmentedRowLinear(torch.autograd.Function):
             product = exact_linear(padded_width(x_leaf, MIN_ROWS), columns[leaf])  # (max(N, MIN_ROWS), out)
             return unpadded(product, x_leaf.shape[0], weight.shape[0])  # (N, out)
 
-        with torch.autocast(x.device.type, enabled=False):
+        with autocast_off(x):
             y = tree_sum(part, placed, group, (x2.shape[0], weight.shape[0]), x2)
         y = y.reshape(*x.shape[:-1], weight.shape[0])  # (*, out)
         return y if bias is None else y + bias
