@@ -76,7 +76,8 @@ def exact_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
     16-bit operands multiplied in float32 and the result rounded back to ``dtype`` (default ``x``'s; ``x`` may
     come widened already, for several products): CPU bf16 GEMMs give a row other bits as the number of rows
     changes (seen at 39 rows against 8), float32's do not."""
-    x, w = padded_width(x), padded_width(w)  # exact zeros in every row's sums
+    if x.shape[-1] % WIDTH_MULTIPLE or w.shape[-1] != x.shape[-1]:  # (they mostly come padded)
+        x, w = padded_width(x), padded_width(w)  # exact zeros in every row's sums
     if x.element_size() >= 4 and dtype in (None, x.dtype):
         return F.linear(x, w, b)
     return F.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype or x.dtype)
