@@ -198,6 +198,39 @@ def test_layers_compute_the_same_bits_at_every_tp(worlds, kind, tp, dtype, data)
         assert not differing(one, got), f"{kind} {sizes} at tp={tp}: {differing(one, got)} differ from tp=1"
 
 
+def kept_operands_run(dtype):
+    """Column then row layer in the mode, twice from one seed: the outputs of one run only without gradients
+    (which keeps its weights' operands from call to call) and of the other only with gradients (which keeps
+    nothing), as the weights of both change in place and are replaced."""
+    def built():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(ColumnParallelLinear(12, 10, dtype=dtype), RowParallelLinear(10, 12, dtype=dtype))
+
+    kept, fresh = built(), built()
+    x = torch.randn(1, 1, 12).to(dtype)  # one token, as decoding runs it
+    runs = []
+    for change in (None, "in place", "replaced"):
+        for module in (kept, fresh):
+            if change == "in place":
+                with torch.no_grad():
+                    for p in module.parameters():
+                        p.mul_(1.5)
+            elif change == "replaced":
+                module[1].weight = torch.nn.Parameter(module[1].weight.detach() * -2)
+        with torch.no_grad():
+            without = kept(x), kept(x)
+        runs.append((*without, fresh(x).detach()))
+    return runs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_products_without_gradients_keep_their_weights_operands_only_while_unchanged(worlds, dtype):
+    for runs in worlds[2].run(kept_operands_run, dtype, bitwise=True):
+        for kept, again, fresh in runs:
+            assert torch.equal(kept, fresh) and torch.equal(again, fresh)
+        assert not torch.equal(runs[0][0], runs[1][0]) and not torch.equal(runs[1][0], runs[2][0])
+
+
 # ---------------------------------------------------------------- the GPT
 
 

@@ -17,6 +17,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from ..comm.collectives import all_gather_along
+from ..comm.linear import autocast_off
 from .linear import MIN_ROWS, WIDTH_MULTIPLE, blockwise, fixed, lanewise
 
 #: the fewest matrices attention's batched products use: CPU ``bmm`` (torch 2.13) gives each of N >= 2 matrices
@@ -57,7 +58,7 @@ def attention_by_key_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
     at = torch.arange(s, device=q.device) if positions is None else positions  # (S,): causal, alike in every row
     at = F.pad(at, (0, rows - s)) if rows > s else at  # padded queries read slot 0
     at = at[:, None] if positions is None else at[:, None, :, None]  # (rows, 1) or (B, 1, rows, 1)
-    with torch.autocast(q.device.type, enabled=False):
+    with autocast_off(q):
         # (B, heads, rows, width): a copy, in the pad's layout
         q = F.pad(q.to(wide), (0, width - d, 0, rows - s, 0, heads - h))
         scale = 1 / math.sqrt(d)

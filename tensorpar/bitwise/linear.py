@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
-from ..comm.linear import autocast_inputs
+from ..comm.linear import autocast_inputs, autocast_off
 from ..comm.sequence import gather_sequence, scatter_sequence
 from .segments import PlacedTree, placed_tokens
 from .tree_sum import start_tree_sum, tree_sum
@@ -61,14 +62,22 @@ def padded_rows(x: torch.Tensor, least: int = MIN_ROWS) -> torch.Tensor:
     return x if n >= least else torch.cat([x, x.new_zeros(least - n, *x.shape[1:])])
 
 
+def padded_width(t: torch.Tensor, rows: int = 0) -> torch.Tensor:
+    """``t`` (N, n) with zero columns after it up to a multiple of :data:`WIDTH_MULTIPLE` and zero rows up to
+    ``rows`` (itself when it has as many of both): one copy for both."""
+    pad, more = -t.shape[-1] % WIDTH_MULTIPLE, max(rows - t.shape[0], 0)
+    return F.pad(t, (0, pad, 0, more)) if pad or more else t
+
+
 def exact_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
                  dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``F.linear`` of ``x`` and ``w`` zero-padded to an inner width of a multiple of :data:`WIDTH_MULTIPLE`, with
+    """``F.linear`` of ``x`` and ``w`` zero-padded to an inner width of a multiple of :data:`WIDTH_MULTIPLE` (either
+    may come padded already: :func:`padded_width`), with
     16-bit operands multiplied in float32 and the result rounded back to ``dtype`` (default ``x``'s; ``x`` may
     come widened already, for several products): CPU bf16 GEMMs give a row other bits as the number of rows
     changes (seen at 39 rows against 8), float32's do not."""
-    if pad := -x.shape[-1] % WIDTH_MULTIPLE:
-        x, w = F.pad(x, (0, pad)), F.pad(w, (0, pad))  # exact zeros in every row's sums
+    if x.shape[-1] % WIDTH_MULTIPLE or w.shape[-1] != x.shape[-1]:  # (they mostly come padded)
+        x, w = padded_width(x), padded_width(w)  # exact zeros in every row's sums
     if x.element_size() >= 4 and dtype in (None, x.dtype):
         return F.linear(x, w, b)
     return F.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype or x.dtype)
@@ -139,7 +148,9 @@ def gathered(t: torch.Tensor, pieces: Sequence[tuple[int, int]], dim: int) -> to
 
 def unpadded(y: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
     """The first ``rows`` rows and ``columns`` columns of a product computed padded (itself when unpadded)."""
-    return y if y.shape == (rows, columns) else y[:rows, :columns]
+    if y.shape[1] == columns:
+        return y if y.shape[0] == rows else y[:rows]
+    return y[:rows, :columns]
 
 
 def in_local_order(placed: PlacedTree, blocks: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
@@ -168,26 +179,87 @@ def token_sum(g: torch.Tensor, placed: PlacedTree, group: ProcessGroup | None) -
     return tree_sum(lambda leaf: gathered(g3, placed.pieces(leaf), 1).sum((0, 1)), placed, group, g3.shape[-1:], g3)
 
 
+def column_operands(weight: torch.Tensor, bias: torch.Tensor | None, placed: PlacedTree
+                    ) -> list[tuple[torch.Tensor, torch.Tensor | None, int]]:
+    """What a column-parallel product reads of ``weight`` (out / tp, in) and ``bias`` for each of this rank's
+    leaves: its segments' rows side by side (at least :data:`MIN_FEATURES`), its bias, its number of rows."""
+    operands = []
+    for leaf in placed.mine:
+        pieces = placed.pieces(leaf)
+        w = padded_width(gathered(weight, pieces, 0), MIN_FEATURES)  # (max(rows of the leaf, 2), in, padded)
+        b = None if bias is None else padded_rows(gathered(bias, pieces, 0), MIN_FEATURES)
+        operands.append((w, b, sum(k for _, k in pieces)))
+    return operands
+
+
+def row_operands(weight: torch.Tensor, bias: None, placed: PlacedTree) -> dict[int, torch.Tensor]:
+    """What a row-parallel product reads of ``weight`` (out, in / tp) for each of this rank's leaves: its
+    segments' columns side by side, contiguous (at least :data:`MIN_FEATURES` rows): ``(max(out, 2), n)``
+    (``n`` padded)."""
+    return {leaf: padded_width(gathered(weight, placed.pieces(leaf), 1), MIN_FEATURES) for leaf in placed.mine}
+
+
+class LeafOperands:
+    """The operands a segmented product reads of its weight and bias (:func:`column_operands`,
+    :func:`row_operands`), kept from one call to the next while the same tensors are unchanged (same objects,
+    storage and version counter): decoding, a product then reads its weight's columns or fused rows without
+    copying them at every token. A layer keeps them only while it runs without gradients and autocast
+    (:meth:`SegmentedColumn.__call__`), at the cost of one copy of the leaves that are copies (a row-parallel
+    weight's, a fused ``[Q | K | V]``'s rows), dropped when the layer runs with gradients again."""
+
+    def __init__(self) -> None:
+        self._key: tuple[Any, ...] | None = None
+        self._operands: Any = None
+
+    def drop(self) -> None:
+        """Forget the kept operands."""
+        self._key = self._operands = None
+
+    def get(self, build: Callable[..., Any], weight: torch.Tensor, bias: torch.Tensor | None,
+            placed: PlacedTree) -> Any:
+        """``build(weight, bias, placed)``, or what it gave last for the same, unchanged tensors."""
+        key = (placed, *((weakref.ref(t), t.data_ptr(), t._version) for t in (weight, bias) if t is not None))
+        if self._key is None or not _same(self._key, key):
+            self._key, self._operands = None, None  # the old operands are not kept while new ones are made
+            self._operands, self._key = build(weight, bias, placed), key
+        return self._operands
+
+
+def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Whether two keys of :meth:`LeafOperands.get` name the same placed tree and live, unchanged tensors."""
+    if len(a) != len(b) or a[0] is not b[0]:
+        return False
+    return all(x[0]() is y[0]() is not None and x[1:] == y[1:] for x, y in zip(a[1:], b[1:], strict=True))
+
+
+def _kept(kept: LeafOperands, x: torch.Tensor) -> LeafOperands | None:
+    """``kept`` where a product of ``x`` keeps its weight's operands (eagerly, without gradients or autocast),
+    else ``None`` (eagerly, with ``kept`` dropped)."""
+    if torch.compiler.is_compiling():
+        return None
+    if torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
+        kept.drop()
+        return None
+    return kept
+
+
 class _SegmentedColumnLinear(torch.autograd.Function):
     """Column-parallel ``Y = X Wᵀ + b`` by output leaves; backward, the input gradient's tree sum."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, placed: PlacedTree,
-                group: ProcessGroup | None) -> torch.Tensor:
+                group: ProcessGroup | None, kept: LeafOperands | None = None) -> torch.Tensor:
         x, weight, bias = autocast_inputs(x, weight, bias)
         ctx.save_for_backward(x, weight)
         ctx.placed, ctx.group, ctx.has_bias = placed, group, bias is not None
         x2 = fixed(x.reshape(-1, x.shape[-1]))  # (N, in)
         n = x2.shape[0]
-        rows = padded_rows(x2)  # (max(N, MIN_ROWS), in)
+        rows = padded_width(x2, MIN_ROWS)  # (max(N, MIN_ROWS), in, padded)
         wide = rows.float() if rows.element_size() < 4 else rows  # 16-bit rows widened once for every leaf
-        blocks = []  # per leaf (N, rows of the leaf)
-        with torch.autocast(x.device.type, enabled=False):
-            for leaf in placed.mine:  # one product per leaf, its segments' rows gathered
-                pieces = placed.pieces(leaf)
-                w = padded_rows(gathered(weight, pieces, 0), MIN_FEATURES)  # (max(rows of the leaf, 2), in)
-                b = None if bias is None else padded_rows(gathered(bias, pieces, 0), MIN_FEATURES)
-                blocks.append(unpadded(exact_linear(wide, w, b, rows.dtype), n, sum(k for _, k in pieces)))
+        operands = column_operands(weight, bias, placed) if kept is None else \
+            kept.get(column_operands, weight, bias, placed)
+        with autocast_off(x):  # one product per leaf: (N, rows of the leaf) each
+            blocks = [unpadded(exact_linear(wide, w, b, rows.dtype), n, k) for w, b, k in operands]
         return in_local_order(placed, blocks, -1).reshape(*x.shape[:-1], -1)  # (*, out / tp)
 
     @staticmethod
@@ -209,7 +281,7 @@ class _SegmentedColumnLinear(torch.autograd.Function):
         if ctx.has_bias and needs[2]:  # a sum over the tokens of each segment's columns
             grad_b = torch.cat([fixed(g2.narrow(1, lo, n)).sum(0) for _, lo, n in placed.local])
         grad_x = None if pending is None else pending.wait().reshape(x.shape)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 class _SegmentedRowLinear(torch.autograd.Function):
@@ -217,20 +289,21 @@ class _SegmentedRowLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, placed: PlacedTree,
-                tokens: PlacedTree, group: ProcessGroup | None) -> torch.Tensor:
+                tokens: PlacedTree, group: ProcessGroup | None, kept: LeafOperands | None = None) -> torch.Tensor:
         x, weight, bias = autocast_inputs(x, weight, bias)
         x2 = x.reshape(-1, x.shape[-1])  # (N, in / tp)
         inputs = [gathered(x2, placed.pieces(leaf), 1) for leaf in placed.mine]  # (N, n) each: x, copied once
         ctx.save_for_backward(weight, *inputs)  # the leaves stand for x: no more memory
         ctx.placed, ctx.tokens, ctx.group, ctx.has_bias, ctx.shape = placed, tokens, group, bias is not None, x.shape
         by_leaf = dict(zip(placed.mine, inputs, strict=True))
+        columns = row_operands(weight, None, placed) if kept is None else kept.get(row_operands, weight, None, placed)
 
         def part(leaf: int) -> torch.Tensor:
             x_leaf = by_leaf[leaf]
-            w = padded_rows(gathered(weight, placed.pieces(leaf), 1), MIN_FEATURES)  # (max(out, 2), n)
-            return unpadded(exact_linear(padded_rows(x_leaf), w), x_leaf.shape[0], weight.shape[0])  # (N, out)
+            product = exact_linear(padded_width(x_leaf, MIN_ROWS), columns[leaf])  # (max(N, MIN_ROWS), out)
+            return unpadded(product, x_leaf.shape[0], weight.shape[0])  # (N, out)
 
-        with torch.autocast(x.device.type, enabled=False):
+        with autocast_off(x):
             y = tree_sum(part, placed, group, (x2.shape[0], weight.shape[0]), x2)
         y = y.reshape(*x.shape[:-1], weight.shape[0])  # (*, out)
         return y if bias is None else y + bias
@@ -249,7 +322,7 @@ class _SegmentedRowLinear(torch.autograd.Function):
             grad_w = in_local_order(placed, [g2.t() @ x_leaf for x_leaf in inputs], -1)  # (out, in / tp)
         if ctx.has_bias and needs[2]:  # every token's gradient, here: no collective
             grad_b = token_sum(grad, ctx.tokens, None)
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 class SegmentedColumn:
@@ -260,12 +333,14 @@ class SegmentedColumn:
 
     def __init__(self, placed: PlacedTree, group: ProcessGroup, sequence_parallel: bool) -> None:
         self.placed, self.group, self.sequence_parallel = placed, group, sequence_parallel
+        self.kept = LeafOperands()  # the weight's leaves, kept while decoding
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  seq_len: int | None = None) -> torch.Tensor:
         if self.sequence_parallel:  # (..., T_r, in) -> (..., T, in); backward keeps this rank's tokens
             x = gather_sequence(x, seq_len, self.group)
-        return _SegmentedColumnLinear.apply(x, weight, bias, self.placed, self.group)  # (*, out / tp)
+        kept = _kept(self.kept, x)
+        return _SegmentedColumnLinear.apply(x, weight, bias, self.placed, self.group, kept)  # (*, out / tp)
 
 
 class SegmentedRow:
@@ -276,9 +351,11 @@ class SegmentedRow:
     def __init__(self, placed: PlacedTree, group: ProcessGroup, sequence_parallel: bool,
                  tp_sizes: Sequence[int]) -> None:
         self.placed, self.group, self.sequence_parallel, self.tp_sizes = placed, group, sequence_parallel, tp_sizes
+        self.kept = LeafOperands()  # the weight's leaves, kept while decoding
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         tokens = placed_tokens(x.shape[-2] if x.dim() > 1 else 1, self.placed.tp, self.placed.rank, self.tp_sizes,
                                split=False)  # from a cache (while torch.compile traces, built in the graph's forward)
-        y = _SegmentedRowLinear.apply(x, weight, bias, self.placed, tokens, self.group)  # (*, out)
+        kept = _kept(self.kept, x)
+        y = _SegmentedRowLinear.apply(x, weight, bias, self.placed, tokens, self.group, kept)  # (*, out)
         return scatter_sequence(y, self.group) if self.sequence_parallel else y

@@ -16,6 +16,7 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
+from ..comm.linear import autocast_off
 from ..comm.sequence import sequence_length
 from ..mesh import group_rank_size
 from .linear import token_sum
@@ -28,7 +29,7 @@ class _TokenwiseLayerNorm(torch.autograd.Function):
                 shape: list[int], eps: float, tokens: PlacedTree, group: ProcessGroup | None, rms: bool
                 ) -> torch.Tensor:
         ctx.dims = tuple(range(-len(shape), 0))
-        with torch.autocast(x.device.type, enabled=False):  # autocast leaves a LayerNorm's dtype alone
+        with autocast_off(x):  # autocast leaves a LayerNorm's dtype alone
             if rms:  # RMSNorm: x / sqrt(mean(x²) + eps) * weight, no mean saved
                 mean, rstd = None, torch.rsqrt(x.pow(2).mean(ctx.dims, keepdim=True) + eps)
                 y = x * rstd * weight if weight is not None else x * rstd

@@ -5,10 +5,14 @@ the row-parallel forward reduces its fresh partial product and adds the bias onc
 equal ``F.linear(copy_to_tp(x), W, b)`` and ``reduce_from_tp(F.linear(x, W)) + b``. Several column maps of
 one input (Q, K, V) share one ``f`` instead (:func:`~tensorpar.copy_to_tp` once, in front of them all), so
 autograd sums their input gradients before the single all-reduce, which then cannot overlap them.
+Without gradients (decoding) the forward runs alone, outside the autograd Function, and autocast is
+switched off around a product only where it is on: the same computation, without their Python on a rank
+just woken from a collective.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -31,6 +35,13 @@ def autocast_inputs(x: torch.Tensor, *tensors: torch.Tensor | None) -> list[Any]
             for t in (x, *tensors)]
 
 
+def autocast_off(x: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
+    """A region with autocast off for ``x``'s device: ``torch.autocast(enabled=False)`` where autocast is on,
+    else nothing to enter (its Python costs ~30 µs a call on a rank just woken from a collective)."""
+    device = x.device.type
+    return torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext()
+
+
 def weight_grads(grad: torch.Tensor, x2: torch.Tensor, needs_weight: bool,
                   needs_bias: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """A linear map's weight and bias gradients (those needed) from its output gradient ``grad``
@@ -47,6 +58,20 @@ def add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return y if bias is None else y + bias
 
 
+def _column_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The column-parallel forward of inputs cast as autocast would: ``(*, in) -> (*, out / tp)``."""
+    with autocast_off(x):
+        return F.linear(x, weight, bias)
+
+
+def _row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 group: ProcessGroup) -> torch.Tensor:
+    """The row-parallel forward of inputs cast as autocast would: ``(*, in / tp) -> (*, out)``, summed."""
+    with autocast_off(x):
+        y = start_all_reduce_(F.linear(x, weight), group).wait()  # (*, out), summed over the group
+    return add_bias(y, bias)
+
+
 class _ColumnParallelLinear(torch.autograd.Function):
     """``f`` + linear: identity-input forward; backward, the all-reduce of the input gradient,
     overlapped with the weight gradient."""
@@ -57,8 +82,7 @@ class _ColumnParallelLinear(torch.autograd.Function):
         x, weight, bias = autocast_inputs(x, weight, bias)
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.has_bias = group, bias is not None
-        with torch.autocast(x.device.type, enabled=False):
-            return F.linear(x, weight, bias)  # (*, out / tp)
+        return _column_product(x, weight, bias)
 
     @staticmethod
     @once_differentiable
@@ -80,9 +104,7 @@ class _RowParallelLinear(torch.autograd.Function):
         x, weight, bias = autocast_inputs(x, weight, bias)
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        with torch.autocast(x.device.type, enabled=False):
-            y = start_all_reduce_(F.linear(x, weight), group).wait()  # (*, out), summed over the group
-        return add_bias(y, bias)
+        return _row_product(x, weight, bias, group)
 
     @staticmethod
     @once_differentiable
@@ -113,6 +135,9 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     group = tp_group(group)
     if group.size() == 1:
         return F.linear(x, weight, bias)
+    if not torch.is_grad_enabled():  # the forward alone (decoding): no autograd Function to enter
+        x, weight, bias = autocast_inputs(x, weight, bias)
+        return _column_product(x, weight, bias)
     return _ColumnParallelLinear.apply(x, weight, bias, group)
 
 
@@ -124,4 +149,7 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     group = tp_group(group)
     if group.size() == 1:
         return F.linear(x, weight, bias)
+    if not torch.is_grad_enabled():  # the forward alone (decoding): no autograd Function to enter
+        x, weight, bias = autocast_inputs(x, weight, bias)
+        return _row_product(x, weight, bias, group)
     return _RowParallelLinear.apply(x, weight, bias, group)

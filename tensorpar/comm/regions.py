@@ -88,7 +88,9 @@ def _region(op: str, forward: str, backward: str, x: torch.Tensor, group: Proces
             raise ValueError(f"{op}: size {size} does not match dim {dim} of a tensor of shape "
                              f"{tuple(x.shape)} at tp 1")
         sizes = partition_sizes(size, n, name="gathered size")
-    return x if n == 1 else Region.apply(x, forward, backward, dim or 0, sizes, group)
+    if n == 1 or (forward == "identity" and not torch.is_grad_enabled()):  # f without gradients: x itself
+        return x
+    return Region.apply(x, forward, backward, dim or 0, sizes, group)
 
 
 def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:

@@ -27,7 +27,7 @@ from ..mesh import tp_group
 from ..sharding import partition_sizes
 from ..world import exchange_ints
 from .collectives import start_all_gather_along, start_reduce_scatter_along
-from .linear import add_bias, autocast_inputs, check_linear_args, weight_grads
+from .linear import add_bias, autocast_inputs, autocast_off, check_linear_args, weight_grads
 from .regions import Region, tp_group_rank_size
 
 SEQ_DIM = -2  # tokens: (..., T, C)
@@ -118,7 +118,7 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)  # this rank's tokens only: gathered again in backward
         ctx.sizes, ctx.group, ctx.has_bias = sizes, group, bias is not None
         full = start_all_gather_along(x, SEQ_DIM, sizes, group).wait()  # (..., T, in)
-        with torch.autocast(x.device.type, enabled=False):
+        with autocast_off(x):
             return F.linear(full, weight, bias)  # (..., T, out / tp)
 
     @staticmethod
@@ -146,7 +146,7 @@ class _SequenceParallelRowLinear(torch.autograd.Function):
         x, weight, bias = autocast_inputs(x, weight, bias)
         ctx.save_for_backward(x, weight)
         ctx.sizes, ctx.group, ctx.has_bias = sizes, group, bias is not None
-        with torch.autocast(x.device.type, enabled=False):  # (..., T, out) partial sums, then this rank's tokens
+        with autocast_off(x):  # (..., T, out) partial sums, then this rank's tokens
             y = start_reduce_scatter_along(F.linear(x, weight), SEQ_DIM, sizes, group).wait()  # (..., T_r, out)
         return add_bias(y, bias)
 
