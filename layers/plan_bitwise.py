@@ -136,6 +136,14 @@ def attention_unheld(s: Shapes) -> int:
     return blocks * s.b * heads * rows * (slots + 1) * w + max(0, blocks - 2) * s.b * heads * rows * w
 
 
+def attention_forward_extra(s: Shapes) -> int:
+    """What attention's forward holds beyond what its backward reads, as a key block's exponentials are made:
+    :func:`attention_unheld` and that block's shifted scores (a recomputation holds them over the block's
+    recomputed activations)."""
+    w, rows, heads, _, slots, _ = _attention_sizes(s)
+    return attention_unheld(s) + s.b * heads * rows * slots * w
+
+
 def _attention_working(s: Shapes) -> int:
     """What attention's backward holds at its fullest: a key block's score gradient and its sum's, the values'
     gradient made as the values let go."""
