@@ -188,7 +188,7 @@ def peak_bytes(config: GPTConfig, layout: Layout, *, params: int, grads: int, op
         if layout.activation_checkpointing:  # the generator states each checkpointed block notes at its forward
             acts += blocks * (state + stream)
         elif s.mode is not None:  # saved, but let go as the forward ends
-            acts -= blocks * bitwise.attention_unheld(s)
+            acts -= blocks * bitwise.attention_unheld(config, s)
         # the gradients (set to None before the step) made by a micro-batch's backward while others are still to
         # run forward with as many in flight (1F1B's steady state, accumulation); GPipe's backwards all come
         # after; interleaved 1F1B: those of the stages that ran a backward (more forwards run than held)
@@ -204,8 +204,9 @@ def peak_bytes(config: GPTConfig, layout: Layout, *, params: int, grads: int, op
         if stream:  # the forward's last fork of the tp stream as it ends: the states outside it and after it
             forward_end = max(forward_end, held + earlier + 2 * stream
                               - _saved_after_last_fork(config, layout, s, stage, device_type))
-        if s.mode is not None:  # a row map's tree sum exchanging its partial sums, the head and loss yet to run
-            rows = max(bitwise.exchange(config, s, "query"), bitwise.exchange(config, s, "hidden"))
+        if s.mode is not None:  # a row map's tree sum exchanging its partial sums, or attention drawing its mask
+            rows = max(bitwise.exchange(config, s, "query"), bitwise.exchange(config, s, "hidden"),
+                       bitwise.dropped_transient(config, s))  # the head and loss yet to run
             forward_end = max(forward_end, held + earlier + rows - (bitwise.head_saved(config, s) if last else 0))
         return max(forward_end, held + earlier + backward_peak(config, layout, s, stage, device_type,
                                                                  accumulating=bool(earlier)))

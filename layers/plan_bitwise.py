@@ -32,13 +32,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+from tensorpar.bitwise.linear import ALIGNMENT
 from tensorpar.bitwise.segments import Piece, placed_split, placed_vocabulary
 from tensorpar.comm.sequence import sequence_sizes
 from tensorpar.sharding import partition_bounds
 
 from .config import GPTConfig
 from .heads import head_layout
-from .plan_saved import Shapes, loss_itemsize, norm_bias
+from .plan_saved import Shapes, dropout_mask, loss_itemsize, norm_bias
 
 #: attention's widths are padded to a multiple of this, its queries to at least this many rows
 #: (:data:`tensorpar.bitwise.linear.WIDTH_MULTIPLE`, :data:`~tensorpar.bitwise.linear.MIN_ROWS`)
@@ -119,8 +120,40 @@ def _attention_sizes(s: Shapes) -> tuple[int, int, int, int, int, int]:
             -(-s.t // s.mode.key_block))
 
 
-def attention_saved(s: Shapes) -> int:
-    """The attention by key blocks' saved bytes (see the module's docstring)."""
+def _head_blocks(s: Shapes, per_head: int, itemsize: int, fresh: bool) -> int:
+    """Bytes of the per-head blocks that attention with dropout hands each head (:func:`~tensorpar.bitwise.linear.
+    blockwise`): a copy of each head's ``per_head`` elements, except where a block of a fresh ``(B, h, ...)`` tensor
+    is contiguous (``B == 1``) and aligned: then a view of that tensor, held whole."""
+    if not (fresh and s.b == 1):
+        return s.h * per_head * itemsize
+    copied = sum(1 for j in range(1, s.h) if j * per_head * itemsize % ALIGNMENT["cpu"])
+    return (s.h + copied) * per_head * itemsize
+
+
+def _dropped_saved(config: GPTConfig, s: Shapes) -> int:
+    """Attention with dropout, one head at a time (``a``: its dtype): each head's query, key and value
+    ``3·a·B·T·d`` (copies, or views of fresh tensors), its causal mask ``T·T`` (bool), its probabilities and
+    the dropped probabilities ``2·a·B·T·T``, its part of the mask ``B·T·T`` (bool)."""
+    t, d = s.t, s.d
+    rope = config.positions == "rope"
+    expanded = config.kv_heads != config.n_head  # each query head's own copy of its KV head (fresh)
+    qkv = _head_blocks(s, s.b * t * d, s.a, rope) + _head_blocks(s, s.b * t * d, s.a, rope or expanded) \
+        + _head_blocks(s, s.b * t * d, s.a, expanded)
+    return qkv + s.h * t * t + 2 * s.h * s.b * t * t * s.a + _head_blocks(s, s.b * t * t, 1, True)
+
+
+def dropped_transient(config: GPTConfig, s: Shapes) -> int:
+    """What attention with dropout holds only while it draws its mask: the noise for every head of the model
+    (float32), of which this rank keeps its heads', and one head's scores."""
+    if not config.dropout:
+        return 0
+    return s.b * config.n_head * s.t * s.t * 4 + 2 * s.b * s.t * s.t * s.a
+
+
+def attention_saved(config: GPTConfig, s: Shapes) -> int:
+    """The attention's saved bytes: by key blocks (see the module's docstring), or with dropout head by head."""
+    if config.dropout:
+        return _dropped_saved(config, s)
     w, rows, heads, width, slots, blocks = _attention_sizes(s)
     b = s.b
     per_block = 2 * b * heads * slots * width * w + rows * slots + 2 * b * heads * rows * slots * w \
@@ -129,16 +162,21 @@ def attention_saved(s: Shapes) -> int:
     return blocks * per_block + once
 
 
-def attention_unheld(s: Shapes) -> int:
-    """The saved bytes of attention that backward never reaches, let go as its forward ends: the scores and
-    maxima that the (detached) running maximum saved."""
+def attention_unheld(config: GPTConfig, s: Shapes) -> int:
+    """The saved bytes of attention that backward never reaches, let go as its forward ends: by key blocks the
+    scores and maxima that the (detached) running maximum saved; none with dropout."""
+    if config.dropout:
+        return 0
     w, rows, heads, _, slots, blocks = _attention_sizes(s)
     return blocks * s.b * heads * rows * (slots + 1) * w + max(0, blocks - 2) * s.b * heads * rows * w
 
 
-def _attention_working(s: Shapes) -> int:
-    """What attention's backward holds at its fullest: a key block's score gradient and its sum's, the values'
-    gradient made as the values let go."""
+def _attention_working(config: GPTConfig, s: Shapes) -> int:
+    """What attention's backward holds at its fullest: by key blocks a key block's score gradient and its sum's,
+    the values' gradient made as the values let go; with dropout a head's probability gradients and the
+    heads' query, key and value gradients, then joined."""
+    if config.dropout:
+        return 3 * s.b * s.t * s.t * s.a + 2 * 3 * s.b * s.h * s.t * s.d * s.a
     w, rows, heads, _, slots, _ = _attention_sizes(s)
     return 2 * s.b * heads * rows * slots * w
 
@@ -163,8 +201,15 @@ def _mlp_saved(config: GPTConfig, s: Shapes) -> int:
 def block_saved(config: GPTConfig, s: Shapes) -> int:
     """One block's saved bytes for one micro-batch, weight copies apart."""
     k = 2 if config.mlp == "swiglu" else 1
-    return (2 * norm_saved(s, config) + _column_inputs(s, 1) + _column_inputs(s, k) + attention_saved(s)
-            + _rotary_table(config, s) + s.b * s.t * s.h * s.d * s.a + _mlp_saved(config, s))
+    return (2 * norm_saved(s, config) + _column_inputs(s, 1) + _column_inputs(s, k) + attention_saved(config, s)
+            + _rotary_table(config, s) + s.b * s.t * s.h * s.d * s.a + _mlp_saved(config, s)
+            + 2 * _residual_mask(config, s))
+
+
+def _residual_mask(config: GPTConfig, s: Shapes) -> int:
+    """The mask of the attention's or the MLP's output dropout: of this rank's tokens, ``a`` bytes an element
+    (``x * noise``), or bool with sequence parallelism (this rank's tokens of one draw, compared)."""
+    return dropout_mask(s, s.b * s.t_r * s.c, s.a, config.dropout, "cpu")
 
 
 def weight_copies(config: GPTConfig, s: Shapes, blocks: int, last: bool) -> int:
@@ -222,17 +267,20 @@ def block_nodes(config: GPTConfig, s: Shapes, device_type: str = "cpu") -> list[
     mlp = _mlp_saved(config, s)
     leaves = mlp - (_up(hidden, LANES) * s.a if config.mlp == "gelu" else 3 * hidden * s.a)
     assert s.mode is not None
-    attention = attention_saved(s) - attention_unheld(s) + _rotary_table(config, s)
+    attention = attention_saved(config, s) - attention_unheld(config, s) + _rotary_table(config, s)
     regathered = tokens * c if s.sp else 0
+    mask = (_residual_mask(config, s), 0, 2 * s.b * s.t_r * c * s.a)
     return [
+        mask,
         _linear_node(s, leaves + c * s.hidden * copies, c, s.hidden, bias, tokens * c, hidden, True),
         (mlp - leaves, 0, (2 * k - 1) * _up(hidden, LANES) * s.a),
         _linear_node(s, _column_inputs(s, k) + k * s.hidden * c * copies, k * s.hidden, c, bias,
                      k * hidden + regathered, tokens * c, False, exchange(config, s, "hidden")),
         norm,
+        mask,
         _linear_node(s, tokens * s.h * s.d * s.a + c * s.h * s.d * copies, c, s.h * s.d, bias, tokens * c,
                      tokens * s.h * s.d, True),
-        (attention, 0, _attention_working(s)),
+        (attention, 0, _attention_working(config, s)),
         _linear_node(s, _column_inputs(s, 1) + rows * c * copies, rows, c, bias, tokens * rows + regathered,
                      tokens * c, False, exchange(config, s, "qkv")),
         norm,

@@ -119,16 +119,14 @@ def check_where(config: GPTConfig, layout: Layout, stage: int, device_type: str)
         raise ValueError(f"device_type must be one of {DEVICE_TYPES}, got {device_type!r}")
     if not 0 <= stage < layout.pp:
         raise ValueError(f"stage {stage} is out of range for pp {layout.pp}")
-    if layout.numerics is not None and config.dropout:  # see layers.plan_bitwise
-        raise ValueError(f"the plan counts the bitwise mode without dropout, got dropout={config.dropout}: its "
-                         "attention then keeps each head's inputs and probabilities apart, which are not counted")
 
 
 def dropout_mask(s: Shapes, elements: int, dtype_bytes: int, dropout: float, device_type: str) -> int:
-    """A dropout mask of ``elements``: the noise in the input's dtype on the CPU, bool on CUDA."""
+    """A dropout mask of ``elements``: the noise in the input's dtype on the CPU, bool on CUDA; bool in the
+    bitwise mode with sequence parallelism (this rank's tokens of one draw for the whole sequence, compared)."""
     if dropout == 0:
         return 0
-    return elements * (dtype_bytes if device_type == "cpu" else 1)
+    return elements * (dtype_bytes if device_type == "cpu" and not (s.mode is not None and s.sp) else 1)
 
 
 def norm_bias(config: GPTConfig) -> bool:
