@@ -123,7 +123,9 @@ def transient_bytes(config: GPTConfig, layout: Layout, *, tp_rank: int = 0, stag
     check_where(config, layout, stage, device_type)
     s = shapes_of(config, layout, tp_rank)
     found = [_communication(s)]
-    if config.dropout and device_type == "cpu":  # the scores before the softmax
+    if s.mode is not None:  # attention with dropout drawing its mask (the noise of every head), a head's scores
+        found.append(bitwise.dropped_transient(config, s))
+    elif config.dropout and device_type == "cpu":  # the scores before the softmax
         found.append(s.b * s.h * s.t * s.t * max(4, s.a))
     if stage == layout.pp - 1:
         found += [_forward_transient(s), _head_backward_transient(s)]
