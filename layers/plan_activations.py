@@ -180,7 +180,7 @@ def peak_bytes(config: GPTConfig, layout: Layout, *, params: int, grads: int, op
     s = shapes_of(config, layout, tp_rank)
     last = stage == layout.pp - 1
     sizes = stage_sizes(config.n_layer, layout, stage)
-    state, stream = generator_states(config, device_type)
+    state, stream = generator_states(config, device_type, s.mode is not None)
     batch = 16 * s.b * s.t * layout.microbatches + stream  # int64 ids and targets of the step; the tp stream
     interleaved = layout.pp > 1 and layout.schedule == "interleaved"
 

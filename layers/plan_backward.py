@@ -124,7 +124,7 @@ def backward_peak(config: GPTConfig, layout: Layout, s: Shapes, stage: int, devi
     nodes: list[Node] = head(config, s) if stage == layout.pp - 1 else []
     block = block_steps(config, s, device_type)
     if layout.activation_checkpointing:  # the block's forward again, the generators' states noted and replayed
-        state, stream = generator_states(config, device_type)
+        state, stream = generator_states(config, device_type, s.mode is not None)
         recomputed = sum(n[0] for n in block)
         # the recomputation's own transients: a row map's partial sums, the residual stream's sum, the gathered
         # tokens of the column regions (held with the recomputed graph, dropped with it); and the states: fork_rng's

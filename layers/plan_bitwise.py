@@ -55,10 +55,24 @@ def _up(n: int, multiple: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _one_segment(size: int, tp: int, rank: int, tp_sizes: tuple[int, ...]) -> bool:
-    """Whether a rank's balanced shard of ``size`` features is one canonical segment at the mode's tp sizes."""
+def _leaf_pieces(size: int, tp: int, rank: int, tp_sizes: tuple[int, ...]) -> tuple[tuple[Piece, ...], ...]:
+    """The ``(local offset, length)`` pieces of each of this rank's leaves of its balanced shard of ``size``
+    features at the mode's tp sizes."""
     placed = placed_split(lambda t, r: [partition_bounds(size, t, r)], size, tp, rank, tp_sizes)
-    return len(placed.local) == 1
+    return tuple(placed.pieces(leaf) for leaf in placed.mine)
+
+
+def _leaf_copies(s: Shapes, size: int, rows: int, storage: int) -> int:
+    """Bytes of the copies of its input that a row map of ``size`` full features keeps, one per leaf of ``rows``
+    rows (``a`` bytes an element), read from a fresh tensor of ``storage`` bytes: a leaf of one piece that is
+    contiguous (the whole width, or one row) and aligned is a view of that tensor instead, held whole."""
+    assert s.mode is not None
+    leaves = _leaf_pieces(size, s.tp, s.rank, s.mode.tp_sizes)
+    width = sum(n for pieces in leaves for _, n in pieces)
+    viewed = [len(pieces) == 1 and (rows == 1 or pieces[0][1] == width) and pieces[0][0] * s.a % ALIGNMENT["cpu"] == 0
+              for pieces in leaves]
+    copied = sum(n for pieces, view in zip(leaves, viewed, strict=True) if not view for _, n in pieces)
+    return (storage if any(viewed) else 0) + rows * copied * s.a
 
 
 def _qkv_pieces(n_head: int, n_kv: int, d: int, queries_only: bool) -> Callable[[int, int], list[Piece]]:
@@ -191,11 +205,9 @@ def _mlp_saved(config: GPTConfig, s: Shapes) -> int:
     """The activation's and the row map's saved bytes of one MLP (its column maps' inputs apart)."""
     n = s.b * s.t * s.hidden
     padded = _up(n, LANES) * s.a
-    assert s.mode is not None
-    whole = _one_segment(config.mlp_hidden, s.tp, s.rank, s.mode.tp_sizes)
     if config.mlp == "swiglu":  # SiLU's padded input and output, the up projection, the product's leaves
-        return 2 * padded + 2 * n * s.a
-    return padded + (padded if whole else n * s.a)  # GELU's padded input; its output, or its leaves' copies
+        return 2 * padded + n * s.a + _leaf_copies(s, config.mlp_hidden, s.b * s.t, n * s.a)
+    return padded + _leaf_copies(s, config.mlp_hidden, s.b * s.t, padded)  # GELU's padded input, its output's leaves
 
 
 def block_saved(config: GPTConfig, s: Shapes) -> int:

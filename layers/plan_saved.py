@@ -55,11 +55,12 @@ DEVICE_TYPES = ("cpu", "cuda")
 CPU_RNG_STATE_BYTES = 5056
 
 
-def generator_states(config: GPTConfig, device_type: str) -> tuple[int, int]:
+def generator_states(config: GPTConfig, device_type: str, bitwise: bool = False) -> tuple[int, int]:
     """Bytes of ``(a generator state, the tp stream's state)`` in ``device_type``'s memory: the stream has
-    one once a dropout has drawn from it."""
+    one once a dropout has drawn from it (never in the ``bitwise`` mode, whose dropouts draw one mask for
+    every tp from the default generator)."""
     state = CPU_RNG_STATE_BYTES if device_type == "cpu" else 0
-    return state, state if config.dropout else 0
+    return state, state if config.dropout and not bitwise else 0
 
 
 def _itemsize(name: str | None, what: str) -> int:
