@@ -10,8 +10,8 @@ The mode computes by canonical segments, with fixed shapes, and saves other tens
 * a column map keeps its input: the tokens as the default keeps them (``p·N_r·C`` with sequence parallelism,
   gathered again in backward, else ``p·N·C``, shared by the maps of one region), but under autocast each map
   casts its gathered input itself, ``a·N·C`` each; a row map keeps its input as one copy per leaf of its
-  segments, ``a·N·(its input features)`` in all (a rank holding one segment keeps the input itself, the
-  activation's output over ``⌈N·H⌉₆₄`` elements);
+  segments, ``a·N·(its input features)`` in all (a leaf of one segment that is contiguous, the rank's whole
+  width or one token row, and aligned is a view instead: the activation's output over ``⌈N·H⌉₆₄`` elements);
 * the activations run on flat tensors padded to a multiple of 64 elements: GELU or SiLU keep that padded
   input ``a·⌈N·H⌉₆₄`` (SwiGLU's product also SiLU's padded output and the up projection ``a·N·H``);
 * attention reads its keys in blocks of ``key_block`` slots (``S``: that rounded up to a multiple of 8), each
@@ -20,11 +20,17 @@ The mode computes by canonical segments, with fixed shapes, and saves other tens
   scores ``w·B·h'·R·S``, their exponentials as many, their maximum ``w·B·h'·R`` and the mask ``R·S``; once
   the queries and the output ``2·w·B·h'·R·d'``, the sum of the exponentials ``w·B·h'·R`` and the running
   maximum of each key block after the second; rotary positions keep only their table;
+* with dropout, attention runs one head at a time in its dtype ``a``, its mask drawn from the default generator
+  for every head of the model (``4·B·n_head·T·T`` of noise, held while it is compared), of which the rank keeps
+  its heads' ``B·h·T·T`` (bool): each head keeps its query, key and value ``3·a·B·T·d`` (copies; views of a
+  fresh tensor where ``B`` is 1 and the head's block is aligned), its causal mask ``T·T`` (bool), its
+  probabilities and the dropped ones ``2·a·B·T·T`` and its part of the mask; the attention's and the MLP's
+  output dropouts keep their masks ``a·N_r·C`` (bool with sequence parallelism: one draw for the whole
+  sequence, this rank's tokens compared), the embedding's ``p·N_r·C`` (likewise); no tp stream is forked;
 * under autocast every map casts its weight each call: one copy per micro-batch of every matmul weight;
 * the loss is the vocab-parallel cross-entropy at every tp, 1 included.
 
-Counted for the CPU with one thread per rank (``Bitwise.threads``, as ``enable`` sets it) and no dropout:
-the plan refuses the mode with dropout (its attention then keeps every head's inputs and probabilities apart).
+Counted for the CPU with one thread per rank (``Bitwise.threads``, as ``enable`` sets it).
 """
 
 from __future__ import annotations
