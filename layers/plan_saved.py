@@ -93,6 +93,7 @@ class Shapes:
     sp: bool
     rank: int = 0  # this rank's index in its tp group
     mode: Bitwise | None = None  # the bitwise mode the layers are built in (None: the default numerics)
+    sp_built: bool = False  # the layers built for sequence parallelism (at tp 1 too, where ``sp`` is False)
 
 
 def shapes_of(config: GPTConfig, layout: Layout, tp_rank: int) -> Shapes:
@@ -112,7 +113,8 @@ def shapes_of(config: GPTConfig, layout: Layout, tp_rank: int) -> Shapes:
                    h_read=len(heads.query) if heads.group_size is None else len(heads.kv_reads),
                    hidden=partition_sizes(config.mlp_hidden, tp)[tp_rank],
                    vocab=partition_sizes(config.vocab_size, tp, name="vocab_size")[tp_rank], tp=tp, p=p, a=a,
-                   autocast=layout.autocast is not None, sp=sp, rank=tp_rank, mode=layout.numerics)
+                   autocast=layout.autocast is not None, sp=sp, rank=tp_rank, mode=layout.numerics,
+                   sp_built=layout.sequence_parallel)
 
 
 def check_where(config: GPTConfig, layout: Layout, stage: int, device_type: str) -> None:
@@ -127,7 +129,7 @@ def dropout_mask(s: Shapes, elements: int, dtype_bytes: int, dropout: float, dev
     bitwise mode with sequence parallelism (this rank's tokens of one draw for the whole sequence, compared)."""
     if dropout == 0:
         return 0
-    return elements * (dtype_bytes if device_type == "cpu" and not (s.mode is not None and s.sp) else 1)
+    return elements * (dtype_bytes if device_type == "cpu" and not (s.mode is not None and s.sp_built) else 1)
 
 
 def norm_bias(config: GPTConfig) -> bool:
