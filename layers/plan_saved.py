@@ -178,9 +178,10 @@ def attention_saved(s: Shapes, dropout: float, device_type: str) -> int:
 def _padded_tokens(config: GPTConfig, s: Shapes) -> int:
     """The bytes beyond this rank's tokens of the embedding's reduce-scatter output, which the first block
     keeps: uneven shards travel padded to the largest, and this rank's tokens are a view of its padded
-    buffer, unless a dropout copied them."""
+    buffer, unless a dropout copied them (the default's leaves no tokens as they are; the bitwise mode's
+    multiplies even those)."""
     most = sequence_sizes(s.t, s.tp)[0]
-    if not s.sp or s.t_r == most or (config.dropout and s.t_r):
+    if not s.sp or s.t_r == most or (config.dropout and (s.t_r or s.mode is not None)):
         return 0
     return s.b * (most - s.t_r) * s.c * s.p
 
