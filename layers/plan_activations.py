@@ -206,10 +206,13 @@ def peak_bytes(config: GPTConfig, layout: Layout, *, params: int, grads: int, op
         if stream:  # the forward's last fork of the tp stream as it ends: the states outside it and after it
             forward_end = max(forward_end, held + earlier + 2 * stream
                               - _saved_after_last_fork(config, layout, s, stage, device_type))
-        if s.mode is not None:  # a row map's tree sum exchanging its partial sums, or attention drawing its mask
-            rows = max(bitwise.exchange(config, s, "query"), bitwise.exchange(config, s, "hidden"),
-                       bitwise.dropped_transient(config, s))  # the head and loss yet to run
+        if s.mode is not None:  # a row map's tree sum exchanging its partial sums, the head and loss yet to run
+            rows = max(bitwise.exchange(config, s, "query"), bitwise.exchange(config, s, "hidden"))
             forward_end = max(forward_end, held + earlier + rows - (bitwise.head_saved(config, s) if last else 0))
+            # or the last attention's noise, its MLP half yet to run
+            noise = bitwise.dropped_transient(config, s) - (0 if layout.activation_checkpointing
+                                                            else bitwise.mlp_half(config, s))
+            forward_end = max(forward_end, held + earlier + noise - (bitwise.head_saved(config, s) if last else 0))
         return max(forward_end, held + earlier + backward_peak(config, layout, s, stage, device_type,
                                                                  accumulating=bool(earlier)))
 

@@ -131,11 +131,13 @@ def backward_peak(config: GPTConfig, layout: Layout, s: Shapes, stage: int, devi
         # note of the live generator, the tp stream's live state noted, inside a dropout's fork the state outside it
         ahead = s.b * s.t * s.c * s.a + s.b * s.t_r * s.c * s.p + (2 * s.b * s.t * s.c * s.a if s.sp else 0)
         if s.mode is not None:  # or a row map's tree sum exchanging its partial sums, on most of the block
-            ahead = max(ahead, bitwise.exchange(config, s, "query"), bitwise.exchange(config, s, "hidden"),
-                        bitwise.dropped_transient(config, s))
+            ahead = max(ahead, bitwise.exchange(config, s, "query"), bitwise.exchange(config, s, "hidden"))
         # all on top of the recomputed activations as the recomputation ends, the stream's state put back; or
         # as its last fork ends (the states outside it and after it too), before the rest of the block
         ended = recomputed + ahead + state + 2 * stream
+        if s.mode is not None:  # the attention's noise, before the MLP half is recomputed
+            ended = max(ended, recomputed - bitwise.mlp_half(config, s) + bitwise.dropped_transient(config, s)
+                        + state + 2 * stream)
         if stream:
             ended = max(ended, recomputed - block_after_last_fork(config, s, device_type) + ahead + state + 3 * stream)
         # after the block's backward its input and the states its checkpoint noted at the forward go

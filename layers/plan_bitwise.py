@@ -224,6 +224,12 @@ def block_saved(config: GPTConfig, s: Shapes) -> int:
             + 2 * _residual_mask(config, s))
 
 
+def mlp_half(config: GPTConfig, s: Shapes) -> int:
+    """The saved bytes of a block after its attention: the second norm's, the MLP's and their dropout's."""
+    k = 2 if config.mlp == "swiglu" else 1
+    return norm_saved(s, config) + _column_inputs(s, k) + _mlp_saved(config, s) + _residual_mask(config, s)
+
+
 def _residual_mask(config: GPTConfig, s: Shapes) -> int:
     """The mask of the attention's or the MLP's output dropout: of this rank's tokens, ``a`` bytes an element
     (``x * noise``), or bool with sequence parallelism (this rank's tokens of one draw, compared)."""
