@@ -68,12 +68,21 @@ def _leaf_pieces(size: int, tp: int, rank: int, tp_sizes: tuple[int, ...]) -> tu
     return tuple(placed.pieces(leaf) for leaf in placed.mine)
 
 
-def _leaf_copies(s: Shapes, size: int, rows: int, storage: int) -> int:
+@functools.lru_cache(maxsize=256)
+def _query_leaf_pieces(n_head: int, n_kv: int, d: int, tp: int, rank: int, tp_sizes: tuple[int, ...]
+                       ) -> tuple[tuple[Piece, ...], ...]:
+    """The pieces of each of this rank's leaves of its query features (the output projection's input)."""
+    placed = placed_split(_qkv_pieces(n_head, n_kv, d, True), n_head * d, tp, rank, tp_sizes)
+    return tuple(placed.pieces(leaf) for leaf in placed.mine)
+
+
+def _leaf_copies(s: Shapes, size: int, rows: int, storage: int,
+                 leaves: tuple[tuple[Piece, ...], ...] | None = None) -> int:
     """Bytes of the copies of its input that a row map of ``size`` full features keeps, one per leaf of ``rows``
     rows (``a`` bytes an element), read from a fresh tensor of ``storage`` bytes: a leaf of one piece that is
     contiguous (the whole width, or one row) and aligned is a view of that tensor instead, held whole."""
     assert s.mode is not None
-    leaves = _leaf_pieces(size, s.tp, s.rank, s.mode.tp_sizes)
+    leaves = _leaf_pieces(size, s.tp, s.rank, s.mode.tp_sizes) if leaves is None else leaves
     width = sum(n for pieces in leaves for _, n in pieces)
     viewed = [len(pieces) == 1 and (rows == 1 or pieces[0][1] == width) and pieces[0][0] * s.a % ALIGNMENT["cpu"] == 0
               for pieces in leaves]
@@ -157,9 +166,28 @@ def _dropped_saved(config: GPTConfig, s: Shapes) -> int:
     t, d = s.t, s.d
     rope = config.positions == "rope"
     expanded = config.kv_heads != config.n_head  # each query head's own copy of its KV head (fresh)
-    qkv = _head_blocks(s, s.b * t * d, s.a, rope) + _head_blocks(s, s.b * t * d, s.a, rope or expanded) \
-        + _head_blocks(s, s.b * t * d, s.a, expanded)
+    one = s.b * t == 1  # one token: the heads of [Q|K|V] itself are contiguous, views of it where aligned
+    qkv, viewed = 0, False
+    for fresh, start in ((rope, 0), (rope or expanded, s.h * d), (expanded, (s.h + s.h_kv) * d)):
+        if fresh or not one:
+            qkv += _head_blocks(s, s.b * t * d, s.a, fresh)
+            continue
+        aligned = [(start + j * d) * s.a % ALIGNMENT["cpu"] == 0 for j in range(s.h)]
+        qkv += aligned.count(False) * d * s.a
+        viewed = viewed or any(aligned)
+    qkv += (s.h + 2 * s.h_kv) * d * s.a if viewed else 0
     return qkv + s.h * t * t + 2 * s.h * s.b * t * t * s.a + _head_blocks(s, s.b * t * t, 1, True)
+
+
+def _projection_input(config: GPTConfig, s: Shapes) -> int:
+    """The output projection's saved input, a copy per leaf of the query features (with dropout the heads'
+    output is a fresh tensor, of which one token's leaves are views where aligned)."""
+    n = s.b * s.t * s.h * s.d * s.a
+    if not config.dropout:
+        return n
+    assert s.mode is not None
+    leaves = _query_leaf_pieces(config.n_head, config.kv_heads, s.d, s.tp, s.rank, s.mode.tp_sizes)
+    return _leaf_copies(s, config.n_head * s.d, s.b * s.t, n, leaves)
 
 
 def dropped_transient(config: GPTConfig, s: Shapes) -> int:
@@ -220,7 +248,7 @@ def block_saved(config: GPTConfig, s: Shapes) -> int:
     """One block's saved bytes for one micro-batch, weight copies apart."""
     k = 2 if config.mlp == "swiglu" else 1
     return (2 * norm_saved(s, config) + _column_inputs(s, 1) + _column_inputs(s, k) + attention_saved(config, s)
-            + _rotary_table(config, s) + s.b * s.t * s.h * s.d * s.a + _mlp_saved(config, s)
+            + _rotary_table(config, s) + _projection_input(config, s) + _mlp_saved(config, s)
             + 2 * _residual_mask(config, s))
 
 
@@ -302,7 +330,7 @@ def block_nodes(config: GPTConfig, s: Shapes, device_type: str = "cpu") -> list[
                      k * hidden + regathered, tokens * c, False, exchange(config, s, "hidden")),
         norm,
         mask,
-        _linear_node(s, tokens * s.h * s.d * s.a + c * s.h * s.d * copies, c, s.h * s.d, bias, tokens * c,
+        _linear_node(s, _projection_input(config, s) + c * s.h * s.d * copies, c, s.h * s.d, bias, tokens * c,
                      tokens * s.h * s.d, True),
         (attention, 0, _attention_working(config, s)),
         _linear_node(s, _column_inputs(s, 1) + rows * c * copies, rows, c, bias, tokens * rows + regathered,
