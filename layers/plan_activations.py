@@ -123,7 +123,9 @@ def transient_bytes(config: GPTConfig, layout: Layout, *, tp_rank: int = 0, stag
     check_where(config, layout, stage, device_type)
     s = shapes_of(config, layout, tp_rank)
     found = [_communication(s)]
-    if config.dropout and device_type == "cpu":  # the scores before the softmax
+    if s.mode is not None:  # attention with dropout drawing its mask (the noise of every head), a head's scores
+        found.append(bitwise.dropped_transient(config, s))
+    elif config.dropout and device_type == "cpu":  # the scores before the softmax
         found.append(s.b * s.h * s.t * s.t * max(4, s.a))
     if stage == layout.pp - 1:
         found += [_forward_transient(s), _head_backward_transient(s)]
@@ -178,7 +180,7 @@ def peak_bytes(config: GPTConfig, layout: Layout, *, params: int, grads: int, op
     s = shapes_of(config, layout, tp_rank)
     last = stage == layout.pp - 1
     sizes = stage_sizes(config.n_layer, layout, stage)
-    state, stream = generator_states(config, device_type)
+    state, stream = generator_states(config, device_type, s.mode is not None)
     batch = 16 * s.b * s.t * layout.microbatches + stream  # int64 ids and targets of the step; the tp stream
     interleaved = layout.pp > 1 and layout.schedule == "interleaved"
 
@@ -188,7 +190,7 @@ def peak_bytes(config: GPTConfig, layout: Layout, *, params: int, grads: int, op
         if layout.activation_checkpointing:  # the generator states each checkpointed block notes at its forward
             acts += blocks * (state + stream)
         elif s.mode is not None:  # saved, but let go as the forward ends
-            acts -= blocks * bitwise.attention_unheld(s)
+            acts -= blocks * bitwise.attention_unheld(config, s)
         # the gradients (set to None before the step) made by a micro-batch's backward while others are still to
         # run forward with as many in flight (1F1B's steady state, accumulation); GPipe's backwards all come
         # after; interleaved 1F1B: those of the stages that ran a backward (more forwards run than held)
@@ -207,6 +209,10 @@ def peak_bytes(config: GPTConfig, layout: Layout, *, params: int, grads: int, op
         if s.mode is not None:  # a row map's tree sum exchanging its partial sums, the head and loss yet to run
             rows = max(bitwise.exchange(config, s, "query"), bitwise.exchange(config, s, "hidden"))
             forward_end = max(forward_end, held + earlier + rows - (bitwise.head_saved(config, s) if last else 0))
+            # or the last attention's noise, its MLP half yet to run
+            noise = bitwise.dropped_transient(config, s) - (0 if layout.activation_checkpointing
+                                                            else bitwise.mlp_half(config, s))
+            forward_end = max(forward_end, held + earlier + noise - (bitwise.head_saved(config, s) if last else 0))
         return max(forward_end, held + earlier + backward_peak(config, layout, s, stage, device_type,
                                                                  accumulating=bool(earlier)))
 

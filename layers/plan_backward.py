@@ -124,19 +124,23 @@ def backward_peak(config: GPTConfig, layout: Layout, s: Shapes, stage: int, devi
     nodes: list[Node] = head(config, s) if stage == layout.pp - 1 else []
     block = block_steps(config, s, device_type)
     if layout.activation_checkpointing:  # the block's forward again, the generators' states noted and replayed
-        state, stream = generator_states(config, device_type)
+        state, stream = generator_states(config, device_type, s.mode is not None)
         recomputed = sum(n[0] for n in block)
         # the recomputation's own transients: a row map's partial sums, the residual stream's sum, the gathered
         # tokens of the column regions (held with the recomputed graph, dropped with it); and the states: fork_rng's
         # note of the live generator, the tp stream's live state noted, inside a dropout's fork the state outside it
         ahead = s.b * s.t * s.c * s.a + s.b * s.t_r * s.c * s.p + (2 * s.b * s.t * s.c * s.a if s.sp else 0)
         if s.mode is not None:  # or a row map's tree sum exchanging its partial sums, on most of the block, or
-            # what attention's forward holds beyond its saved bytes (scores backward never reads, shifted scores)
+            # what attention's forward holds beyond its saved bytes (scores backward never reads, shifted scores),
+            # or the MLP's row map's padded operands and products
             ahead = max(ahead, bitwise.exchange(config, s, "query"), bitwise.exchange(config, s, "hidden"),
-                        bitwise.attention_forward_extra(s))
+                        bitwise.attention_forward_extra(config, s), bitwise.row_forward(config, s))
         # all on top of the recomputed activations as the recomputation ends, the stream's state put back; or
         # as its last fork ends (the states outside it and after it too), before the rest of the block
         ended = recomputed + ahead + state + 2 * stream
+        if s.mode is not None:  # the attention's noise, before the MLP half is recomputed
+            ended = max(ended, recomputed - bitwise.mlp_half(config, s) + bitwise.dropped_transient(config, s)
+                        + state + 2 * stream)
         if stream:
             ended = max(ended, recomputed - block_after_last_fork(config, s, device_type) + ahead + state + 3 * stream)
         # after the block's backward its input and the states its checkpoint noted at the forward go

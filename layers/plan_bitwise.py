@@ -10,8 +10,8 @@ The mode computes by canonical segments, with fixed shapes, and saves other tens
 * a column map keeps its input: the tokens as the default keeps them (``p·N_r·C`` with sequence parallelism,
   gathered again in backward, else ``p·N·C``, shared by the maps of one region), but under autocast each map
   casts its gathered input itself, ``a·N·C`` each; a row map keeps its input as one copy per leaf of its
-  segments, ``a·N·(its input features)`` in all (a rank holding one segment keeps the input itself, the
-  activation's output over ``⌈N·H⌉₆₄`` elements);
+  segments, ``a·N·(its input features)`` in all (a leaf of one segment that is contiguous, the rank's whole
+  width or one token row, and aligned is a view instead: the activation's output over ``⌈N·H⌉₆₄`` elements);
 * the activations run on flat tensors padded to a multiple of 64 elements: GELU or SiLU keep that padded
   input ``a·⌈N·H⌉₆₄`` (SwiGLU's product also SiLU's padded output and the up projection ``a·N·H``);
 * attention reads its keys in blocks of ``key_block`` slots (``S``: that rounded up to a multiple of 8), each
@@ -20,11 +20,17 @@ The mode computes by canonical segments, with fixed shapes, and saves other tens
   scores ``w·B·h'·R·S``, their exponentials as many, their maximum ``w·B·h'·R`` and the mask ``R·S``; once
   the queries and the output ``2·w·B·h'·R·d'``, the sum of the exponentials ``w·B·h'·R`` and the running
   maximum of each key block after the second; rotary positions keep only their table;
+* with dropout, attention runs one head at a time in its dtype ``a``, its mask drawn from the default generator
+  for every head of the model (``4·B·n_head·T·T`` of noise, held while it is compared), of which the rank keeps
+  its heads' ``B·h·T·T`` (bool): each head keeps its query, key and value ``3·a·B·T·d`` (copies; views of a
+  fresh tensor where ``B`` is 1 and the head's block is aligned), its causal mask ``T·T`` (bool), its
+  probabilities and the dropped ones ``2·a·B·T·T`` and its part of the mask; the attention's and the MLP's
+  output dropouts keep their masks ``a·N_r·C`` (bool with sequence parallelism: one draw for the whole
+  sequence, this rank's tokens compared), the embedding's ``p·N_r·C`` (likewise); no tp stream is forked;
 * under autocast every map casts its weight each call: one copy per micro-batch of every matmul weight;
 * the loss is the vocab-parallel cross-entropy at every tp, 1 included.
 
-Counted for the CPU with one thread per rank (``Bitwise.threads``, as ``enable`` sets it) and no dropout:
-the plan refuses the mode with dropout (its attention then keeps every head's inputs and probabilities apart).
+Counted for the CPU with one thread per rank (``Bitwise.threads``, as ``enable`` sets it).
 """
 
 from __future__ import annotations
@@ -32,13 +38,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+from tensorpar.bitwise.linear import ALIGNMENT
 from tensorpar.bitwise.segments import Piece, placed_split, placed_vocabulary
 from tensorpar.comm.sequence import sequence_sizes
 from tensorpar.sharding import partition_bounds
 
 from .config import GPTConfig
 from .heads import head_layout
-from .plan_saved import Shapes, loss_itemsize, norm_bias
+from .plan_saved import Shapes, dropout_mask, loss_itemsize, norm_bias
 
 #: attention's widths are padded to a multiple of this, its queries to at least this many rows
 #: (:data:`tensorpar.bitwise.linear.WIDTH_MULTIPLE`, :data:`~tensorpar.bitwise.linear.MIN_ROWS`)
@@ -54,10 +61,33 @@ def _up(n: int, multiple: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _one_segment(size: int, tp: int, rank: int, tp_sizes: tuple[int, ...]) -> bool:
-    """Whether a rank's balanced shard of ``size`` features is one canonical segment at the mode's tp sizes."""
+def _leaf_pieces(size: int, tp: int, rank: int, tp_sizes: tuple[int, ...]) -> tuple[tuple[Piece, ...], ...]:
+    """The ``(local offset, length)`` pieces of each of this rank's leaves of its balanced shard of ``size``
+    features at the mode's tp sizes."""
     placed = placed_split(lambda t, r: [partition_bounds(size, t, r)], size, tp, rank, tp_sizes)
-    return len(placed.local) == 1
+    return tuple(placed.pieces(leaf) for leaf in placed.mine)
+
+
+@functools.lru_cache(maxsize=256)
+def _query_leaf_pieces(n_head: int, n_kv: int, d: int, tp: int, rank: int, tp_sizes: tuple[int, ...]
+                       ) -> tuple[tuple[Piece, ...], ...]:
+    """The pieces of each of this rank's leaves of its query features (the output projection's input)."""
+    placed = placed_split(_qkv_pieces(n_head, n_kv, d, True), n_head * d, tp, rank, tp_sizes)
+    return tuple(placed.pieces(leaf) for leaf in placed.mine)
+
+
+def _leaf_copies(s: Shapes, size: int, rows: int, storage: int,
+                 leaves: tuple[tuple[Piece, ...], ...] | None = None) -> int:
+    """Bytes of the copies of its input that a row map of ``size`` full features keeps, one per leaf of ``rows``
+    rows (``a`` bytes an element), read from a fresh tensor of ``storage`` bytes: a leaf of one piece that is
+    contiguous (the whole width, or one row) and aligned is a view of that tensor instead, held whole."""
+    assert s.mode is not None
+    leaves = _leaf_pieces(size, s.tp, s.rank, s.mode.tp_sizes) if leaves is None else leaves
+    width = sum(n for pieces in leaves for _, n in pieces)
+    viewed = [len(pieces) == 1 and (rows == 1 or pieces[0][1] == width) and pieces[0][0] * s.a % ALIGNMENT["cpu"] == 0
+              for pieces in leaves]
+    copied = sum(n for pieces, view in zip(leaves, viewed, strict=True) if not view for _, n in pieces)
+    return (storage if any(viewed) else 0) + rows * copied * s.a
 
 
 def _qkv_pieces(n_head: int, n_kv: int, d: int, queries_only: bool) -> Callable[[int, int], list[Piece]]:
@@ -119,8 +149,59 @@ def _attention_sizes(s: Shapes) -> tuple[int, int, int, int, int, int]:
             -(-s.t // s.mode.key_block))
 
 
-def attention_saved(s: Shapes) -> int:
-    """The attention by key blocks' saved bytes (see the module's docstring)."""
+def _head_blocks(s: Shapes, per_head: int, itemsize: int, fresh: bool) -> int:
+    """Bytes of the per-head blocks that attention with dropout hands each head (:func:`~tensorpar.bitwise.linear.
+    blockwise`): a copy of each head's ``per_head`` elements, except where a block of a fresh ``(B, h, ...)`` tensor
+    is contiguous (``B == 1``) and aligned: then a view of that tensor, held whole."""
+    if not (fresh and s.b == 1):
+        return s.h * per_head * itemsize
+    copied = sum(1 for j in range(1, s.h) if j * per_head * itemsize % ALIGNMENT["cpu"])
+    return (s.h + copied) * per_head * itemsize
+
+
+def _dropped_saved(config: GPTConfig, s: Shapes) -> int:
+    """Attention with dropout, one head at a time (``a``: its dtype): each head's query, key and value
+    ``3·a·B·T·d`` (copies, or views of fresh tensors), its causal mask ``T·T`` (bool), its probabilities and
+    the dropped probabilities ``2·a·B·T·T``, its part of the mask ``B·T·T`` (bool)."""
+    t, d = s.t, s.d
+    rope = config.positions == "rope"
+    expanded = config.kv_heads != config.n_head  # each query head's own copy of its KV head (fresh)
+    one = s.b * t == 1  # one token: the heads of [Q|K|V] itself are contiguous, views of it where aligned
+    qkv, viewed = 0, False
+    for fresh, start in ((rope, 0), (rope or expanded, s.h * d), (expanded, (s.h + s.h_kv) * d)):
+        if fresh or not one:
+            qkv += _head_blocks(s, s.b * t * d, s.a, fresh)
+            continue
+        aligned = [(start + j * d) * s.a % ALIGNMENT["cpu"] == 0 for j in range(s.h)]
+        qkv += aligned.count(False) * d * s.a
+        viewed = viewed or any(aligned)
+    qkv += (s.h + 2 * s.h_kv) * d * s.a if viewed else 0
+    return qkv + s.h * t * t + 2 * s.h * s.b * t * t * s.a + _head_blocks(s, s.b * t * t, 1, True)
+
+
+def _projection_input(config: GPTConfig, s: Shapes) -> int:
+    """The output projection's saved input, a copy per leaf of the query features (with dropout the heads'
+    output is a fresh tensor, of which one token's leaves are views where aligned)."""
+    n = s.b * s.t * s.h * s.d * s.a
+    if not config.dropout:
+        return n
+    assert s.mode is not None
+    leaves = _query_leaf_pieces(config.n_head, config.kv_heads, s.d, s.tp, s.rank, s.mode.tp_sizes)
+    return _leaf_copies(s, config.n_head * s.d, s.b * s.t, n, leaves)
+
+
+def dropped_transient(config: GPTConfig, s: Shapes) -> int:
+    """What attention with dropout holds only while it draws its mask: the noise for every head of the model
+    (float32), of which this rank keeps its heads', and one head's scores."""
+    if not config.dropout:
+        return 0
+    return s.b * config.n_head * s.t * s.t * 4 + 2 * s.b * s.t * s.t * s.a
+
+
+def attention_saved(config: GPTConfig, s: Shapes) -> int:
+    """The attention's saved bytes: by key blocks (see the module's docstring), or with dropout head by head."""
+    if config.dropout:
+        return _dropped_saved(config, s)
     w, rows, heads, width, slots, blocks = _attention_sizes(s)
     b = s.b
     per_block = 2 * b * heads * slots * width * w + rows * slots + 2 * b * heads * rows * slots * w \
@@ -129,24 +210,43 @@ def attention_saved(s: Shapes) -> int:
     return blocks * per_block + once
 
 
-def attention_unheld(s: Shapes) -> int:
-    """The saved bytes of attention that backward never reaches, let go as its forward ends: the scores and
-    maxima that the (detached) running maximum saved."""
+def attention_unheld(config: GPTConfig, s: Shapes) -> int:
+    """The saved bytes of attention that backward never reaches, let go as its forward ends: by key blocks the
+    scores and maxima that the (detached) running maximum saved; none with dropout."""
+    if config.dropout:
+        return 0
     w, rows, heads, _, slots, blocks = _attention_sizes(s)
     return blocks * s.b * heads * rows * (slots + 1) * w + max(0, blocks - 2) * s.b * heads * rows * w
 
 
-def attention_forward_extra(s: Shapes) -> int:
+def attention_forward_extra(config: GPTConfig, s: Shapes) -> int:
     """What attention's forward holds beyond what its backward reads, as a key block's exponentials are made:
     :func:`attention_unheld` and that block's shifted scores (a recomputation holds them over the block's
-    recomputed activations)."""
+    recomputed activations); with dropout, :func:`dropped_transient` instead."""
+    if config.dropout:
+        return 0
     w, rows, heads, _, slots, _ = _attention_sizes(s)
-    return attention_unheld(s) + s.b * heads * rows * slots * w
+    return attention_unheld(config, s) + s.b * heads * rows * slots * w
 
 
-def _attention_working(s: Shapes) -> int:
-    """What attention's backward holds at its fullest: a key block's score gradient and its sum's, the values'
-    gradient made as the values let go."""
+def row_forward(config: GPTConfig, s: Shapes) -> int:
+    """What the MLP's row map holds in its forward beyond its saved inputs: each leaf's weight columns padded to
+    a multiple of :data:`WIDTH`, each leaf's product of at least :data:`ROWS` rows until the tree sum adds it,
+    and one leaf's input padded as it is multiplied."""
+    assert s.mode is not None
+    widths = [sum(n for _, n in pieces) for pieces in _leaf_pieces(config.mlp_hidden, s.tp, s.rank,
+                                                                       s.mode.tp_sizes)]
+    rows = max(s.b * s.t, ROWS)
+    return sum(max(s.c, 2) * _up(n, WIDTH) * s.a + rows * s.c * s.a for n in widths) + rows * _up(
+        max(widths, default=0), WIDTH) * s.a
+
+
+def _attention_working(config: GPTConfig, s: Shapes) -> int:
+    """What attention's backward holds at its fullest: by key blocks a key block's score gradient and its sum's,
+    the values' gradient made as the values let go; with dropout a head's probability gradients and the
+    heads' query, key and value gradients, then joined."""
+    if config.dropout:
+        return 3 * s.b * s.t * s.t * s.a + 2 * 3 * s.b * s.h * s.t * s.d * s.a
     w, rows, heads, _, slots, _ = _attention_sizes(s)
     return 2 * s.b * heads * rows * slots * w
 
@@ -161,18 +261,29 @@ def _mlp_saved(config: GPTConfig, s: Shapes) -> int:
     """The activation's and the row map's saved bytes of one MLP (its column maps' inputs apart)."""
     n = s.b * s.t * s.hidden
     padded = _up(n, LANES) * s.a
-    assert s.mode is not None
-    whole = _one_segment(config.mlp_hidden, s.tp, s.rank, s.mode.tp_sizes)
     if config.mlp == "swiglu":  # SiLU's padded input and output, the up projection, the product's leaves
-        return 2 * padded + 2 * n * s.a
-    return padded + (padded if whole else n * s.a)  # GELU's padded input; its output, or its leaves' copies
+        return 2 * padded + n * s.a + _leaf_copies(s, config.mlp_hidden, s.b * s.t, n * s.a)
+    return padded + _leaf_copies(s, config.mlp_hidden, s.b * s.t, padded)  # GELU's padded input, its output's leaves
 
 
 def block_saved(config: GPTConfig, s: Shapes) -> int:
     """One block's saved bytes for one micro-batch, weight copies apart."""
     k = 2 if config.mlp == "swiglu" else 1
-    return (2 * norm_saved(s, config) + _column_inputs(s, 1) + _column_inputs(s, k) + attention_saved(s)
-            + _rotary_table(config, s) + s.b * s.t * s.h * s.d * s.a + _mlp_saved(config, s))
+    return (2 * norm_saved(s, config) + _column_inputs(s, 1) + _column_inputs(s, k) + attention_saved(config, s)
+            + _rotary_table(config, s) + _projection_input(config, s) + _mlp_saved(config, s)
+            + 2 * _residual_mask(config, s))
+
+
+def mlp_half(config: GPTConfig, s: Shapes) -> int:
+    """The saved bytes of a block after its attention: the second norm's, the MLP's and their dropout's."""
+    k = 2 if config.mlp == "swiglu" else 1
+    return norm_saved(s, config) + _column_inputs(s, k) + _mlp_saved(config, s) + _residual_mask(config, s)
+
+
+def _residual_mask(config: GPTConfig, s: Shapes) -> int:
+    """The mask of the attention's or the MLP's output dropout: of this rank's tokens, ``a`` bytes an element
+    (``x * noise``), or bool with sequence parallelism (this rank's tokens of one draw, compared)."""
+    return dropout_mask(s, s.b * s.t_r * s.c, s.a, config.dropout, "cpu")
 
 
 def weight_copies(config: GPTConfig, s: Shapes, blocks: int, last: bool) -> int:
@@ -230,17 +341,20 @@ def block_nodes(config: GPTConfig, s: Shapes, device_type: str = "cpu") -> list[
     mlp = _mlp_saved(config, s)
     leaves = mlp - (_up(hidden, LANES) * s.a if config.mlp == "gelu" else 3 * hidden * s.a)
     assert s.mode is not None
-    attention = attention_saved(s) - attention_unheld(s) + _rotary_table(config, s)
+    attention = attention_saved(config, s) - attention_unheld(config, s) + _rotary_table(config, s)
     regathered = tokens * c if s.sp else 0
+    mask = (_residual_mask(config, s), 0, 2 * s.b * s.t_r * c * s.a)
     return [
+        mask,
         _linear_node(s, leaves + c * s.hidden * copies, c, s.hidden, bias, tokens * c, hidden, True),
         (mlp - leaves, 0, (2 * k - 1) * _up(hidden, LANES) * s.a),
         _linear_node(s, _column_inputs(s, k) + k * s.hidden * c * copies, k * s.hidden, c, bias,
                      k * hidden + regathered, tokens * c, False, exchange(config, s, "hidden")),
         norm,
-        _linear_node(s, tokens * s.h * s.d * s.a + c * s.h * s.d * copies, c, s.h * s.d, bias, tokens * c,
+        mask,
+        _linear_node(s, _projection_input(config, s) + c * s.h * s.d * copies, c, s.h * s.d, bias, tokens * c,
                      tokens * s.h * s.d, True),
-        (attention, 0, _attention_working(s)),
+        (attention, 0, _attention_working(config, s)),
         _linear_node(s, _column_inputs(s, 1) + rows * c * copies, rows, c, bias, tokens * rows + regathered,
                      tokens * c, False, exchange(config, s, "qkv")),
         norm,

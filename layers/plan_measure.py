@@ -233,7 +233,7 @@ def measure_step(config: Any, micro_batch: int, seq_len: int, *, autocast: torch
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     with LiveBytes() as live:
         live.track([*model.parameters(), *state, idx, targets])
-        if config.dropout:  # the tp stream's state, made before: renewed under the mode (nothing drawn), counted
+        if config.dropout and tensorpar.current_bitwise() is None:  # the tp stream's state, made before, counted
             with tensorpar.random.tracker().fork():
                 pass
         loss = forward()

@@ -55,11 +55,12 @@ DEVICE_TYPES = ("cpu", "cuda")
 CPU_RNG_STATE_BYTES = 5056
 
 
-def generator_states(config: GPTConfig, device_type: str) -> tuple[int, int]:
+def generator_states(config: GPTConfig, device_type: str, bitwise: bool = False) -> tuple[int, int]:
     """Bytes of ``(a generator state, the tp stream's state)`` in ``device_type``'s memory: the stream has
-    one once a dropout has drawn from it."""
+    one once a dropout has drawn from it (never in the ``bitwise`` mode, whose dropouts draw one mask for
+    every tp from the default generator)."""
     state = CPU_RNG_STATE_BYTES if device_type == "cpu" else 0
-    return state, state if config.dropout else 0
+    return state, state if config.dropout and not bitwise else 0
 
 
 def _itemsize(name: str | None, what: str) -> int:
@@ -92,6 +93,7 @@ class Shapes:
     sp: bool
     rank: int = 0  # this rank's index in its tp group
     mode: Bitwise | None = None  # the bitwise mode the layers are built in (None: the default numerics)
+    sp_built: bool = False  # the layers built for sequence parallelism (at tp 1 too, where ``sp`` is False)
 
 
 def shapes_of(config: GPTConfig, layout: Layout, tp_rank: int) -> Shapes:
@@ -111,7 +113,8 @@ def shapes_of(config: GPTConfig, layout: Layout, tp_rank: int) -> Shapes:
                    h_read=len(heads.query) if heads.group_size is None else len(heads.kv_reads),
                    hidden=partition_sizes(config.mlp_hidden, tp)[tp_rank],
                    vocab=partition_sizes(config.vocab_size, tp, name="vocab_size")[tp_rank], tp=tp, p=p, a=a,
-                   autocast=layout.autocast is not None, sp=sp, rank=tp_rank, mode=layout.numerics)
+                   autocast=layout.autocast is not None, sp=sp, rank=tp_rank, mode=layout.numerics,
+                   sp_built=layout.sequence_parallel)
 
 
 def check_where(config: GPTConfig, layout: Layout, stage: int, device_type: str) -> None:
@@ -119,16 +122,14 @@ def check_where(config: GPTConfig, layout: Layout, stage: int, device_type: str)
         raise ValueError(f"device_type must be one of {DEVICE_TYPES}, got {device_type!r}")
     if not 0 <= stage < layout.pp:
         raise ValueError(f"stage {stage} is out of range for pp {layout.pp}")
-    if layout.numerics is not None and config.dropout:  # see layers.plan_bitwise
-        raise ValueError(f"the plan counts the bitwise mode without dropout, got dropout={config.dropout}: its "
-                         "attention then keeps each head's inputs and probabilities apart, which are not counted")
 
 
 def dropout_mask(s: Shapes, elements: int, dtype_bytes: int, dropout: float, device_type: str) -> int:
-    """A dropout mask of ``elements``: the noise in the input's dtype on the CPU, bool on CUDA."""
+    """A dropout mask of ``elements``: the noise in the input's dtype on the CPU, bool on CUDA; bool in the
+    bitwise mode with sequence parallelism (this rank's tokens of one draw for the whole sequence, compared)."""
     if dropout == 0:
         return 0
-    return elements * (dtype_bytes if device_type == "cpu" else 1)
+    return elements * (dtype_bytes if device_type == "cpu" and not (s.mode is not None and s.sp_built) else 1)
 
 
 def norm_bias(config: GPTConfig) -> bool:
@@ -177,9 +178,10 @@ def attention_saved(s: Shapes, dropout: float, device_type: str) -> int:
 def _padded_tokens(config: GPTConfig, s: Shapes) -> int:
     """The bytes beyond this rank's tokens of the embedding's reduce-scatter output, which the first block
     keeps: uneven shards travel padded to the largest, and this rank's tokens are a view of its padded
-    buffer, unless a dropout copied them."""
+    buffer, unless a dropout copied them (the default's leaves no tokens as they are; the bitwise mode's
+    multiplies even those)."""
     most = sequence_sizes(s.t, s.tp)[0]
-    if not s.sp or s.t_r == most or (config.dropout and s.t_r):
+    if not s.sp or s.t_r == most or (config.dropout and (s.t_r or s.mode is not None)):
         return 0
     return s.b * (most - s.t_r) * s.c * s.p
 

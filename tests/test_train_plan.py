@@ -101,6 +101,16 @@ def test_dry_run_json_is_the_plan_of_the_options_layout(monkeypatch, capsys, tmp
     assert not (tmp_path / "out").exists()
 
 
+def test_the_bitwise_mode_with_dropout_is_planned_and_checked(monkeypatch, capsys, tmp_path):
+    """--bitwise --dropout: the plan of that layout, dropout counted (a run's memory is checked like any other)."""
+    script_main(monkeypatch)(["--tp=3", "--bitwise", "--dropout=0.1", "--dry-run", "--json", f"--out={tmp_path}/out"])
+    printed = json.loads(capsys.readouterr().out)
+    layout = expected_layout(dict(tp=3, micro_batch=16, bitwise=True))
+    dropped = plan(dataclasses.replace(DEFAULT_GPT, dropout=0.1), layout).largest
+    assert printed["activation_bytes"] == dropped.activation_bytes and printed["peak_bytes"] == dropped.peak_bytes
+    assert dropped.activation_bytes != plan(DEFAULT_GPT, layout).largest.activation_bytes
+
+
 def test_dry_run_prints_the_plans_table_and_leaves_out_alone(monkeypatch, capsys, tmp_path):
     """The table is the plan's; an --out holding an earlier run (which a run would refuse) is neither
     refused nor touched, and no rank starts; exit code 0 (main returns)."""
@@ -290,11 +300,6 @@ def test_planning_options_are_checked(capsys, monkeypatch):
     assert refusal(capsys, "--world=0", "--suggest") == "--world must be at least 1, got 0"
     assert refusal(capsys, "--world=3", "--dry-run") == "--tp 2 does not divide the world of 3 ranks"
     assert parse_args(["--world=8", "--dry-run"]).dp == 4
-    # the bitwise mode is planned without dropout: refused when planning, its run starts unchecked (said)
-    assert refusal(capsys, "--bitwise", "--dropout=0.1", "--dry-run").startswith(
-        "the plan counts the bitwise mode without dropout, got dropout=0.1")
-    with pytest.warns(UserWarning, match=r"--bitwise with --dropout 0\.1: the planner does not count"):
-        assert parse_args(["--bitwise", "--dropout=0.1"]).bitwise
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert refusal(capsys, "--world=8", "--dry-run") == "--world 8, but torchrun's world has 4 ranks"
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
@@ -131,9 +130,6 @@ def check(cfg: TrainConfig) -> None:
     if cfg.dry_run or cfg.suggest:
         device_memory(cfg)
         plan_of(cfg)
-    elif cfg.bitwise and cfg.dropout:  # the plan counts the bitwise mode without dropout (layers.plan_bitwise)
-        warnings.warn(f"--bitwise with --dropout {cfg.dropout:g}: the planner does not count this layout's memory, "
-                      "so it is not checked before the ranks start", stacklevel=2)
     elif not cfg.force:
         check_fits(cfg)
 
