@@ -148,9 +148,7 @@ def gathered(t: torch.Tensor, pieces: Sequence[tuple[int, int]], dim: int) -> to
 
 def unpadded(y: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
     """The first ``rows`` rows and ``columns`` columns of a product computed padded (itself when unpadded)."""
-    if y.shape[1] == columns:
-        return y if y.shape[0] == rows else y[:rows]
-    return y[:rows, :columns]
+    return y if y.shape == (rows, columns) else y[:rows, :columns]
 
 
 def in_local_order(placed: PlacedTree, blocks: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
@@ -227,9 +225,8 @@ class LeafOperands:
 
 def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
     """Whether two keys of :meth:`LeafOperands.get` name the same placed tree and live, unchanged tensors."""
-    if len(a) != len(b) or a[0] is not b[0]:
-        return False
-    return all(x[0]() is y[0]() is not None and x[1:] == y[1:] for x, y in zip(a[1:], b[1:], strict=True))
+    return len(a) == len(b) and a[0] is b[0] and all(x[0]() is y[0]() is not None and x[1:] == y[1:]
+                                                      for x, y in zip(a[1:], b[1:], strict=True))
 
 
 def _kept(kept: LeafOperands, x: torch.Tensor) -> LeafOperands | None:
@@ -339,8 +336,7 @@ class SegmentedColumn:
                  seq_len: int | None = None) -> torch.Tensor:
         if self.sequence_parallel:  # (..., T_r, in) -> (..., T, in); backward keeps this rank's tokens
             x = gather_sequence(x, seq_len, self.group)
-        kept = _kept(self.kept, x)
-        return _SegmentedColumnLinear.apply(x, weight, bias, self.placed, self.group, kept)  # (*, out / tp)
+        return _SegmentedColumnLinear.apply(x, weight, bias, self.placed, self.group, _kept(self.kept, x))
 
 
 class SegmentedRow:
@@ -356,6 +352,5 @@ class SegmentedRow:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         tokens = placed_tokens(x.shape[-2] if x.dim() > 1 else 1, self.placed.tp, self.placed.rank, self.tp_sizes,
                                split=False)  # from a cache (while torch.compile traces, built in the graph's forward)
-        kept = _kept(self.kept, x)
-        y = _SegmentedRowLinear.apply(x, weight, bias, self.placed, tokens, self.group, kept)  # (*, out)
+        y = _SegmentedRowLinear.apply(x, weight, bias, self.placed, tokens, self.group, _kept(self.kept, x))  # (*, out)
         return scatter_sequence(y, self.group) if self.sequence_parallel else y

@@ -5,9 +5,8 @@ the row-parallel forward reduces its fresh partial product and adds the bias onc
 equal ``F.linear(copy_to_tp(x), W, b)`` and ``reduce_from_tp(F.linear(x, W)) + b``. Several column maps of
 one input (Q, K, V) share one ``f`` instead (:func:`~tensorpar.copy_to_tp` once, in front of them all), so
 autograd sums their input gradients before the single all-reduce, which then cannot overlap them.
-Without gradients (decoding) the forward runs alone, outside the autograd Function, and autocast is
-switched off around a product only where it is on: the same computation, without their Python on a rank
-just woken from a collective.
+Without gradients (decoding) the forward runs outside the autograd Function, and autocast is switched off
+only where it is on: the same computation, with less Python on a rank just woken from a collective.
 """
 
 from __future__ import annotations
