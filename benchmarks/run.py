@@ -2,9 +2,9 @@
 
     python benchmarks/run.py [--rounds 7] [--write]        (make bench)
 
-One thread per rank. Each round times every contender once, in turn (each
-round starting with another one), so drift in the machine hits all alike;
-figures are medians over rounds. The
+One thread per rank. Within a round the contenders of a size take turns step
+by step (each step, and each round, starting with another one), so drift in
+the machine hits all alike; figures are medians over rounds. The
 tp=1 and dense models run in this process; tp=2 contenders run in a pool of
 two processes in one gloo group, and a tp=2 step lasts as long as its slower
 rank. ``--write`` records the tables in benchmarks/RESULTS.md.
@@ -52,22 +52,32 @@ from results import machine, write_section
 from tensorpar.comm.collectives import start_all_reduce_
 from tensorpar.testing import World
 
-SIZES = {64: (64, 300), 256: (1024, 12), 768: (1024, 3)}  # hidden: (tokens, steps per measurement)
+SIZES = {64: (64, 300), 256: (1024, 12), 768: (1024, 5)}  # hidden: (tokens, steps per measurement)
 BLOCK = dict(n_embd=768, n_head=12, batch=4, seq=256, steps=2)
 ACTIVATIONS = dict(activation_memory.GPT2_WIDTH, n_layer=4, block_size=256)  # the saved-activation GPT
 
 
 def step_times(model: nn.Module, x: torch.Tensor, steps: int) -> list[float]:
     """Seconds of each of ``steps`` forward+backward passes (input and weight gradients), after a warm-up."""
-    g = torch.randn_like(x)
-    times = []
+    return alternating_step_times([(model, x)], steps)[0]
+
+
+def alternating_step_times(runs: list[tuple[nn.Module, torch.Tensor]], steps: int) -> list[list[float]]:
+    """Seconds of each of ``steps`` forward+backward passes of every (model, input) of ``runs``, the models
+    taking turns step by step (each step starting with the next one), after a warm-up step of each: drift in
+    the machine then falls on all of them alike, however short it lasts."""
+    grads = [torch.randn_like(x) for _, x in runs]
+    times: list[list[float]] = [[] for _ in runs]
     for i in range(steps + 1):
-        model.zero_grad(set_to_none=True)
-        x.grad = None
-        start = time.perf_counter()
-        model(x).backward(g)
-        if i:
-            times.append(time.perf_counter() - start)
+        for j in range(len(runs)):
+            k = (i + j) % len(runs)
+            (model, x), g = runs[k], grads[k]
+            model.zero_grad(set_to_none=True)
+            x.grad = None
+            start = time.perf_counter()
+            model(x).backward(g)
+            if i:
+                times[k].append(time.perf_counter() - start)
     return times
 
 
@@ -79,15 +89,18 @@ def _my_tokens(tokens: int) -> int:
     return tensorpar.sequence_sizes(tokens, mesh.tp)[mesh.tp_rank]
 
 
-def time_mlp(lib: str, h: int, tokens: int, steps: int) -> list[float]:
-    """In a pool rank: ``lib``'s tp MLP at hidden ``h``, built once; a sequence-parallel one gets this
-    rank's tokens."""
-    if (lib, h) not in _CACHE:
-        torch.manual_seed(0)
-        _CACHE[(lib, h)] = (peers.SEQUENCE_BUILDERS[lib](h, tokens) if lib in peers.SEQUENCE_BUILDERS
-                            else peers.no_communication(h) if lib == CAP else peers.BUILDERS[lib](h))
-    local = _my_tokens(tokens) if lib in peers.SEQUENCE_BUILDERS else tokens
-    return step_times(_CACHE[(lib, h)], torch.randn(local, h, requires_grad=True), steps)
+def time_mlps(libs: list[str], h: int, tokens: int, steps: int) -> list[list[float]]:
+    """In a pool rank: ``libs``' tp MLPs at hidden ``h`` (each built once), taking turns step by step; a
+    sequence-parallel one gets this rank's tokens."""
+    runs = []
+    for lib in libs:
+        if (lib, h) not in _CACHE:
+            torch.manual_seed(0)
+            _CACHE[(lib, h)] = (peers.SEQUENCE_BUILDERS[lib](h, tokens) if lib in peers.SEQUENCE_BUILDERS
+                                else peers.no_communication(h) if lib == CAP else peers.BUILDERS[lib](h))
+        local = _my_tokens(tokens) if lib in peers.SEQUENCE_BUILDERS else tokens
+        runs.append((_CACHE[(lib, h)], torch.randn(local, h, requires_grad=True)))
+    return alternating_step_times(runs, steps)
 
 
 CAP = "no communication"
@@ -148,19 +161,20 @@ def slowest_rank(per_rank: list[list[float]]) -> list[float]:
 
 def measure(pool: World, rounds: int, libs: list[str]) -> dict[str, Any]:
     samples: dict[Any, list[float]] = {}
-    local = {h: peers.dense(h) for h in SIZES} | {("tp1", h): peers.ours(h) for h in SIZES}
+    local = {("dense", h): peers.dense(h) for h in SIZES} | {("tp1", h): peers.ours(h) for h in SIZES}
     blocks = {compiled: gpt_block(BLOCK["n_embd"], BLOCK["n_head"], BLOCK["seq"], compiled)
               for compiled in (False, True)}
     for r in range(rounds):
         for h, (tokens, steps) in SIZES.items():
             x = torch.randn(tokens, h, requires_grad=True)
-            pair = [(("dense", h), local[h]), (("tp1", h), local[("tp1", h)])]
-            for key, model in pair[::-1] if r % 2 else pair:  # each round the other one first
-                samples.setdefault(key, []).extend(step_times(model, x, steps))
+            pair = [("dense", h), ("tp1", h)][r % 2:] + [("dense", h), ("tp1", h)][:r % 2]  # each round another first
+            for key, times in zip(pair, alternating_step_times([(local[key], x) for key in pair], steps), strict=True):
+                samples.setdefault(key, []).extend(times)
             contenders = libs + ([CAP] if h == max(SIZES) else [])
-            for lib in contenders[r % len(contenders):] + contenders[:r % len(contenders)]:  # each round another first
-                per_rank = pool.run(time_mlp, lib, h, tokens, steps)
-                samples.setdefault((lib, h), []).extend(slowest_rank(per_rank))
+            contenders = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
+            per_rank = pool.run(time_mlps, contenders, h, tokens, steps)  # [rank][contender][step]
+            for lib, times in zip(contenders, zip(*per_rank, strict=True), strict=True):
+                samples.setdefault((lib, h), []).extend(slowest_rank(list(times)))
         xb = torch.randn(BLOCK["batch"], BLOCK["seq"], BLOCK["n_embd"], requires_grad=True)
         for compiled in (r % 2 == 1, r % 2 == 0):  # the first step of each compiles, untimed
             samples.setdefault(("block", 1, compiled), []).extend(step_times(blocks[compiled], xb, BLOCK["steps"]))
