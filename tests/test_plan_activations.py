@@ -221,6 +221,19 @@ def test_interleaved_pipeline_stages_hold_their_micro_batches_in_flight(worlds, 
         assert abs(planned_peak / peak - 1) <= PEAK_BOUND, (rank, peak, planned_peak)
 
 
+@pytest.mark.parametrize(("pp", "loops", "microbatches", "recompute"), [(2, 3, 6, True), (4, 2, 4, False)])
+def test_deeper_interleaved_pipelines_are_planned(worlds, pp, loops, microbatches, recompute):
+    """Three stages on each of two ranks, and two on each of four: the micro-batches each stage holds as the
+    pipeline counts them, the saved bytes and the peak, against the plan's."""
+    cfg = dict(n_layer=pp * loops + 1, n_head=3, n_embd=24, vocab_size=41, block_size=9, dropout=0.1,
+               activation_checkpointing=recompute)
+    for rank, (peak, planned_peak, saved, planned, measured, counted) in enumerate(
+            worlds[pp].run(pipeline_step, cfg, "interleaved", microbatches, 2, 7, loops, tp=1, pp=pp)):
+        assert measured == counted, (rank, measured, counted)
+        assert abs(planned / saved - 1) <= SAVED_BOUND, (rank, saved, planned)
+        assert abs(planned_peak / peak - 1) <= PEAK_BOUND, (rank, peak, planned_peak)
+
+
 def test_pipeline_schedules_hold_their_micro_batches_in_flight():
     config = GPTConfig(n_layer=4, n_head=2, n_embd=8, vocab_size=32, block_size=8)
     one = Layout(pp=2, microbatches=4)
