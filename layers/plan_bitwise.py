@@ -117,15 +117,36 @@ def _counts(what: str, n_head: int, n_kv: int, d: int, size: int, tp: int, rank:
 
 def exchange(config: GPTConfig, s: Shapes, what: str) -> int:
     """The most a tree sum of ``(N, C)`` partial results over the leaves of ``what`` holds while its partial sums
-    are exchanged: this rank's, every rank's (padded to the most a rank sends) and their join (the stack it sends
-    counts as gone once sent: :class:`~layers.plan_measure.LiveBytes`)."""
+    are exchanged: this rank's, every rank's (padded to the most a rank sends) and their join. The buffer it sends
+    counts as gone once sent (:class:`~layers.plan_measure.LiveBytes`): its stack of partial sums, or where it
+    sends fewer than the most, the padded copy (the stack stays, held by the exchange)."""
     assert s.mode is not None
     size = config.vocab_size if what == "vocab" else config.mlp_hidden
     counts = _counts(what, config.n_head, config.kv_heads, s.d, size, s.tp, s.rank, s.mode.tp_sizes)
     if s.tp == 1 or not any(counts):
         return 0
     own, most = counts[s.rank], max(counts)
-    return (own + s.tp * most + sum(counts)) * s.b * s.t * s.c * s.a
+    stack = own if own < most else 0
+    return (own + stack + s.tp * most + sum(counts)) * s.b * s.t * s.c * s.a
+
+
+def projection_exchange(config: GPTConfig, s: Shapes) -> int:
+    """What a block holds beyond its saved bytes up to attention's output (its input apart) while the output
+    projection's tree sum exchanges: what attention's forward still holds (the fused ``[Q|K|V]`` output, with
+    rotary positions the turned queries and keys, with sequence parallelism the gathered tokens; its output
+    and that side by side), the projection's weight columns padded leaf by leaf, and the exchange (:func:`exchange`)."""
+    assert s.mode is not None
+    tokens = s.b * s.t
+    held = tokens * (s.h + 2 * s.h_kv) * s.d * s.a + (tokens * s.c * s.p if s.sp else 0)
+    if config.positions == "rope" and not (config.dropout and s.b == 1):  # else views the heads keep
+        held += tokens * (s.h + s.h_kv) * s.d * s.a
+    out = tokens * s.h * s.d * s.a  # attention's output (B, h, T, d); (B, T, h·d) a copy unless a view of it
+    held += out if s.h > 1 and s.t > 1 else 0
+    leaves = _query_leaf_pieces(config.n_head, config.kv_heads, s.d, s.tp, s.rank, s.mode.tp_sizes)
+    if config.dropout:  # the output is fresh, not saved (but as the tensor the projection's leaves view)
+        held += out - _projection_input(config, s) + _leaf_copies(s, config.n_head * s.d, tokens, 0, leaves)
+    columns = sum(max(s.c, 2) * _up(sum(n for _, n in pieces), WIDTH) * s.a for pieces in leaves)
+    return held + columns + exchange(config, s, "query")
 
 
 def norm_saved(s: Shapes, config: GPTConfig) -> int:
@@ -271,16 +292,16 @@ def block_saved(config: GPTConfig, s: Shapes) -> int:
     k = 2 if config.mlp == "swiglu" else 1
     return (2 * norm_saved(s, config) + _column_inputs(s, 1) + _column_inputs(s, k) + attention_saved(config, s)
             + _rotary_table(config, s) + _projection_input(config, s) + _mlp_saved(config, s)
-            + 2 * _residual_mask(config, s))
+            + 2 * residual_mask(config, s))
 
 
 def mlp_half(config: GPTConfig, s: Shapes) -> int:
     """The saved bytes of a block after its attention: the second norm's, the MLP's and their dropout's."""
     k = 2 if config.mlp == "swiglu" else 1
-    return norm_saved(s, config) + _column_inputs(s, k) + _mlp_saved(config, s) + _residual_mask(config, s)
+    return norm_saved(s, config) + _column_inputs(s, k) + _mlp_saved(config, s) + residual_mask(config, s)
 
 
-def _residual_mask(config: GPTConfig, s: Shapes) -> int:
+def residual_mask(config: GPTConfig, s: Shapes) -> int:
     """The mask of the attention's or the MLP's output dropout: of this rank's tokens, ``a`` bytes an element
     (``x * noise``), or bool with sequence parallelism (this rank's tokens of one draw, compared)."""
     return dropout_mask(s, s.b * s.t_r * s.c, s.a, config.dropout, "cpu")
@@ -343,7 +364,7 @@ def block_nodes(config: GPTConfig, s: Shapes, device_type: str = "cpu") -> list[
     assert s.mode is not None
     attention = attention_saved(config, s) - attention_unheld(config, s) + _rotary_table(config, s)
     regathered = tokens * c if s.sp else 0
-    mask = (_residual_mask(config, s), 0, 2 * s.b * s.t_r * c * s.a)
+    mask = (residual_mask(config, s), 0, 2 * s.b * s.t_r * c * s.a)
     return [
         mask,
         _linear_node(s, leaves + c * s.hidden * copies, c, s.hidden, bias, tokens * c, hidden, True),
