@@ -130,20 +130,19 @@ def backward_peak(config: GPTConfig, layout: Layout, s: Shapes, stage: int, devi
         # tokens of the column regions (held with the recomputed graph, dropped with it); and the states: fork_rng's
         # note of the live generator, the tp stream's live state noted, inside a dropout's fork the state outside it
         ahead = s.b * s.t * s.c * s.a + s.b * s.t_r * s.c * s.p + (2 * s.b * s.t * s.c * s.a if s.sp else 0)
-        if s.mode is not None:  # or the MLP's row map's tree sum exchanging its partial sums, on most of the
-            # block, or what attention's forward holds beyond its saved bytes (scores backward never reads, shifted
-            # scores), or the MLP's row map's padded operands and products
-            ahead = max(ahead, bitwise.exchange(config, s, "hidden"), bitwise.attention_forward_extra(config, s),
-                        bitwise.row_forward(config, s))
+        if s.mode is not None:  # or what attention's forward holds beyond its saved bytes (scores backward never
+            # reads, shifted scores), or the MLP's row map's padded operands and products
+            ahead = max(ahead, bitwise.attention_forward_extra(config, s), bitwise.row_forward(config, s))
         # all on top of the recomputed activations as the recomputation ends, the stream's state put back; or
         # as its last fork ends (the states outside it and after it too), before the rest of the block
         ended = recomputed + ahead + state + 2 * stream
         if s.mode is not None:  # the attention's noise, before the MLP half is recomputed; or the output
-            # projection's exchange, the attention's output dropout not yet run either
-            first_half = recomputed - bitwise.mlp_half(config, s)
+            # projection's exchange, the attention's output dropout not yet run either; or the MLP's row map's
+            # exchange, before the MLP's output dropout
+            first_half, mask = recomputed - bitwise.mlp_half(config, s), bitwise.residual_mask(config, s)
             ended = max(ended, first_half + bitwise.dropped_transient(config, s) + state + 2 * stream,
-                        first_half - bitwise.residual_mask(config, s) + bitwise.projection_exchange(config, s)
-                        + state + 2 * stream)
+                        first_half - mask + bitwise.projection_exchange(config, s) + state + 2 * stream,
+                        recomputed - mask + bitwise.mlp_exchange(config, s) + state + 2 * stream)
         if stream:
             ended = max(ended, recomputed - block_after_last_fork(config, s, device_type) + ahead + state + 3 * stream)
         if s.mode is not None and s.sp and not config.dropout:  # the block's first step (the output gradient

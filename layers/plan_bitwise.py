@@ -39,7 +39,8 @@ import functools
 from collections.abc import Callable
 
 from tensorpar.bitwise.linear import ALIGNMENT
-from tensorpar.bitwise.segments import Piece, placed_split, placed_vocabulary
+from tensorpar.bitwise.segments import Node as TreeNode
+from tensorpar.bitwise.segments import Piece, PlacedTree, placed_split, placed_vocabulary
 from tensorpar.comm.sequence import sequence_sizes
 from tensorpar.sharding import partition_bounds
 
@@ -102,32 +103,79 @@ def _qkv_pieces(n_head: int, n_kv: int, d: int, queries_only: bool) -> Callable[
 
 
 @functools.lru_cache(maxsize=1024)
-def _counts(what: str, n_head: int, n_kv: int, d: int, size: int, tp: int, rank: int, tp_sizes: tuple[int, ...]
-            ) -> tuple[int, ...]:
-    """How many partial sums each rank sends in a tree sum over the leaves of ``what``: ``"qkv"`` (the fused
-    rows), ``"query"`` (the output projection's input), or balanced rows of ``size`` (the MLP's, the vocabulary)."""
+def _exchange_units(what: str, n_head: int, n_kv: int, d: int, size: int, tp: int, rank: int,
+                    tp_sizes: tuple[int, ...]) -> int:
+    """The most ``(N, C)`` partial sums a tree sum over the leaves of ``what`` (``"qkv"``: the fused rows,
+    ``"query"``: the output projection's input, else balanced rows of ``size``: the MLP's, the vocabulary) holds on
+    this rank from its exchange to its result (:func:`exchange`); 0 where nothing is exchanged."""
     if what in ("qkv", "query"):
         size = (n_head + (2 * n_kv if what == "qkv" else 0)) * d
         pieces = _qkv_pieces(n_head, n_kv, d, what == "query")
     else:
         pieces = functools.partial(lambda n, t, r: [partition_bounds(n, t, r)], size)
     placed = placed_split(pieces, size, tp, rank, tp_sizes)
-    return tuple(len(nodes) for nodes in placed.sent)
+    counts = [len(nodes) for nodes in placed.sent]
+    if tp == 1 or not any(counts):
+        return 0
+    own, most, total = counts[rank], max(counts), sum(counts)
+    held = own + (own if own < most else 0)  # this rank's sums; its stack, where a padded copy is what is sent
+    additions = _additions(placed)  # (sums alive, whether the received ones are read then or later) by moment
+    if len(set(counts)) > 1:  # joined first (the received buffer gone), the additions reading the join
+        return held + max(tp * most + total, total + max((n for n, _ in additions), default=0))
+    # the received buffer is the join, held until the last addition that reads it
+    return held + max([tp * most] + [n + (tp * most if reads else 0) for n, reads in additions])
+
+
+def _additions(placed: PlacedTree) -> list[tuple[int, bool]]:
+    """As each new sum is made while a rank adds up the tree after the exchange
+    (:meth:`~tensorpar.bitwise.tree_sum.PendingTreeSum.wait`; each node's children added left to right, out of
+    place): how many new sums are alive, and whether a received sum is read then or later. A received sum is
+    a view of the exchange (this rank's own: counted apart); a leaf every rank holds is computed here."""
+    received = {node for r, nodes in enumerate(placed.sent) if r != placed.rank for node in nodes}
+    own = set(placed.sent[placed.rank])
+    held = placed.held(placed.rank)
+    moments: list[tuple[int, bool]] = []
+    alive = 0
+
+    def value(node: TreeNode, local: bool) -> str:  # "received", "own" or "new"
+        nonlocal alive
+        lo, hi = node
+        if not local and (node in received or node in own):
+            return "received" if node in received else "own"
+        local = local or set(range(lo, hi)) <= held
+        if local and hi - lo == 1:
+            alive += 1
+            moments.append((alive, False))
+            return "new"
+        children = placed.tree.children(node)
+        total = value(children[0], local)
+        for child in children[1:]:
+            v = value(child, local)
+            alive += 1
+            moments.append((alive, "received" in (total, v)))
+            alive -= (total == "new") + (v == "new")
+            total = "new"
+        return total
+
+    value(placed.tree.root, False)
+    reads_after = False
+    for i in reversed(range(len(moments))):  # whether a received sum is read at or after each moment
+        reads_after = reads_after or moments[i][1]
+        moments[i] = (moments[i][0], reads_after)
+    return moments
 
 
 def exchange(config: GPTConfig, s: Shapes, what: str) -> int:
-    """The most a tree sum of ``(N, C)`` partial results over the leaves of ``what`` holds while its partial sums
-    are exchanged: this rank's, every rank's (padded to the most a rank sends) and their join. The buffer it sends
-    counts as gone once sent (:class:`~layers.plan_measure.LiveBytes`): its stack of partial sums, or where it
-    sends fewer than the most, the padded copy (the stack stays, held by the exchange)."""
+    """The most a tree sum of ``(N, C)`` partial results over the leaves of ``what`` holds from its exchange of
+    partial sums to its result: this rank's own sums, every rank's (padded to the most a rank sends), their
+    join where ranks send unequal counts (else the received buffer is the join, read by the additions), and
+    the additions after. The buffer it sends counts as gone once sent (:class:`~layers.plan_measure.LiveBytes`):
+    its stack of partial sums, or where it sends fewer than the most, the padded copy (the stack stays, held
+    by the exchange); the received buffer once joined, or once the last addition reading it is made."""
     assert s.mode is not None
     size = config.vocab_size if what == "vocab" else config.mlp_hidden
-    counts = _counts(what, config.n_head, config.kv_heads, s.d, size, s.tp, s.rank, s.mode.tp_sizes)
-    if s.tp == 1 or not any(counts):
-        return 0
-    own, most = counts[s.rank], max(counts)
-    stack = own if own < most else 0
-    return (own + stack + s.tp * most + sum(counts)) * s.b * s.t * s.c * s.a
+    units = _exchange_units(what, config.n_head, config.kv_heads, s.d, size, s.tp, s.rank, s.mode.tp_sizes)
+    return units * s.b * s.t * s.c * s.a
 
 
 def projection_exchange(config: GPTConfig, s: Shapes) -> int:
@@ -145,8 +193,30 @@ def projection_exchange(config: GPTConfig, s: Shapes) -> int:
     leaves = _query_leaf_pieces(config.n_head, config.kv_heads, s.d, s.tp, s.rank, s.mode.tp_sizes)
     if config.dropout:  # the output is fresh, not saved (but as the tensor the projection's leaves view)
         held += out - _projection_input(config, s) + _leaf_copies(s, config.n_head * s.d, tokens, 0, leaves)
-    columns = sum(max(s.c, 2) * _up(sum(n for _, n in pieces), WIDTH) * s.a for pieces in leaves)
-    return held + columns + exchange(config, s, "query")
+    return held + _row_columns(s, leaves) + exchange(config, s, "query")
+
+
+def mlp_exchange(config: GPTConfig, s: Shapes) -> int:
+    """What a block holds beyond its saved bytes (its input apart) while the MLP's row map's tree sum exchanges:
+    what the MLP's forward still holds (with sequence parallelism the gathered tokens; the activation's output,
+    where the row map keeps copies of its leaves), the row map's weight columns padded leaf by leaf, and the
+    exchange (:func:`exchange`)."""
+    assert s.mode is not None
+    n = s.b * s.t * s.hidden
+    output = n * s.a if config.mlp == "swiglu" else _up(n, LANES) * s.a  # fresh: flat and padded for GELU
+    leaves = _leaf_pieces(config.mlp_hidden, s.tp, s.rank, s.mode.tp_sizes)
+    viewed = _leaf_copies(s, config.mlp_hidden, s.b * s.t, output) - _leaf_copies(s, config.mlp_hidden, s.b * s.t, 0)
+    return (s.b * s.t * s.c * s.p if s.sp else 0) + output - viewed + _row_columns(s, leaves) + exchange(
+        config, s, "hidden")
+
+
+def _row_columns(s: Shapes, leaves: tuple[tuple[Piece, ...], ...]) -> int:
+    """The weight columns a row map reads for each of its ``leaves``, side by side and padded to a width of a
+    multiple of :data:`WIDTH` (:func:`~tensorpar.bitwise.linear.row_operands`): a copy, but of a leaf that is
+    the whole local width, one piece, already as wide as that."""
+    width = sum(n for pieces in leaves for _, n in pieces)
+    copied = [pieces for pieces in leaves if len(pieces) > 1 or pieces[0][1] != width or width % WIDTH or s.c < 2]
+    return sum(max(s.c, 2) * _up(sum(n for _, n in pieces), WIDTH) * s.a for pieces in copied)
 
 
 def norm_saved(s: Shapes, config: GPTConfig) -> int:
