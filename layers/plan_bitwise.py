@@ -70,10 +70,12 @@ def _leaf_pieces(size: int, tp: int, rank: int, tp_sizes: tuple[int, ...]) -> tu
 
 
 @functools.lru_cache(maxsize=256)
-def _query_leaf_pieces(n_head: int, n_kv: int, d: int, tp: int, rank: int, tp_sizes: tuple[int, ...]
-                       ) -> tuple[tuple[Piece, ...], ...]:
-    """The pieces of each of this rank's leaves of its query features (the output projection's input)."""
-    placed = placed_split(_qkv_pieces(n_head, n_kv, d, True), n_head * d, tp, rank, tp_sizes)
+def _query_leaf_pieces(n_head: int, n_kv: int, d: int, tp: int, rank: int, tp_sizes: tuple[int, ...],
+                       queries_only: bool = True) -> tuple[tuple[Piece, ...], ...]:
+    """The pieces of each of this rank's leaves of its query features (the output projection's input), or of
+    the fused ``[Q|K|V]`` rows."""
+    size = (n_head + (0 if queries_only else 2 * n_kv)) * d
+    placed = placed_split(_qkv_pieces(n_head, n_kv, d, queries_only), size, tp, rank, tp_sizes)
     return tuple(placed.pieces(leaf) for leaf in placed.mine)
 
 
@@ -410,14 +412,22 @@ def placed_vocabulary_lengths(vocab_size: int, tp: int, rank: int, tp_sizes: tup
     return tuple(placed_vocabulary(vocab_size, tp, rank, tp_sizes).lengths())
 
 
+def _gradient_copies(s: Shapes, leaves: tuple[tuple[Piece, ...], ...]) -> int:
+    """What a column map's backward copies of its ``(N, its output features)`` output gradient: each leaf's
+    columns side by side (but a leaf that is the whole width: the gradient itself), held while it runs."""
+    width = sum(n for pieces in leaves for _, n in pieces)
+    return sum(s.b * s.t * n * s.a for pieces in leaves if len(pieces) > 1 or pieces[0][1] != width for _, n in pieces)
+
+
 def _linear_node(s: Shapes, saved: int, rows: int, cols: int, bias: bool, grad_out: int, grad_in: int,
-                 leaves: bool, exchanged: int = 0) -> Node:
+                 leaves: bool, exchanged: int = 0, copies: int = 0) -> Node:
     """A segmented map's backward: its weight gradient (made leaf by leaf, then joined), the output gradient it
-    reads and the input gradient it makes (elements), in float32 where the products widen 16-bit operands."""
+    reads and the input gradient it makes (elements), in float32 where the products widen 16-bit operands; a
+    column map's ``copies`` of its output gradient (bytes: :func:`_gradient_copies`)."""
     grads = (rows * cols + bias * rows) * s.p
     joined = rows * cols * s.a if leaves else 0  # the leaves' weight gradients before they are joined
     padded = s.b * s.c * s.a * s.tp * sequence_sizes(s.t, s.tp)[0] if s.sp else 0  # a collective's flat buffer
-    return saved, grads, grad_out * s.a + joined + padded + max(2 * grad_in * s.a, exchanged)
+    return saved, grads, grad_out * s.a + joined + padded + copies + max(2 * grad_in * s.a, exchanged)
 
 
 def block_nodes(config: GPTConfig, s: Shapes, device_type: str = "cpu") -> list[Node]:
@@ -440,28 +450,34 @@ def block_nodes(config: GPTConfig, s: Shapes, device_type: str = "cpu") -> list[
         _linear_node(s, leaves + c * s.hidden * copies, c, s.hidden, bias, tokens * c, hidden, True),
         (mlp - leaves, 0, (2 * k - 1) * _up(hidden, LANES) * s.a),
         _linear_node(s, _column_inputs(s, k) + k * s.hidden * c * copies, k * s.hidden, c, bias,
-                     k * hidden + regathered, tokens * c, False, exchange(config, s, "hidden")),
+                     k * hidden + regathered, tokens * c, False, exchange(config, s, "hidden"),
+                     _gradient_copies(s, _leaf_pieces(config.mlp_hidden, s.tp, s.rank, s.mode.tp_sizes))),
         norm,
         mask,
         _linear_node(s, _projection_input(config, s) + c * s.h * s.d * copies, c, s.h * s.d, bias, tokens * c,
                      tokens * s.h * s.d, True),
         (attention, 0, _attention_working(config, s)),
         _linear_node(s, _column_inputs(s, 1) + rows * c * copies, rows, c, bias, tokens * rows + regathered,
-                     tokens * c, False, exchange(config, s, "qkv")),
+                     tokens * c, False, exchange(config, s, "qkv"), _gradient_copies(s, _query_leaf_pieces(
+                         config.n_head, config.kv_heads, s.d, s.tp, s.rank, s.mode.tp_sizes, False))),
         norm,
     ]
 
 
 def head_nodes(config: GPTConfig, s: Shapes) -> list[Node]:
     """The loss's, the head's and the final norm's backward (their saved bytes: :func:`head_saved`)."""
+    assert s.mode is not None
     n, loss = s.b * s.t, loss_itemsize(s)
     btv = n * s.vocab
     cast = btv * s.a if s.a != loss else 0  # the softmax becomes the logits' gradient in place, cast for the head
     ce = (btv * loss + 8 * n + 2 * n if cast else 8 * n + 2 * n, 0, cast)
     head_input = n * s.c * (s.a if s.a != s.p else s.p)
-    head = ((0 if cast else btv * loss) + head_input + (s.vocab * s.c * s.a if s.a != s.p else 0),
-            s.vocab * s.c * s.p, cast + (s.vocab * s.c * s.a if s.a != s.p else 0)
-            + max(2 * n * s.c * s.a, exchange(config, s, "vocab")))
+    grads, copy = s.vocab * s.c * s.p, s.vocab * s.c * s.a if s.a != s.p else 0  # copy: the weight's, its gradient
+    working = cast + copy + _gradient_copies(s, _leaf_pieces(config.vocab_size, s.tp, s.rank, s.mode.tp_sizes)) \
+        + max(2 * n * s.c * s.a, exchange(config, s, "vocab"))
+    if copy:  # the weight's gradient is made from its copy's, after the input gradient's exchange
+        working = max(working - grads, cast + copy)
+    head = ((0 if cast else btv * loss) + head_input + copy, grads, working)
     rows_in = s.b * s.t_r * s.c
     norm = (norm_saved(s, config), s.c * (1 + norm_bias(config)) * s.p, 2 * rows_in * s.p)
     return [ce, head, norm]
