@@ -145,9 +145,11 @@ def backward_peak(config: GPTConfig, layout: Layout, s: Shapes, stage: int, devi
                         recomputed - mask + bitwise.mlp_exchange(config, s) + state + 2 * stream)
         if stream:
             ended = max(ended, recomputed - block_after_last_fork(config, s, device_type) + ahead + state + 3 * stream)
-        if s.mode is not None and s.sp and not config.dropout:  # the block's first step (the output gradient
-            # gathered from this rank's tokens) runs before a saved tensor is asked for, and the recomputation
-            ended += s.b * s.t * s.c * s.a
+        if s.mode is not None:  # the block's first steps run before a saved tensor is asked for, and the
+            # recomputation: under autocast the output gradient rounded to the MLP's dtype, and with sequence
+            # parallelism and no output dropout that gathered from this rank's tokens
+            ended += (s.b * s.t_r * s.c * s.a if s.a != s.p else 0) + (
+                s.b * s.t * s.c * s.a if s.sp and not config.dropout else 0)
         # after the block's backward its input and the states its checkpoint noted at the forward go
         block = [(-recomputed, 0, ended), *block, (s.b * s.t_r * s.c * s.p + state + stream, 0, 0)]
     nodes += block * blocks

@@ -325,13 +325,14 @@ def attention_forward_extra(config: GPTConfig, s: Shapes) -> int:
 def row_forward(config: GPTConfig, s: Shapes) -> int:
     """What the MLP's row map holds in its forward beyond its saved inputs: each leaf's weight columns padded to
     a multiple of :data:`WIDTH`, each leaf's product of at least :data:`ROWS` rows until the tree sum adds it,
-    and one leaf's input padded as it is multiplied."""
+    and one leaf's input padded as it is multiplied (16-bit operands: also both widened to float32, and the
+    float32 product before it is rounded back)."""
     assert s.mode is not None
     widths = [sum(n for _, n in pieces) for pieces in _leaf_pieces(config.mlp_hidden, s.tp, s.rank,
                                                                        s.mode.tp_sizes)]
-    rows = max(s.b * s.t, ROWS)
-    return sum(max(s.c, 2) * _up(n, WIDTH) * s.a + rows * s.c * s.a for n in widths) + rows * _up(
-        max(widths, default=0), WIDTH) * s.a
+    rows, widest = max(s.b * s.t, ROWS), _up(max(widths, default=0), WIDTH)
+    widened = (rows * widest + max(s.c, 2) * widest + rows * s.c) * 4 if s.a < 4 else 0
+    return sum(max(s.c, 2) * _up(n, WIDTH) * s.a + rows * s.c * s.a for n in widths) + rows * widest * s.a + widened
 
 
 def _attention_working(config: GPTConfig, s: Shapes) -> int:
