@@ -206,8 +206,14 @@ def peak_bytes(config: GPTConfig, layout: Layout, *, params: int, grads: int, op
         if stream:  # the forward's last fork of the tp stream as it ends: the states outside it and after it
             forward_end = max(forward_end, held + earlier + 2 * stream
                               - _saved_after_last_fork(config, layout, s, stage, device_type))
-        if s.mode is not None:  # a row map's tree sum exchanging its partial sums, the head and loss yet to run
-            rows = max(bitwise.exchange(config, s, "query"), bitwise.exchange(config, s, "hidden"))
+        if s.mode is not None:  # a row map's tree sum exchanging its partial sums, the head and loss yet to run:
+            # the last block's output projection's (its MLP half and output dropouts yet to run) or its MLP's
+            if layout.activation_checkpointing:  # (what the checkpointed forward holds of the block apart)
+                rows = max(bitwise.exchange(config, s, "query"), bitwise.exchange(config, s, "hidden"))
+            else:
+                mask = bitwise.residual_mask(config, s)
+                rows = max(bitwise.projection_exchange(config, s) - bitwise.mlp_half(config, s) - mask,
+                           bitwise.mlp_exchange(config, s) - mask)
             forward_end = max(forward_end, held + earlier + rows - (bitwise.head_saved(config, s) if last else 0))
             # or the last attention's noise, its MLP half yet to run
             noise = bitwise.dropped_transient(config, s) - (0 if layout.activation_checkpointing

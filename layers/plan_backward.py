@@ -130,19 +130,26 @@ def backward_peak(config: GPTConfig, layout: Layout, s: Shapes, stage: int, devi
         # tokens of the column regions (held with the recomputed graph, dropped with it); and the states: fork_rng's
         # note of the live generator, the tp stream's live state noted, inside a dropout's fork the state outside it
         ahead = s.b * s.t * s.c * s.a + s.b * s.t_r * s.c * s.p + (2 * s.b * s.t * s.c * s.a if s.sp else 0)
-        if s.mode is not None:  # or a row map's tree sum exchanging its partial sums, on most of the block, or
-            # what attention's forward holds beyond its saved bytes (scores backward never reads, shifted scores),
-            # or the MLP's row map's padded operands and products
-            ahead = max(ahead, bitwise.exchange(config, s, "query"), bitwise.exchange(config, s, "hidden"),
-                        bitwise.attention_forward_extra(config, s), bitwise.row_forward(config, s))
+        if s.mode is not None:  # or what attention's forward holds beyond its saved bytes (scores backward never
+            # reads, shifted scores), or the MLP's row map's padded operands and products
+            ahead = max(ahead, bitwise.attention_forward_extra(config, s), bitwise.row_forward(config, s))
         # all on top of the recomputed activations as the recomputation ends, the stream's state put back; or
         # as its last fork ends (the states outside it and after it too), before the rest of the block
         ended = recomputed + ahead + state + 2 * stream
-        if s.mode is not None:  # the attention's noise, before the MLP half is recomputed
-            ended = max(ended, recomputed - bitwise.mlp_half(config, s) + bitwise.dropped_transient(config, s)
-                        + state + 2 * stream)
+        if s.mode is not None:  # the attention's noise, before the MLP half is recomputed; or the output
+            # projection's exchange, the attention's output dropout not yet run either; or the MLP's row map's
+            # exchange, before the MLP's output dropout
+            first_half, mask = recomputed - bitwise.mlp_half(config, s), bitwise.residual_mask(config, s)
+            ended = max(ended, first_half + bitwise.dropped_transient(config, s) + state + 2 * stream,
+                        first_half - mask + bitwise.projection_exchange(config, s) + state + 2 * stream,
+                        recomputed - mask + bitwise.mlp_exchange(config, s) + state + 2 * stream)
         if stream:
             ended = max(ended, recomputed - block_after_last_fork(config, s, device_type) + ahead + state + 3 * stream)
+        if s.mode is not None:  # the block's first steps run before a saved tensor is asked for, and the
+            # recomputation: under autocast the output gradient rounded to the MLP's dtype, and with sequence
+            # parallelism and no output dropout that gathered from this rank's tokens
+            ended += (s.b * s.t_r * s.c * s.a if s.a != s.p else 0) + (
+                s.b * s.t * s.c * s.a if s.sp and not config.dropout else 0)
         # after the block's backward its input and the states its checkpoint noted at the forward go
         block = [(-recomputed, 0, ended), *block, (s.b * s.t_r * s.c * s.p + state + stream, 0, 0)]
     nodes += block * blocks

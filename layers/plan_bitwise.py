@@ -36,7 +36,6 @@ Counted for the CPU with one thread per rank (``Bitwise.threads``, as ``enable``
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 from tensorpar.bitwise.linear import ALIGNMENT
 from tensorpar.bitwise.segments import Piece, placed_split, placed_vocabulary
@@ -44,7 +43,7 @@ from tensorpar.comm.sequence import sequence_sizes
 from tensorpar.sharding import partition_bounds
 
 from .config import GPTConfig
-from .heads import head_layout
+from .plan_exchange import exchange, qkv_pieces
 from .plan_saved import Shapes, dropout_mask, loss_itemsize, norm_bias
 
 #: attention's widths are padded to a multiple of this, its queries to at least this many rows
@@ -69,10 +68,12 @@ def _leaf_pieces(size: int, tp: int, rank: int, tp_sizes: tuple[int, ...]) -> tu
 
 
 @functools.lru_cache(maxsize=256)
-def _query_leaf_pieces(n_head: int, n_kv: int, d: int, tp: int, rank: int, tp_sizes: tuple[int, ...]
-                       ) -> tuple[tuple[Piece, ...], ...]:
-    """The pieces of each of this rank's leaves of its query features (the output projection's input)."""
-    placed = placed_split(_qkv_pieces(n_head, n_kv, d, True), n_head * d, tp, rank, tp_sizes)
+def _query_leaf_pieces(n_head: int, n_kv: int, d: int, tp: int, rank: int, tp_sizes: tuple[int, ...],
+                       queries_only: bool = True) -> tuple[tuple[Piece, ...], ...]:
+    """The pieces of each of this rank's leaves of its query features (the output projection's input), or of
+    the fused ``[Q|K|V]`` rows."""
+    size = (n_head + (0 if queries_only else 2 * n_kv)) * d
+    placed = placed_split(qkv_pieces(n_head, n_kv, d, queries_only), size, tp, rank, tp_sizes)
     return tuple(placed.pieces(leaf) for leaf in placed.mine)
 
 
@@ -90,42 +91,45 @@ def _leaf_copies(s: Shapes, size: int, rows: int, storage: int,
     return (storage if any(viewed) else 0) + rows * copied * s.a
 
 
-def _qkv_pieces(n_head: int, n_kv: int, d: int, queries_only: bool) -> Callable[[int, int], list[Piece]]:
-    """A rank's pieces of the fused ``[Q|K|V]`` rows at a tp (:func:`layers.numerics.attention`'s cuts), or of
-    its query features alone (the output projection's input)."""
-    def pieces(tp: int, rank: int) -> list[Piece]:
-        at = head_layout(n_head, n_kv, tp, rank)
-        kv = (at.kv_held.start * d, len(at.kv_held) * d)
-        q = (at.query.start * d, len(at.query) * d)
-        return [q] if queries_only else [q, (n_head * d + kv[0], kv[1]), ((n_head + n_kv) * d + kv[0], kv[1])]
-    return pieces
-
-
-@functools.lru_cache(maxsize=1024)
-def _counts(what: str, n_head: int, n_kv: int, d: int, size: int, tp: int, rank: int, tp_sizes: tuple[int, ...]
-            ) -> tuple[int, ...]:
-    """How many partial sums each rank sends in a tree sum over the leaves of ``what``: ``"qkv"`` (the fused
-    rows), ``"query"`` (the output projection's input), or balanced rows of ``size`` (the MLP's, the vocabulary)."""
-    if what in ("qkv", "query"):
-        size = (n_head + (2 * n_kv if what == "qkv" else 0)) * d
-        pieces = _qkv_pieces(n_head, n_kv, d, what == "query")
-    else:
-        pieces = functools.partial(lambda n, t, r: [partition_bounds(n, t, r)], size)
-    placed = placed_split(pieces, size, tp, rank, tp_sizes)
-    return tuple(len(nodes) for nodes in placed.sent)
-
-
-def exchange(config: GPTConfig, s: Shapes, what: str) -> int:
-    """The most a tree sum of ``(N, C)`` partial results over the leaves of ``what`` holds while its partial sums
-    are exchanged: this rank's, every rank's (padded to the most a rank sends) and their join (the stack it sends
-    counts as gone once sent: :class:`~layers.plan_measure.LiveBytes`)."""
+def projection_exchange(config: GPTConfig, s: Shapes) -> int:
+    """What a block holds beyond its saved bytes up to attention's output (its input apart) while the output
+    projection's tree sum exchanges: what attention's forward still holds (the fused ``[Q|K|V]`` output, with
+    rotary positions the turned queries and keys, with sequence parallelism the gathered tokens; its output
+    and that side by side), the projection's weight columns padded leaf by leaf, and the exchange (:func:`exchange`)."""
     assert s.mode is not None
-    size = config.vocab_size if what == "vocab" else config.mlp_hidden
-    counts = _counts(what, config.n_head, config.kv_heads, s.d, size, s.tp, s.rank, s.mode.tp_sizes)
-    if s.tp == 1 or not any(counts):
-        return 0
-    own, most = counts[s.rank], max(counts)
-    return (own + s.tp * most + sum(counts)) * s.b * s.t * s.c * s.a
+    tokens = s.b * s.t
+    held = tokens * (s.h + 2 * s.h_kv) * s.d * s.a + (tokens * s.c * s.p if s.sp else 0)
+    if config.positions == "rope" and not (config.dropout and s.b == 1):  # else views the heads keep
+        held += tokens * (s.h + s.h_kv) * s.d * s.a
+    out = tokens * s.h * s.d * s.a  # attention's output (B, h, T, d); (B, T, h·d) a copy unless a view of it
+    held += out if s.h > 1 and s.t > 1 else 0
+    leaves = _query_leaf_pieces(config.n_head, config.kv_heads, s.d, s.tp, s.rank, s.mode.tp_sizes)
+    if config.dropout:  # the output is fresh, not saved (but as the tensor the projection's leaves view)
+        held += out - _projection_input(config, s) + _leaf_copies(s, config.n_head * s.d, tokens, 0, leaves)
+    return held + _row_columns(s, leaves) + exchange(config, s, "query")
+
+
+def mlp_exchange(config: GPTConfig, s: Shapes) -> int:
+    """What a block holds beyond its saved bytes (its input apart) while the MLP's row map's tree sum exchanges:
+    what the MLP's forward still holds (with sequence parallelism the gathered tokens; the activation's output,
+    where the row map keeps copies of its leaves), the row map's weight columns padded leaf by leaf, and the
+    exchange (:func:`exchange`)."""
+    assert s.mode is not None
+    n = s.b * s.t * s.hidden
+    output = n * s.a if config.mlp == "swiglu" else _up(n, LANES) * s.a  # fresh: flat and padded for GELU
+    leaves = _leaf_pieces(config.mlp_hidden, s.tp, s.rank, s.mode.tp_sizes)
+    viewed = _leaf_copies(s, config.mlp_hidden, s.b * s.t, output) - _leaf_copies(s, config.mlp_hidden, s.b * s.t, 0)
+    return (s.b * s.t * s.c * s.p if s.sp else 0) + output - viewed + _row_columns(s, leaves) + exchange(
+        config, s, "hidden")
+
+
+def _row_columns(s: Shapes, leaves: tuple[tuple[Piece, ...], ...]) -> int:
+    """The weight columns a row map reads for each of its ``leaves``, side by side and padded to a width of a
+    multiple of :data:`WIDTH` (:func:`~tensorpar.bitwise.linear.row_operands`): a copy, but of a leaf that is
+    the whole local width, one piece, already as wide as that."""
+    width = sum(n for pieces in leaves for _, n in pieces)
+    copied = [pieces for pieces in leaves if len(pieces) > 1 or pieces[0][1] != width or width % WIDTH or s.c < 2]
+    return sum(max(s.c, 2) * _up(sum(n for _, n in pieces), WIDTH) * s.a for pieces in copied)
 
 
 def norm_saved(s: Shapes, config: GPTConfig) -> int:
@@ -232,13 +236,14 @@ def attention_forward_extra(config: GPTConfig, s: Shapes) -> int:
 def row_forward(config: GPTConfig, s: Shapes) -> int:
     """What the MLP's row map holds in its forward beyond its saved inputs: each leaf's weight columns padded to
     a multiple of :data:`WIDTH`, each leaf's product of at least :data:`ROWS` rows until the tree sum adds it,
-    and one leaf's input padded as it is multiplied."""
+    and one leaf's input padded as it is multiplied (16-bit operands: also both widened to float32, and the
+    float32 product before it is rounded back)."""
     assert s.mode is not None
     widths = [sum(n for _, n in pieces) for pieces in _leaf_pieces(config.mlp_hidden, s.tp, s.rank,
                                                                        s.mode.tp_sizes)]
-    rows = max(s.b * s.t, ROWS)
-    return sum(max(s.c, 2) * _up(n, WIDTH) * s.a + rows * s.c * s.a for n in widths) + rows * _up(
-        max(widths, default=0), WIDTH) * s.a
+    rows, widest = max(s.b * s.t, ROWS), _up(max(widths, default=0), WIDTH)
+    widened = (rows * widest + max(s.c, 2) * widest + rows * s.c) * 4 if s.a < 4 else 0
+    return sum(max(s.c, 2) * _up(n, WIDTH) * s.a + rows * s.c * s.a for n in widths) + rows * widest * s.a + widened
 
 
 def _attention_working(config: GPTConfig, s: Shapes) -> int:
@@ -271,16 +276,16 @@ def block_saved(config: GPTConfig, s: Shapes) -> int:
     k = 2 if config.mlp == "swiglu" else 1
     return (2 * norm_saved(s, config) + _column_inputs(s, 1) + _column_inputs(s, k) + attention_saved(config, s)
             + _rotary_table(config, s) + _projection_input(config, s) + _mlp_saved(config, s)
-            + 2 * _residual_mask(config, s))
+            + 2 * residual_mask(config, s))
 
 
 def mlp_half(config: GPTConfig, s: Shapes) -> int:
     """The saved bytes of a block after its attention: the second norm's, the MLP's and their dropout's."""
     k = 2 if config.mlp == "swiglu" else 1
-    return norm_saved(s, config) + _column_inputs(s, k) + _mlp_saved(config, s) + _residual_mask(config, s)
+    return norm_saved(s, config) + _column_inputs(s, k) + _mlp_saved(config, s) + residual_mask(config, s)
 
 
-def _residual_mask(config: GPTConfig, s: Shapes) -> int:
+def residual_mask(config: GPTConfig, s: Shapes) -> int:
     """The mask of the attention's or the MLP's output dropout: of this rank's tokens, ``a`` bytes an element
     (``x * noise``), or bool with sequence parallelism (this rank's tokens of one draw, compared)."""
     return dropout_mask(s, s.b * s.t_r * s.c, s.a, config.dropout, "cpu")
@@ -319,14 +324,22 @@ def placed_vocabulary_lengths(vocab_size: int, tp: int, rank: int, tp_sizes: tup
     return tuple(placed_vocabulary(vocab_size, tp, rank, tp_sizes).lengths())
 
 
+def _gradient_copies(s: Shapes, leaves: tuple[tuple[Piece, ...], ...]) -> int:
+    """What a column map's backward copies of its ``(N, its output features)`` output gradient: each leaf's
+    columns side by side (but a leaf that is the whole width: the gradient itself), held while it runs."""
+    width = sum(n for pieces in leaves for _, n in pieces)
+    return sum(s.b * s.t * n * s.a for pieces in leaves if len(pieces) > 1 or pieces[0][1] != width for _, n in pieces)
+
+
 def _linear_node(s: Shapes, saved: int, rows: int, cols: int, bias: bool, grad_out: int, grad_in: int,
-                 leaves: bool, exchanged: int = 0) -> Node:
+                 leaves: bool, exchanged: int = 0, copies: int = 0) -> Node:
     """A segmented map's backward: its weight gradient (made leaf by leaf, then joined), the output gradient it
-    reads and the input gradient it makes (elements), in float32 where the products widen 16-bit operands."""
+    reads and the input gradient it makes (elements), in float32 where the products widen 16-bit operands; a
+    column map's ``copies`` of its output gradient (bytes: :func:`_gradient_copies`)."""
     grads = (rows * cols + bias * rows) * s.p
     joined = rows * cols * s.a if leaves else 0  # the leaves' weight gradients before they are joined
     padded = s.b * s.c * s.a * s.tp * sequence_sizes(s.t, s.tp)[0] if s.sp else 0  # a collective's flat buffer
-    return saved, grads, grad_out * s.a + joined + padded + max(2 * grad_in * s.a, exchanged)
+    return saved, grads, grad_out * s.a + joined + padded + copies + max(2 * grad_in * s.a, exchanged)
 
 
 def block_nodes(config: GPTConfig, s: Shapes, device_type: str = "cpu") -> list[Node]:
@@ -343,34 +356,40 @@ def block_nodes(config: GPTConfig, s: Shapes, device_type: str = "cpu") -> list[
     assert s.mode is not None
     attention = attention_saved(config, s) - attention_unheld(config, s) + _rotary_table(config, s)
     regathered = tokens * c if s.sp else 0
-    mask = (_residual_mask(config, s), 0, 2 * s.b * s.t_r * c * s.a)
+    mask = (residual_mask(config, s), 0, 2 * s.b * s.t_r * c * s.a)
     return [
         mask,
         _linear_node(s, leaves + c * s.hidden * copies, c, s.hidden, bias, tokens * c, hidden, True),
         (mlp - leaves, 0, (2 * k - 1) * _up(hidden, LANES) * s.a),
         _linear_node(s, _column_inputs(s, k) + k * s.hidden * c * copies, k * s.hidden, c, bias,
-                     k * hidden + regathered, tokens * c, False, exchange(config, s, "hidden")),
+                     k * hidden + regathered, tokens * c, False, exchange(config, s, "hidden"),
+                     _gradient_copies(s, _leaf_pieces(config.mlp_hidden, s.tp, s.rank, s.mode.tp_sizes))),
         norm,
         mask,
         _linear_node(s, _projection_input(config, s) + c * s.h * s.d * copies, c, s.h * s.d, bias, tokens * c,
                      tokens * s.h * s.d, True),
         (attention, 0, _attention_working(config, s)),
         _linear_node(s, _column_inputs(s, 1) + rows * c * copies, rows, c, bias, tokens * rows + regathered,
-                     tokens * c, False, exchange(config, s, "qkv")),
+                     tokens * c, False, exchange(config, s, "qkv"), _gradient_copies(s, _query_leaf_pieces(
+                         config.n_head, config.kv_heads, s.d, s.tp, s.rank, s.mode.tp_sizes, False))),
         norm,
     ]
 
 
 def head_nodes(config: GPTConfig, s: Shapes) -> list[Node]:
     """The loss's, the head's and the final norm's backward (their saved bytes: :func:`head_saved`)."""
+    assert s.mode is not None
     n, loss = s.b * s.t, loss_itemsize(s)
     btv = n * s.vocab
     cast = btv * s.a if s.a != loss else 0  # the softmax becomes the logits' gradient in place, cast for the head
     ce = (btv * loss + 8 * n + 2 * n if cast else 8 * n + 2 * n, 0, cast)
     head_input = n * s.c * (s.a if s.a != s.p else s.p)
-    head = ((0 if cast else btv * loss) + head_input + (s.vocab * s.c * s.a if s.a != s.p else 0),
-            s.vocab * s.c * s.p, cast + (s.vocab * s.c * s.a if s.a != s.p else 0)
-            + max(2 * n * s.c * s.a, exchange(config, s, "vocab")))
+    grads, copy = s.vocab * s.c * s.p, s.vocab * s.c * s.a if s.a != s.p else 0  # copy: the weight's, its gradient
+    working = cast + copy + _gradient_copies(s, _leaf_pieces(config.vocab_size, s.tp, s.rank, s.mode.tp_sizes)) \
+        + max(2 * n * s.c * s.a, exchange(config, s, "vocab"))
+    if copy:  # the weight's gradient is made from its copy's, after the input gradient's exchange
+        working = max(working - grads, cast + copy)
+    head = ((0 if cast else btv * loss) + head_input + copy, grads, working)
     rows_in = s.b * s.t_r * s.c
     norm = (norm_saved(s, config), s.c * (1 + norm_bias(config)) * s.p, 2 * rows_in * s.p)
     return [ce, head, norm]
