@@ -20,7 +20,9 @@ travels:
 
 Every rank computes the same result from the same gathered numbers: no broadcast. Decoding, the same
 gather also carries each rank's candidate's row of the token embedding (and its share of the position
-table's lookup), so the next step's input needs no all-reduce of its own.
+table's lookup), so the next step's input needs no all-reduce of its own. A group of one gathers nothing:
+its own pick and statistics are the whole vocabulary's (the same bits), and the winner's row is read from
+its table.
 """
 
 from __future__ import annotations
