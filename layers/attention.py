@@ -145,7 +145,7 @@ class ParallelSelfAttention(nn.Module):
         with self.copy_in.entered(x, seq_len) as x:  # f, or f̄ (B, T, C) whose (B, T_r, C) c_attn keeps
             qkv = self.c_attn(x)  # (B, T, (h + 2 * hk) * d): this rank's Q heads, then its K, then its V heads
         d, h, hk = self.head_dim, self.local_heads, self.held_kv_heads
-        q, k, v = (t.unflatten(-1, (-1, d)).transpose(1, 2) for t in qkv.split([h * d, hk * d, hk * d], -1))  # views
+        q, k, v = qkv.unflatten(-1, (-1, d)).transpose(1, 2).split_with_sizes([h, hk, hk], 1)  # (B, *, T, d) views
         p = self.dropout if self.training else 0.0
         if self.rotary is not None:  # at 0..T-1, or at the cache's positions (B, T); keys cached rotated
             angles = self.rotary(q.shape[2], None if cache is None else cache.cache.positions)

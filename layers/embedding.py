@@ -88,6 +88,10 @@ class VocabParallelEmbedding(nn.Module):
                             f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}")
         n = self.num_embeddings
         check_ids(ids, n, "token id", f"num_embeddings {n} (ids must be in [0, {n}))")
+        return self._lookup(ids)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of ``ids`` ``(*)``, known to be in range: ``(*, embedding_dim)``."""
         if self.tp == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.local_offset
@@ -100,3 +104,19 @@ class VocabParallelEmbedding(nn.Module):
         lo, hi = self.local_offset, self.local_offset + self.local_rows
         return (f"{self.num_embeddings}, {self.embedding_dim}, local rows={self.local_rows} [{lo}:{hi}] "
                 f"on tp rank {self.tp_rank} of {self.tp}" + ("" if self.reduce_output else ", reduce_output=False"))
+
+
+class PositionEmbedding(VocabParallelEmbedding):
+    """A :class:`VocabParallelEmbedding` of the positions ``0..num_embeddings-1`` a model gives its tokens: it
+    makes the ids itself, in range (a GPT refuses sequences longer than ``block_size`` before), so the lookup
+    skips the range check a token id gets.
+
+    Example::
+
+        wpe = PositionEmbedding(1024, 768)
+        x = wte(idx) + wpe(torch.arange(idx.shape[1]))   # (B, T, 768)
+    """
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """``(*)`` positions ``->`` ``(*, embedding_dim)``."""
+        return self._lookup(ids)

@@ -81,8 +81,8 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
         logits = last_logits(model, idx[:, :longest], at - 1 if ragged else None, cache)
         if ragged:
             cache.truncate_(lengths)
-    # decoding at tp > 1, each step's gather brings the next token's embedding: no all-reduce of its own
-    carried = cache is not None and model.tp_group.size() > 1 and not model.config.sequence_parallel
+    # decoding, each step's gather (at tp > 1) brings the next token's embedding: no all-reduce, no lookup
+    carried = cache is not None and not model.config.sequence_parallel
     embedded = None
     for step in range(max_new_tokens):
         if step and cache is not None:
@@ -96,9 +96,8 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
                                          cache if carried and not last else None)
         if stops:
             nxt = torch.where(done, stopped_with, nxt)  # a row that stopped repeats its stop token, log-prob 0
-            logprob = logprob.masked_fill(done, 0.0)
-        if return_logprobs:
-            logprobs.append(logprob)
+        if logprob is not None:
+            logprobs.append(logprob.masked_fill(done, 0.0) if stops else logprob)
         if ragged:
             out[rows, at + step] = nxt
         else:
@@ -110,7 +109,7 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
             if bool(done.all()):  # the rest repeats every row's stop token
                 for rest in range(step + 1, max_new_tokens):
                     out[rows, at + rest] = stopped_with
-                    logprobs.append(torch.zeros_like(logprob))
+                    logprobs += [] if logprob is None else [torch.zeros_like(logprob)]
                 break
     if not return_logprobs:
         return out
@@ -119,10 +118,10 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
 
 
 def _sample(model: GPT, logits: torch.Tensor, temperature: float, top_k: int | None, scored: bool,
-            cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+            cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The next token of each row from this rank's logits (B, V / tp), the same on every rank
     (:func:`~layers.sampling.sample`), when ``scored`` its log-probability (B,) under the distribution
-    it was drawn from (greedy: under the model itself; else zeros), and given the ``cache`` the token
+    it was drawn from (greedy: under the model itself; else ``None``), and given the ``cache`` the token
     continues, its embedding (B, 1, C) at the cache's positions, or ``None``."""
     # the bitwise mode scores the token with the training path's loss, for its bits (top-k: renormalised)
     by_loss = scored and model.numerics is not None and not (top_k is not None and temperature != 0)
@@ -135,4 +134,4 @@ def _sample(model: GPT, logits: torch.Tensor, temperature: float, top_k: int | N
                                              scored and not by_loss, embedding)
     if by_loss:  # -(the training path's cross-entropy of the sampled token)
         logprob = -model._loss(logits, nxt, "none", temperature or 1.0)
-    return nxt, logits.new_zeros(()) if logprob is None else logprob, None if embedded is None else embedded[:, None]
+    return nxt, logprob, None if embedded is None else embedded[:, None]

@@ -19,7 +19,6 @@ split, so a rank holds little more than ``1/tp`` of the parameters.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -34,7 +33,7 @@ from tensorpar.checks import check_int
 from . import generation, hf, hf_llama
 from .block import Block, run_blocks
 from .config import GPTConfig
-from .embedding import VocabParallelEmbedding
+from .embedding import PositionEmbedding, VocabParallelEmbedding
 from .kv_cache import KVCache
 from .linear import ColumnParallelLinear
 from .regions import ReduceFromTP, ReduceScatterSequence
@@ -120,11 +119,10 @@ class GPT(nn.Module):
         # The layers initialise themselves, then reset_parameters draws every weight again: only its draws
         # count, so a model takes one draw per weight however it is built (a pipeline stage builds a few).
         with torch.random.fork_rng(devices=[]):
-            table = functools.partial(VocabParallelEmbedding, embedding_dim=c.n_embd, reduce_output=False,
-                                      group=group, **factory)  # (rows,) -> a vocab-parallel table
+            table: dict[str, Any] = dict(embedding_dim=c.n_embd, reduce_output=False, group=group, **factory)
             self.transformer = nn.ModuleDict(dict(
-                wte=table(c.vocab_size),
-                **(dict(wpe=table(c.block_size)) if learned else {}),  # rotary positions: none
+                wte=VocabParallelEmbedding(c.vocab_size, **table),
+                **(dict(wpe=PositionEmbedding(c.block_size, **table)) if learned else {}),  # rotary positions: none
                 reduce=ReduceScatterSequence(group=group) if sp else ReduceFromTP(group=group),  # g (ḡ): both lookups
                 drop=ShardedDropout(c.dropout, group=group) if sp else nn.Dropout(c.dropout),
                 h=nn.ModuleList([Block(c, group=group, **factory) for _ in range(c.n_layer)]),

@@ -63,7 +63,8 @@ class KVCache:
         check_int(batch_size, "batch_size")
         self.batch_size, self.block_size = batch_size, block_size
         self.layers = [LayerCache(self) for _ in range(n_layer)]
-        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.slots = torch.arange(block_size + 1, device=device)  # slot numbers, read as positions and lengths
+        self.lengths = self.slots[:1].expand(batch_size)
         self._host_lengths = [0] * batch_size  # the same, on the host: no device sync to plan a step
         self.positions = self.lengths[:, None]  # (B, S) of the forward running now
         self.uniform: int | None = 0  # every row's length when they agree (writes are slices), else None
@@ -78,21 +79,26 @@ class KVCache:
         if longest + s > self.block_size:
             raise ValueError(f"the KV cache holds {self.block_size} tokens per row (block_size); a row of "
                              f"{longest} cannot take {s} more")
-        device = self.lengths.device
-        self.positions = self.lengths[:, None] + torch.arange(s, device=device)  # (B, S)
+        at = self.uniform
+        if at is None:
+            self.positions = self.lengths[:, None] + self.slots[:s]  # (B, S)
+        else:  # every row alike: a view of the slot numbers, no op
+            self.positions = self.slots[at:at + s].expand(self.batch_size, s)
         self.end = longest + s
-        if self.uniform is not None and (self.uniform == 0 or s == 1):
+        if at is not None and (at == 0 or s == 1):
             self.mask = None
         else:
-            self.mask = torch.arange(self.end, device=device) <= self.positions[:, None, :, None]  # (B, 1, S, L)
+            self.mask = self.slots[:self.end] <= self.positions[:, None, :, None]  # (B, 1, S, L)
         return self.positions
 
     def advance(self, s: int) -> None:
         """Every row now holds ``s`` more tokens."""
-        self.lengths = self.lengths + s
         self._host_lengths = [n + s for n in self._host_lengths]
-        if self.uniform is not None:
+        if self.uniform is None:
+            self.lengths = self.lengths + s
+        else:
             self.uniform += s
+            self.lengths = self.slots[self.uniform].expand(self.batch_size)
 
     def truncate_(self, lengths: torch.Tensor | list[int]) -> KVCache:
         """Keep only each row's first ``lengths[r]`` tokens (after a right-padded prefill, the prompts' own

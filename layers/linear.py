@@ -47,6 +47,12 @@ def check_activation(x: object, name: str) -> None:
         raise TypeError(f"{name}: input dtype {x.dtype} is not a floating-point dtype")
 
 
+def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, seq_len: int | None = None
+            ) -> torch.Tensor:
+    """A column-parallel product with nothing to communicate: ``F.linear``."""
+    return F.linear(x, weight, bias)
+
+
 class _ParallelLinear(nn.Module):
     """What column- and row-parallel layers share: the split of ``weight`` along ``split_dim``."""
 
@@ -113,16 +119,23 @@ class _ParallelLinear(nn.Module):
         linear.load_state_dict(tensorpar.full_state_dict(self))
         return linear
 
-    def _check_input(self, x: torch.Tensor, width: int, what: str) -> None:
+    def _check_input(self, x: torch.Tensor, weight: torch.Tensor, width: int) -> None:
+        """Raise unless ``x`` is a floating-point tensor with ``width`` features in its last dim, on the weight's
+        device and in its dtype (or autocast's); the usual input costs a few attribute compares."""
+        if isinstance(x, torch.Tensor) and x.dtype == weight.dtype and x.device == weight.device \
+                and x.shape[-1:] == (width,):
+            return
         name = type(self).__name__
         check_activation(x, name)
         if x.dim() == 0 or x.shape[-1] != width:
+            what = "an input" if width == self.in_features else (
+                f"this rank's input slice ({self.in_features} in_features over tp {self.tp}; input_is_parallel=True)")
             raise ValueError(f"{name} expects {what} with {width} features in its last dim, "
                              f"got shape {tuple(x.shape)}")
-        if x.device != self.weight.device:
-            raise TypeError(f"{name}: input is on {x.device} but the weight is on {self.weight.device}")
-        if x.dtype != self.weight.dtype and not torch.is_autocast_enabled(x.device.type):
-            raise TypeError(f"{name}: input dtype {x.dtype} does not match the weight dtype {self.weight.dtype}")
+        if x.device != weight.device:
+            raise TypeError(f"{name}: input is on {x.device} but the weight is on {weight.device}")
+        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(f"{name}: input dtype {x.dtype} does not match the weight dtype {weight.dtype}")
 
     def extra_repr(self) -> str:
         split = ("out_features", "in_features")[self.split_dim]
@@ -169,13 +182,16 @@ class ColumnParallelLinear(_ParallelLinear):
                              "replicated)")
         super().__init__(in_features, out_features, bias, unit, group, device, dtype, replicated)
         self.gather_output, self.copy_input, self.sequence_parallel = gather_output, copy_input, sequence_parallel
-        # (x, weight, bias, seq_len) -> (*, out / tp): the default product, or the bitwise mode's (chosen once)
-        self.product = numerics.column(self._product, self.placement, self.tp_group,
+        # (x, weight, bias, seq_len) -> (*, out / tp): the default product (the matmul alone where no rank takes
+        # part), or the bitwise mode's (chosen once)
+        alone = not sequence_parallel and (self.tp == 1 or not (copy_input or replicated))
+        self.product = numerics.column(_matmul if alone else self._product, self.placement, self.tp_group,
                                        sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
-        self._check_input(x, self.in_features, "an input")
-        y = self.product(x, self.weight, self.bias, seq_len)  # (*, out / tp)
+        weight = self.weight
+        self._check_input(x, weight, self.in_features)
+        y = self.product(x, weight, self.bias, seq_len)  # (*, out / tp)
         if self.gather_output:
             y = self._gather_units(y)  # (*, out)
         return y
@@ -235,25 +251,25 @@ class RowParallelLinear(_ParallelLinear):
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__(in_features, out_features, bias, unit, group, device, dtype)
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
-        # (x, weight, bias) -> (*, out), summed over the group: the default product, or the bitwise mode's
-        self.product = numerics.row(self._product, self.placement, self.tp_group, sequence_parallel=sequence_parallel)
+        # (x, weight, bias) -> (*, out), summed over the group: the default product (the matmul alone at tp 1),
+        # or the bitwise mode's
+        alone = self.tp == 1 and not sequence_parallel
+        self.product = numerics.row(F.linear if alone else self._product, self.placement, self.tp_group,
+                                    sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
         if self.input_is_parallel or self.tp == 1:
-            self._check_input(x, self.local_features, "an input" if self.tp == 1 else
-                              f"this rank's input slice ({self.in_features} in_features over tp {self.tp}; "
-                              "input_is_parallel=True)")
+            self._check_input(x, weight, self.local_features)
         else:
-            self._check_input(x, self.in_features, "an input")
+            self._check_input(x, weight, self.in_features)
             x = tensorpar.scatter_to_tp(x, -1, self.tp_group, unit=self.unit)  # (*, in / tp)
-        return self.product(x, self.weight, self.bias)  # (*, out), or (..., T_r, out)
+        return self.product(x, weight, self.bias)  # (*, out), or (..., T_r, out)
 
     def _product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The default product: the matmul fused with ``g`` (or ``ḡ``)."""
         if self.sequence_parallel:  # (..., T_r, out): this rank's tokens of the sum
             return tensorpar.sequence_parallel_row_linear(x, weight, bias, self.tp_group)
-        if self.tp == 1:  # nothing to sum
-            return F.linear(x, weight, bias)
         return tensorpar.row_parallel_linear(x, weight, bias, self.tp_group)  # (*, out), summed over ranks
 
     def extra_repr(self) -> str:

@@ -102,19 +102,20 @@ class CopyToTP(nn.Module):
             return tensorpar.all_gather_sequence(x, seq_len, self.tp_group)  # f̄: (..., T, C)
         return x if self.tp == 1 else tensorpar.copy_to_tp(x, self.tp_group)  # f
 
-    @contextlib.contextmanager
-    def entered(self, x: torch.Tensor, seq_len: int | None = None) -> Iterator[torch.Tensor]:
+    def entered(self, x: torch.Tensor, seq_len: int | None = None) -> contextlib.AbstractContextManager[torch.Tensor]:
         """The region's input, ``self(x, seq_len)``, for the block's maps; with sequence parallelism what
         they save of it for backward is kept as ``x``, this rank's tokens, and gathered again there."""
         full = self(x, seq_len)
-        if not self.sequence_parallel:
-            yield full
-            return
-        with tensorpar.save_sequence_shard(full, x, self.tp_group):
-            yield full
+        return _keeping_shard(full, x, self.tp_group) if self.sequence_parallel else contextlib.nullcontext(full)
 
     def extra_repr(self) -> str:
         return "sequence_parallel=True" if self.sequence_parallel else ""
+
+
+@contextlib.contextmanager
+def _keeping_shard(full: torch.Tensor, local: torch.Tensor, group: ProcessGroup) -> Iterator[torch.Tensor]:
+    with tensorpar.save_sequence_shard(full, local, group):
+        yield full
 
 
 def summed_gradients(params: Iterable[torch.Tensor | None], group: ProcessGroup) -> list[torch.Tensor | None]:

@@ -20,7 +20,9 @@ travels:
 
 Every rank computes the same result from the same gathered numbers: no broadcast. Decoding, the same
 gather also carries each rank's candidate's row of the token embedding (and its share of the position
-table's lookup), so the next step's input needs no all-reduce of its own.
+table's lookup), so the next step's input needs no all-reduce of its own. A group of one gathers nothing:
+its own pick and statistics are the whole vocabulary's (the same bits), and the winner's row is read from
+its table.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def sample(logits: torch.Tensor, vocab_size: int, temperature: float, top_k: int
     ``None``. The same gather then carries the winner's row and the shares, and the third result is the
     next token's embedding (B, C), the sum the embeddings' all-reduce would give (no top-k: ``None``)."""
     rank, tp = group.rank(), group.size()
-    lo, n = partition_bounds(vocab_size, tp, rank, name="vocab_size")
+    lo, n = (0, vocab_size) if tp == 1 else partition_bounds(vocab_size, tp, rank, name="vocab_size")
     b = logits.shape[0]
     wide = torch.float32 if logits.dtype in (torch.float16, torch.bfloat16) else logits.dtype  # the loss's dtype
     z = (logits if temperature in (0, 1) else logits / temperature).to(wide)  # (B, V / tp)
@@ -70,9 +72,12 @@ def sample(logits: torch.Tensor, vocab_size: int, temperature: float, top_k: int
     else:
         key, at = (z + gumbel_noise(uniform[:, lo:lo + n]).to(wide)).max(-1)  # (B,) the best perturbed
         best = z.gather(-1, at[:, None])[:, 0]
+    top = z.amax(-1) if scored else None  # (B,)
+    if tp == 1:  # one rank: its pick, its sum and its rows are the whole vocabulary's
+        return at, None if top is None else best - top - (z - top[:, None]).exp().sum(-1).log(), \
+            None if embedding is None else _looked_up(at, *embedding)
     fields = [key, at + lo, best]
-    if scored:
-        top = z.amax(-1)  # (B,)
+    if top is not None:
         fields += [top, (z - top[:, None]).exp().sum(-1)]
     mine = torch.stack([f.double() for f in fields], -1)  # (B, F)
     if embedding is not None:  # the candidate's row of the table (zero where another rank's), and the shares
@@ -100,6 +105,11 @@ def sample(logits: torch.Tensor, vocab_size: int, temperature: float, top_k: int
     top = m.amax(-1)  # (B,)
     total = (s * (m - top[:, None]).exp()).sum(-1)
     return token, chosen[:, 2].to(wide) - top - total.log(), embedded
+
+
+def _looked_up(token: torch.Tensor, table: torch.Tensor, share: torch.Tensor | None) -> torch.Tensor:
+    """The embedding (B, C) of ``token`` (B,) in the whole ``table`` (V, C), plus ``share``: the lookups' sum."""
+    return table[token] if share is None else table[token] + share
 
 
 def _sample_top_k(z: torch.Tensor, lo: int, vocab_size: int, k: int, uniform: torch.Tensor, group: ProcessGroup,
