@@ -2,9 +2,13 @@
 
     python benchmarks/run.py [--rounds 7] [--write]        (make bench)
 
-One thread per rank. Within a round the contenders of a size take turns step
-by step (each step, and each round, starting with another one), so drift in
-the machine hits all alike; figures are medians over rounds. The
+One thread per rank. The dense and tp=1 MLPs of a size take turns step by
+step (each step starting with the other), so drift in the machine hits both
+alike. The tp=2 contenders each run their steps in a row, in turn (each round
+starting with another one): each holds its own process groups, and taking
+turns step by step would time how fast one wakes from another's collectives
+(at h=64 that added 1 ms to tensorpar's 1.9 ms step and nothing to the peers'),
+which no training loop does. Figures are medians over rounds. The
 tp=1 and dense models run in this process; tp=2 contenders run in a pool of
 two processes in one gloo group, and a tp=2 step lasts as long as its slower
 rank. ``--write`` records the tables in benchmarks/RESULTS.md.
@@ -89,18 +93,15 @@ def _my_tokens(tokens: int) -> int:
     return tensorpar.sequence_sizes(tokens, mesh.tp)[mesh.tp_rank]
 
 
-def time_mlps(libs: list[str], h: int, tokens: int, steps: int) -> list[list[float]]:
-    """In a pool rank: ``libs``' tp MLPs at hidden ``h`` (each built once), taking turns step by step; a
-    sequence-parallel one gets this rank's tokens."""
-    runs = []
-    for lib in libs:
-        if (lib, h) not in _CACHE:
-            torch.manual_seed(0)
-            _CACHE[(lib, h)] = (peers.SEQUENCE_BUILDERS[lib](h, tokens) if lib in peers.SEQUENCE_BUILDERS
-                                else peers.no_communication(h) if lib == CAP else peers.BUILDERS[lib](h))
-        local = _my_tokens(tokens) if lib in peers.SEQUENCE_BUILDERS else tokens
-        runs.append((_CACHE[(lib, h)], torch.randn(local, h, requires_grad=True)))
-    return alternating_step_times(runs, steps)
+def time_mlp(lib: str, h: int, tokens: int, steps: int) -> list[float]:
+    """In a pool rank: ``lib``'s tp MLP at hidden ``h``, built once; a sequence-parallel one gets this
+    rank's tokens."""
+    if (lib, h) not in _CACHE:
+        torch.manual_seed(0)
+        _CACHE[(lib, h)] = (peers.SEQUENCE_BUILDERS[lib](h, tokens) if lib in peers.SEQUENCE_BUILDERS
+                            else peers.no_communication(h) if lib == CAP else peers.BUILDERS[lib](h))
+    local = _my_tokens(tokens) if lib in peers.SEQUENCE_BUILDERS else tokens
+    return step_times(_CACHE[(lib, h)], torch.randn(local, h, requires_grad=True), steps)
 
 
 CAP = "no communication"
@@ -171,10 +172,9 @@ def measure(pool: World, rounds: int, libs: list[str]) -> dict[str, Any]:
             for key, times in zip(pair, alternating_step_times([(local[key], x) for key in pair], steps), strict=True):
                 samples.setdefault(key, []).extend(times)
             contenders = libs + ([CAP] if h == max(SIZES) else [])
-            contenders = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
-            per_rank = pool.run(time_mlps, contenders, h, tokens, steps)  # [rank][contender][step]
-            for lib, times in zip(contenders, zip(*per_rank, strict=True), strict=True):
-                samples.setdefault((lib, h), []).extend(slowest_rank(list(times)))
+            for lib in contenders[r % len(contenders):] + contenders[:r % len(contenders)]:  # each round another first
+                per_rank = pool.run(time_mlp, lib, h, tokens, steps)
+                samples.setdefault((lib, h), []).extend(slowest_rank(per_rank))
         xb = torch.randn(BLOCK["batch"], BLOCK["seq"], BLOCK["n_embd"], requires_grad=True)
         for compiled in (r % 2 == 1, r % 2 == 0):  # the first step of each compiles, untimed
             samples.setdefault(("block", 1, compiled), []).extend(step_times(blocks[compiled], xb, BLOCK["steps"]))
