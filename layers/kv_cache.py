@@ -55,7 +55,8 @@ class KVCache:
     """Every layer's keys and values for ``batch_size`` rows of up to ``block_size`` tokens (see the module).
 
     ``lengths`` (B,) holds how many tokens each row has; a forward with the cache appends its ``S`` tokens to
-    every row and advances them by ``S``.
+    every row and advances them by ``S``. It is read-only (while the rows agree, a view of the slot numbers):
+    :meth:`truncate_` sets it.
     """
 
     def __init__(self, batch_size: int, block_size: int, n_layer: int, device: torch.device | str | None = None
