@@ -7,6 +7,7 @@ under torchrun), dp groups stride across them, pipeline stages are the outermost
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
 from collections.abc import Iterator
@@ -82,6 +83,8 @@ def init(tp: int | None = None, dp: int | None = None, *, pp: int = 1, backend: 
             dist.destroy_process_group()
         raise
     _current.set(mesh)
+    if created:  # forgotten before the exit's shutdown, so that its groups end there (see world.join)
+        atexit.register(_current.set, None)
     return mesh
 
 

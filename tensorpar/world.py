@@ -35,7 +35,8 @@ def collective_device(group: ProcessGroup | None = None) -> torch.device | None:
 
 def join(backend: str | None, timeout: timedelta) -> None:
     """Join the world described by torchrun's environment, or a world of one; :func:`shutdown` leaves it at
-    the latest at exit (gloo threads alive at interpreter exit abort the process). Under torchrun the kernel
+    the latest at exit (gloo threads alive in the interpreter's teardown can abort the process: a group still
+    held then, e.g. by a model in a module global, ends there, as in plain torch). Under torchrun the kernel
     ends this rank when torchrun's agent ends."""
     backend = backend or default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     if backend == "nccl":
@@ -55,11 +56,8 @@ def shutdown(timeout: timedelta = DEFAULT_TIMEOUT) -> None:
     destroy the process group; a no-op without one, and with a peer gone the group is left to the exit."""
     if not dist.is_initialized():
         return
-    try:
-        if dist.get_backend() == "gloo":
-            dist.monitored_barrier(timeout=timeout)
-        else:
-            dist.barrier()
+    try:  # gloo's barrier names the ranks that did not come
+        dist.monitored_barrier(timeout=timeout) if dist.get_backend() == "gloo" else dist.barrier()
     except RuntimeError:
         return
     dist.destroy_process_group()
@@ -75,11 +73,10 @@ def exchange_ints(row: list[int], group: ProcessGroup | None = None,
                   device: torch.device | None = None) -> list[list[int]]:
     """Every rank's ``row`` (the same length on all), in rank order: one all-reduce of a zero matrix in which
     each rank fills its own row. ``device``: the group's."""
-    rows = torch.zeros(dist.get_world_size(group), len(row), dtype=torch.int64)
+    rows = torch.zeros(dist.get_world_size(group), len(row), dtype=torch.int64, device=device)
     rows[dist.get_rank(group)] = torch.tensor(row, dtype=torch.int64)
-    everyone = rows.to(device)
-    dist.all_reduce(everyone, group=group)
-    return everyone.tolist()
+    dist.all_reduce(rows, group=group)
+    return rows.tolist()
 
 
 def agree(row: list[int], what: str, describe: Callable[..., str]) -> None:

@@ -141,6 +141,25 @@ def test_init_without_a_process_group_makes_a_world_of_one():
     assert _run(sys.executable, "-c", SCRIPT).strip() == "rank=0 tp=1 dp=1 shape=(2, 3)"
 
 
+EXIT = """
+import atexit, os
+def gloo_threads():  # torch names the worker threads of a gloo group
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    return names.count("pt_gloo_runloop")
+atexit.register(lambda: print(gloo_threads()))  # registered first, so it runs after tensorpar's exit handlers
+import torch, tensorpar
+tensorpar.init()
+print(gloo_threads())
+"""
+
+
+def test_a_world_of_one_ends_its_groups_threads_in_the_exit_handlers():
+    """Gloo's worker threads are joined at a clean exit before the interpreter's teardown, where a thread
+    reaching for the interpreter can abort the process ("terminate called without an active exception")."""
+    running, at_exit = map(int, _run(sys.executable, "-c", EXIT).split())
+    assert running > 0 and at_exit == 0, (running, at_exit)
+
+
 def test_init_reads_torchrun_environment(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
