@@ -2,11 +2,13 @@
 function that new processes cannot find refused by name before any rank starts."""
 
 import contextlib
+import gc
 import json
 import multiprocessing
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 import tensorpar
+from tensorpar.testing.ranks import LocalRanks
+from tensorpar.testing.sendable import call
 
 
 def report(offset):
@@ -121,15 +125,20 @@ def _listening(inodes=None):
     return found
 
 
-def listening_sockets():
-    mine = set()
+def _socket_fds():
+    """{descriptor: socket inode} of this process."""
+    found = {}
     for fd in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):
             target = os.readlink(f"/proc/self/fd/{fd}")
             if target.startswith("socket:["):
-                mine.add(target[8:-1])
+                found[int(fd)] = target[8:-1]
+    return found
+
+
+def listening_sockets():
     store = int(os.environ["MASTER_PORT"])
-    return [s for s in _listening() if s[2] == store], _listening(mine)
+    return [s for s in _listening() if s[2] == store], _listening(set(_socket_fds().values()))
 
 
 LOOPBACK = {"0100007F", "0000000000000000FFFF00000100007F"}  # 127.0.0.1, as IPv4 and as IPv4-mapped IPv6
@@ -145,6 +154,21 @@ def test_spawn_returns_each_rank_result_in_rank_order_and_listens_on_loopback_on
     for _, (store, ranks) in results:  # the rendezvous store and the ranks' own sockets
         assert store and all(address in LOOPBACK for _, address, _ in store), store
         assert all(address in LOOPBACK for _, address, _ in ranks), ranks
+
+
+def test_the_rendezvous_store_alone_owns_its_listening_socket():
+    """The store closes its listening socket when it ends. A Python socket holding the same descriptor would
+    close that number again later, when it may belong to another socket (a later launch's store connection)."""
+    ranks = LocalRanks(call, 1)
+    try:
+        ranks.collect("process", 60)  # the rank has joined through the store
+        fds = [fd for fd, inode in _socket_fds().items() if any(port == ranks._store.port for *_, port in
+                                                                  _listening({inode}))]
+        holders = [s for s in gc.get_objects() if isinstance(s, socket.socket) and s.fileno() in fds]
+        assert fds and not holders, (fds, holders)
+    finally:
+        ranks.send(None)
+        ranks.kill(60)
 
 
 def what_a_rank_was_given(marker):

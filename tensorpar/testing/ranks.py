@@ -107,9 +107,9 @@ class LocalRanks:
         check_int(nprocs, "nprocs")
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(["tensorpar.launch"])  # torch and this module, imported once by the server
-        self._listener = socket.create_server((_LOOPBACK, 0))  # loopback only (a store binds every interface)
-        self._store = dist.TCPStore(_LOOPBACK, self._listener.getsockname()[1], is_master=True,
-                                    wait_for_workers=False, master_listen_fd=self._listener.fileno())
+        listener = socket.create_server((_LOOPBACK, 0))  # loopback only (a store binds every interface)
+        self._store = dist.TCPStore(_LOOPBACK, listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                                    master_listen_fd=listener.detach())  # the store's alone: it closes it
         self.size, self.procs, self.conns = nprocs, [], []
         args = (nprocs, self._store.port, backend or default_backend(nprocs), collective_timeout,
                 threads or max(1, (os.cpu_count() or 1) // nprocs), dict(os.environ))
