@@ -83,6 +83,9 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
             cache.truncate_(lengths)
     # decoding, each step's gather (at tp > 1) brings the next token's embedding: no all-reduce, no lookup
     carried = cache is not None and not model.config.sequence_parallel
+    # chosen once: the bitwise mode scores a sampled token by the training path's loss, for its bits (top-k:
+    # by the sampler, renormalised over the k)
+    by_loss = return_logprobs and model.numerics is not None and not (top_k is not None and temperature != 0)
     embedded = None
     for step in range(max_new_tokens):
         if step and cache is not None:
@@ -92,8 +95,8 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
             lo = max(0, end - block)
             logits = last_logits(model, out[:, lo:end], at + step - 1 - lo if ragged else None, None)
         last = step == max_new_tokens - 1
-        nxt, logprob, embedded = _sample(model, logits, temperature, top_k, return_logprobs,
-                                         cache if carried and not last else None)
+        nxt, logprob, embedded = _sample(model, logits, temperature, top_k, return_logprobs and not by_loss,
+                                         by_loss, cache if carried and not last else None)
         if stops:
             nxt = torch.where(done, stopped_with, nxt)  # a row that stopped repeats its stop token, log-prob 0
         if logprob is not None:
@@ -117,21 +120,20 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
     return out, scores
 
 
-def _sample(model: GPT, logits: torch.Tensor, temperature: float, top_k: int | None, scored: bool,
+def _sample(model: GPT, logits: torch.Tensor, temperature: float, top_k: int | None, scored: bool, by_loss: bool,
             cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The next token of each row from this rank's logits (B, V / tp), the same on every rank
-    (:func:`~layers.sampling.sample`), when ``scored`` its log-probability (B,) under the distribution
-    it was drawn from (greedy: under the model itself; else ``None``), and given the ``cache`` the token
-    continues, its embedding (B, 1, C) at the cache's positions, or ``None``."""
-    # the bitwise mode scores the token with the training path's loss, for its bits (top-k: renormalised)
-    by_loss = scored and model.numerics is not None and not (top_k is not None and temperature != 0)
+    (:func:`~layers.sampling.sample`); its log-probability (B,) under the distribution it was drawn from
+    (greedy: under the model itself), from the sampler's statistics where ``scored``, as the model's
+    per-token loss makes it where ``by_loss``, else ``None``; and given the ``cache`` the token continues,
+    its embedding (B, 1, C) at the cache's positions, or ``None``."""
     embedding = None
     if cache is not None:
         parts = model.transformer
         share = parts.wpe(cache.lengths) if "wpe" in parts else None  # (B, C): this rank's rows' lookups
         embedding = (parts.wte.weight, share)
     nxt, logprob, embedded = sampling.sample(logits, model.config.vocab_size, temperature, top_k, model.tp_group,
-                                             scored and not by_loss, embedding)
+                                             scored, embedding)
     if by_loss:  # -(the training path's cross-entropy of the sampled token)
         logprob = -model._loss(logits, nxt, "none", temperature or 1.0)
     return nxt, logprob, None if embedded is None else embedded[:, None]
