@@ -299,3 +299,34 @@ def test_the_bitwise_mode_compiles_whole_and_keeps_its_bits(worlds):
     assert breaks == 0
     for got, breaks in worlds[3].run(compiled_bitwise_gpt, cfg, bitwise=True):
         assert breaks == 0 and all(torch.equal(got[k], v) for k, v in one.items())
+
+
+def compiled_decoding(cfg, steps):
+    """The last position's logits (B, 1 + steps, V) of a prefill and ``steps`` greedy decode steps through the
+    KV cache, eager and with the GPT compiled whole; the compiled run's graph breaks and graphs."""
+    _, model = twins(cfg, torch.float32, 0)
+    model.eval()
+    idx = torch.randint(0, cfg["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(1))
+
+    def decode():
+        cache = model.new_cache(2)
+        logits = [model(idx, cache=cache)[:, -1]]  # (B, V)
+        for _ in range(steps):
+            logits.append(model(logits[-1].argmax(-1, keepdim=True), cache=cache)[:, -1])
+        return torch.stack(logits, 1)
+
+    with torch.no_grad():
+        eager = decode()
+        compile_(model, "graphs")
+        compiled = decode()
+    return eager, compiled, graph_breaks(), torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_decoding_through_the_kv_cache_compiles_once_for_every_length(worlds, tp):
+    """The cache is preallocated, so a decode step compiles whole (fullgraph) and is not compiled again as the
+    rows grow: one graph for the prefill and one for every decode step after it, equal to eager."""
+    cfg = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=16, vocab_size=37, block_size=16, bias=True, mlp="gelu")
+    for eager, compiled, breaks, graphs in worlds[tp].run(compiled_decoding, cfg, 8):
+        assert breaks == 0 and graphs == 2, (breaks, graphs)
+        torch.testing.assert_close(compiled, eager, rtol=TOLERANCES[torch.float32], atol=1e-6)
